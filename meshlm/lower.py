@@ -1,0 +1,440 @@
+"""Lowering: model + Layout + DeviceMesh -> DTensor parameters and redistributes.
+
+This is the only module that builds Placements.  ``shard`` does, in place:
+
+1. plans every parameter (``plan_params``): its logical axes resolved under the layout's
+   ``params``, ``compute``, ``grads`` and ``optimizer`` sections;
+2. materialises each rank's shard only (from a seed by replaying the canonical init order
+   one module at a time, or sliced from real weights that every rank holds);
+3. swaps each module's class for a subclass whose parameter attributes redistribute the
+   stored DTensor to its compute placements at use (SimpleFSDP's gather-at-use), through
+   ``_AtUse``, whose backward reduces the gradient to the layout's ``grads`` placements, so
+   the all-gather and the reduce-scatter are ordinary autograd-traced ops;
+4. wraps the root forward: inputs (each rank's local slice) become DTensors per the input
+   rules, ``constrain`` points redistribute activations, plain tensors made inside forward
+   are treated as replicated, and a scalar loss comes back as a plain tensor.
+
+Parameter names (FQNs) are those of the unsharded model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from meshlm import _dtensor_ops, annotate
+from meshlm.annotate import param_axes_of
+from meshlm.axes import Axes
+from meshlm.errors import AnnotationError, LayoutError, MeshlmError
+from meshlm.layout import INPUT_MESH_AXES, DimPlan, Layout, load_layout, resolve
+from meshlm.mesh import MeshSpec, mesh_spec
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class ParamPlan:
+    """Where one parameter lives, per tensor dim: the mesh axes it is sharded over."""
+
+    fqn: str
+    axes: Axes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    storage: DimPlan
+    compute: DimPlan
+    grads: Optional[DimPlan]  # None: local, unreduced until the optimizer step (ZeRO-1)
+    optimizer: DimPlan
+
+    def local_shape(self, plan: DimPlan, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        out = []
+        for n, axes in zip(self.shape, plan):
+            k = 1
+            for a in axes:
+                k *= sizes.get(a, 1)
+            out.append(n // k)
+        return tuple(out)
+
+
+def iter_params(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Tensor]]:
+    """(fqn, owning module, attribute name, parameter) for every parameter, once each."""
+    seen: set[int] = set()
+    for mname, m in model.named_modules():
+        for pname, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield (f"{mname}.{pname}" if mname else pname), m, pname, p
+
+
+def plan_params(model: nn.Module, layout: Layout, mesh: "Mapping[str, int] | MeshSpec | DeviceMesh") -> dict[str, ParamPlan]:
+    """Plan every parameter of ``model`` under ``layout`` on a mesh of the given sizes.
+
+    Raises :class:`AnnotationError` for a parameter without logical axes (never silently
+    replicated) and :class:`LayoutError` for axes that do not fit the mesh.
+    """
+    sizes = _sizes(mesh)
+    out: dict[str, ParamPlan] = {}
+    for fqn, m, name, p in iter_params(model):
+        declared = param_axes_of(m)
+        if name not in declared:
+            raise AnnotationError(
+                f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes: "
+                f"{type(m).__name__}.param_axes has no entry {name!r}. Add "
+                f"`{name!r}: (...)` with one logical axis (or None) per dim to "
+                f"{type(m).__name__}.param_axes; meshlm never replicates an unannotated parameter silently."
+            )
+        axes = tuple(declared[name])
+        if len(axes) != p.ndim:
+            raise AnnotationError(
+                f"parameter `{fqn}` has {p.ndim} dims {tuple(p.shape)} but "
+                f"{type(m).__name__}.param_axes[{name!r}] = {axes} names {len(axes)}: give one logical axis per dim."
+            )
+        what = f"param `{fqn}`"
+        shape = tuple(p.shape)
+        kw = dict(shape=shape, what=what, layout=layout)
+        storage = resolve(axes, layout.params, sizes, section="params", **kw)
+        compute = resolve(axes, layout.compute, sizes, section="compute", **kw)
+        g = layout.grad_rules
+        grads = None if g == "local" else resolve(axes, g, sizes, section="grads" if layout.grads else "params", **kw)  # type: ignore[arg-type]
+        opt_sec = "optimizer" if layout.optimizer is not None else ("grads" if isinstance(layout.grads, dict) else "params")
+        optim = resolve(axes, layout.optimizer_rules, sizes, section=opt_sec, **kw)
+        out[fqn] = ParamPlan(fqn, axes, shape, p.dtype, storage, compute, grads, optim)
+    return out
+
+
+def _sizes(mesh: "Mapping[str, int] | MeshSpec | DeviceMesh") -> dict[str, int]:
+    if isinstance(mesh, DeviceMesh):
+        return mesh_spec(mesh).as_dict()
+    if isinstance(mesh, MeshSpec):
+        return mesh.as_dict()
+    return dict(mesh)
+
+
+def placements(plan: DimPlan, mesh: "DeviceMesh | tuple[str, ...]") -> tuple[Placement, ...]:
+    """DTensor placements (one per mesh dim) for a per-tensor-dim plan.
+
+    NOTE [shard order]: several mesh axes on one dim are listed outer -> inner in mesh
+    order, which is DTensor's default order for repeated Shard(d), so no strided shards."""
+    names = mesh if isinstance(mesh, tuple) else tuple(mesh.mesh_dim_names or ())
+    out: list[Placement] = []
+    for n in names:
+        d = next((i for i, axes in enumerate(plan) if n in axes), None)
+        out.append(Replicate() if d is None else Shard(d))
+    return tuple(out)
+
+
+def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tensor:
+    """This rank's block of ``full`` (the same on every rank) under ``pl``; no communication."""
+    names = mesh.mesh_dim_names or ()
+    t = full
+    per_dim: dict[int, list[int]] = {}
+    for i, p in enumerate(pl):
+        if isinstance(p, Shard):
+            per_dim.setdefault(p.dim, []).append(i)
+    for d, mdims in per_dim.items():
+        idx, k = 0, 1
+        for i in mdims:
+            idx = idx * mesh.size(i) + mesh.get_local_rank(i)
+            k *= mesh.size(i)
+        if t.shape[d] % k:
+            raise LayoutError(f"dim {d} of size {t.shape[d]} is not divisible by mesh axes "
+                              f"{[names[i] for i in mdims]} (size {k})")
+        n = t.shape[d] // k
+        t = t.narrow(d, idx * n, n)
+    return t
+
+
+# --------------------------------------------------------------------------- gather at use
+class _AtUse(torch.autograd.Function):
+    """NOTE [at-use under compile]: Dynamo traces an autograd.Function's backward ahead of
+    time with a gradient that has the forward output's placements (Replicate for a gathered
+    weight), while the real gradient of a weight used on a batch-sharded input is Partial.
+    Traced that way, the reduction would be dropped.  ``_at_use`` hides the Function from
+    Dynamo so AOTAutograd traces it on the real placements.
+
+    Forward: stored DTensor -> compute placements (and compute dtype).  Backward: the
+    gradient -> ``grads`` placements (Partial becomes all-reduce or reduce-scatter), in the
+    reduce dtype; with local grads (ZeRO-1) Partial stays Partial until the optimizer step."""
+
+    @staticmethod
+    def forward(ctx, p, compute, grads, dtype, reduce_dtype):  # type: ignore[override]
+        ctx.storage = p.placements
+        ctx.grads = grads
+        ctx.pdtype = p.dtype
+        ctx.reduce_dtype = reduce_dtype
+        x = p if dtype is None or p.dtype == dtype else p.to(dtype)
+        if tuple(x.placements) != tuple(compute):
+            x = x.redistribute(p.device_mesh, compute)
+        return x.view_as(x) if x is p else x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        if ctx.reduce_dtype is not None and g.dtype != ctx.reduce_dtype:
+            g = g.to(ctx.reduce_dtype)
+        if ctx.grads is None:  # local: keep Partial, follow storage elsewhere
+            target = tuple(gp if gp.is_partial() else sp for gp, sp in zip(g.placements, ctx.storage))
+        else:
+            target = ctx.grads
+        # Unconditional: a no-op when the placements already agree at run time.
+        g = g.redistribute(g.device_mesh, target)
+        if g.dtype != ctx.pdtype:
+            g = g.to(ctx.pdtype)
+        return g, None, None, None, None
+
+
+@torch._dynamo.allow_in_graph
+def _at_use(p, compute, grads, dtype, reduce_dtype):
+    """``_AtUse`` as one opaque node for Dynamo, so that AOTAutograd (which sees the real
+    gradient placements, Partial included) traces its backward; Dynamo would trace it with a
+    gradient guessed from the forward output's placements (NOTE [at-use under compile])."""
+    return _AtUse.apply(p, compute, grads, dtype, reduce_dtype)
+
+
+@dataclass
+class _UseSpec:
+    compute: tuple[Placement, ...]
+    grads: Optional[tuple[Placement, ...]]
+
+
+def _make_getter(name: str):
+    def get(self):
+        p = self._parameters[name]
+        spec = self._meshlm_use[name]
+        st = self._meshlm_state
+        return _at_use(p, spec.compute, spec.grads, st.compute_dtype, st.reduce_dtype)
+
+    return property(get)
+
+
+# --------------------------------------------------------------------------- lowered state
+@dataclass
+class ShardState:
+    """What ``shard`` attaches to the root module (``model._meshlm_state``)."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    plans: dict[str, ParamPlan]
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    # Plain copies of the mesh's names and sizes: traced code must not read attributes off
+    # the DeviceMesh (an opaque object to torch.compile).
+    sizes: dict[str, int] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.sizes = mesh_spec(self.mesh).as_dict()
+        self.names = tuple(self.mesh.mesh_dim_names or ())
+
+    def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
+        return placements(plan, self.names)
+
+    def activation_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
+        plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
+                       what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout)
+        return placements(plan, self.names)
+
+    def input_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
+        plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
+                       what=f"input {tuple(axes)} of global shape {tuple(shape)}", layout=self.layout,
+                       allow_mesh=INPUT_MESH_AXES)
+        return placements(plan, self.names)
+
+    def constrain(self, x: Tensor, axes: Axes) -> Tensor:
+        if not isinstance(x, DTensor):
+            return x
+        if len(axes) != x.ndim:
+            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}")
+        pl = self.activation_placements(axes, x.shape)
+        if tuple(x.placements) == pl:
+            return x
+        return x.redistribute(x.device_mesh, pl)
+
+
+def shard_state(model: nn.Module) -> ShardState:
+    st = getattr(model, "_meshlm_state", None)
+    if st is None:
+        raise MeshlmError("this module was not lowered: call meshlm.shard(model, layout, mesh) first")
+    return st
+
+
+def _input_axes(model: nn.Module, name: str, ndim: int) -> Axes:
+    declared = getattr(type(model), "input_axes", {}) or {}
+    if name in declared:
+        return tuple(declared[name])
+    base: tuple = ("batch", "seq")
+    return (base + (None,) * ndim)[:ndim]
+
+
+def _root_forward(self, *args, **kwargs):
+    st: ShardState = self._meshlm_state
+    orig = self._meshlm_orig_forward
+    bound = inspect.signature(orig).bind(self, *args, **kwargs)
+    for name, val in list(bound.arguments.items()):
+        if isinstance(val, Tensor) and not isinstance(val, DTensor) and name != "self":
+            bound.arguments[name] = _wrap_input(st, val, _input_axes(self, name, val.ndim))
+    prev = annotate._handler
+    annotate._handler = st.constrain
+    _dtensor_ops.allow_implicit_replication()
+    try:
+        out = orig(*bound.args, **bound.kwargs)
+    finally:
+        annotate._handler = prev
+    if isinstance(out, DTensor) and out.ndim == 0:
+        out = out.full_tensor()
+    return out
+
+
+def _wrap_input(st: ShardState, local: Tensor, axes: Axes) -> DTensor:
+    mesh = st.mesh
+    # global shape: local * the mesh sizes of the input's sharding
+    gshape = list(local.shape)
+    probe = st.input_placements(axes, [n * 10**6 for n in local.shape])  # divisibility-free probe
+    for i, p in enumerate(probe):
+        if isinstance(p, Shard):
+            gshape[p.dim] *= mesh.size(i)
+    pl = st.input_placements(axes, gshape)
+    return DTensor.from_local(local.to(mesh.device_type), mesh, pl, run_check=False,
+                              shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride())
+
+
+def shard_batch(batch: Tensor, layout: "Layout | str", mesh: DeviceMesh, axes: Axes | None = None) -> Tensor:
+    """This rank's slice of a global input batch (token ids of shape (batch, seq) by
+    default), as the sharded model expects it: split over the layout's ``batch`` (and,
+    with context parallel, ``seq``) rules; ranks that differ only in tp/pp/ep get the same."""
+    layout = load_layout(layout)
+    axes = axes or (("batch", "seq") + (None,) * batch.ndim)[: batch.ndim]
+    plan = resolve(tuple(axes), layout.compute, mesh_spec(mesh).as_dict(), shape=tuple(batch.shape),
+                   what=f"input {tuple(axes)} of shape {tuple(batch.shape)}", layout=layout, allow_mesh=INPUT_MESH_AXES)
+    return local_slice(batch, mesh, placements(plan, mesh)).contiguous()
+
+
+# --------------------------------------------------------------------------- shard
+def shard(
+    model: nn.Module,
+    layout: "Layout | str",
+    mesh: DeviceMesh,
+    *,
+    seed: int = 0,
+    compute_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+) -> nn.Module:
+    """Lower ``model`` in place onto ``mesh`` under ``layout`` and return it.
+
+    A model built on the meta device is initialised from ``seed`` shard by shard (the same
+    values as ``meshlm.annotate.init_params(model, seed)`` on one device); a model holding
+    real weights (the same on every rank) is distributed from those weights.
+    ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
+    dtype gradients are reduced in.
+    """
+    _dtensor_ops.install()
+    layout = load_layout(layout)
+    if getattr(model, "_meshlm_state", None) is not None:
+        raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
+    plans = plan_params(model, layout, mesh)
+    _check_layout_axes(layout, mesh)
+    _materialize(model, plans, mesh, seed)
+    st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
+    by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
+    for fqn, m, name, _p in iter_params(model):
+        pp = plans[fqn]
+        use = _UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh))
+        by_module.setdefault(id(m), (m, {}))[1][name] = use
+    for m, uses in by_module.values():
+        m.__class__ = _sharded_class(type(m), tuple(uses))
+        m._meshlm_use = uses
+        m._meshlm_state = st
+    root_cls = type(model)
+    model._meshlm_orig_forward = root_cls.forward
+    model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})
+    model._meshlm_state = st
+    return model
+
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    """One subclass per (class, parameter names), shared by every instance, so that
+    torch.compile sees the same type for every layer and compiles a block once."""
+    key = (cls, names)
+    if key not in _CLASSES:
+        attrs = {n: _make_getter(n) for n in names}
+        attrs["__module__"] = cls.__module__
+        attrs["__qualname__"] = cls.__qualname__
+        _CLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return _CLASSES[key]
+
+
+def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
+    names = set(mesh.mesh_dim_names or ())
+    spec = mesh_spec(mesh).as_dict()
+    for a in layout.mesh_axes_used():
+        if a in spec and spec[a] > 1 and a not in names:
+            raise LayoutError(f"{layout.source}: mesh axis {a!r} is not a dim of this DeviceMesh")
+
+
+def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: int) -> None:
+    dev = torch.device(mesh.device_type)
+    owner: dict[int, str] = {}
+    for fqn, _m, _n, p in iter_params(model):
+        owner[id(p)] = fqn
+    any_meta = any(p.is_meta for p in model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    for mname, m in model.named_modules():
+        direct = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in owner]
+        init = getattr(m, "init_weights", None)
+        fulls: dict[str, Tensor] = {}
+        if any_meta and callable(init):
+            saved = dict(m._parameters)
+            try:
+                for n, p in direct:
+                    m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                with torch.no_grad():
+                    init(gen)
+                fulls = {n: m._parameters[n].data for n, _ in direct}
+            finally:
+                m._parameters.update(saved)
+        for n, p in direct:
+            fqn = owner.pop(id(p))
+            if p.is_meta:
+                if n not in fulls:
+                    raise AnnotationError(
+                        f"parameter `{fqn}` is on the meta device but {type(m).__name__} has no "
+                        "init_weights(generator): define it to fill the module's own parameters, or build "
+                        "the model with real weights."
+                    )
+                full = fulls[n]
+            else:
+                full = p.detach()
+            pl = placements(plans[fqn].storage, mesh)
+            local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
+            local = local.to(dev).clone().contiguous()
+            dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                    stride=torch.empty(plans[fqn].shape, device="meta").stride())
+            m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        # shared parameters (tied weights) point at the same new Parameter
+    _retie(model)
+
+
+def _retie(model: nn.Module) -> None:
+    """Re-point modules that shared a Parameter object at the new DTensor parameter."""
+    # iter_params visits each parameter once; a second owner kept the old meta/plain one.
+    first: dict[int, nn.Parameter] = {}
+    for _mname, m in model.named_modules(remove_duplicate=False):
+        for n, p in list(m._parameters.items()):
+            if isinstance(p, nn.Parameter) and not isinstance(p.data, DTensor):
+                raise AnnotationError(f"parameter {n!r} of {type(m).__name__} was shared with another module; "
+                                      "meshlm supports tied weights only as one parameter used twice")
+    del first
+
+
+# --------------------------------------------------------------------------- helpers
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter gathered to a full plain tensor (every rank gets all; small models)."""
+    return {fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for fqn, _m, _n, p in iter_params(model)}

@@ -1,0 +1,246 @@
+"""Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention), written once against logical axes.
+
+Attention weights are stored per head, ``wq: (heads, head_dim, embed)``, so a layout that
+shards heads over ``tp`` is checked against the number of heads (6 kv heads over tp=4 is an
+error), not against ``heads * head_dim``.  Hugging Face's 2-D ``q_proj`` is a reshape away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshlm.annotate import Axes, block, constrain, init_params
+
+# Positions are whole inside attention and MLP: the tensor-parallel matmuls there need every
+# position of this rank's batch, so sequence parallelism (seq over tp) is gathered here.
+WHOLE = None
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture hyperparameters only."""
+
+    vocab: int = 256
+    embed: int = 64
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 4
+    mlp: int = 128
+    head_dim: Optional[int] = None  # default embed // heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.embed // self.heads
+
+    def num_params(self, embedding: bool = True) -> int:
+        hd = self.hd
+        attn = self.embed * hd * (2 * self.heads + 2 * self.kv_heads)
+        block = attn + 3 * self.embed * self.mlp + 2 * self.embed
+        emb = self.vocab * self.embed * (1 if self.tie_embeddings else 2)
+        return self.layers * block + self.embed + (emb if embedding else 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    # tests: every dim divides 4, so every layout fits every mesh of up to 4 ranks
+    "llama_tiny": LlamaConfig(vocab=256, embed=64, layers=2, heads=8, kv_heads=4, mlp=128),
+    # the CPU demo (byte-level vocabulary)
+    "llama_small": LlamaConfig(vocab=256, embed=256, layers=4, heads=8, kv_heads=4, mlp=704),
+    # ~1B, for the GPU benchmark
+    "llama_1b": LlamaConfig(vocab=32000, embed=2048, layers=16, heads=32, kv_heads=8, mlp=5632,
+                            rope_theta=500000.0),
+    # published shapes, for planning only (never materialised here)
+    "llama3_8b": LlamaConfig(vocab=128256, embed=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
+                             rope_theta=500000.0),
+    "llama3_70b": LlamaConfig(vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, mlp=28672,
+                              rope_theta=500000.0),
+    "llama3_405b": LlamaConfig(vocab=128256, embed=16384, layers=126, heads=128, kv_heads=8, mlp=53248,
+                               rope_theta=500000.0),
+}
+
+
+def llama_config(name: str, **overrides) -> LlamaConfig:
+    """A named config, optionally with fields overridden."""
+    from meshlm.errors import ConfigError
+
+    if name not in CONFIGS:
+        raise ConfigError(f"model: unknown Llama config {name!r}; choose one of {', '.join(CONFIGS)}")
+    return replace(CONFIGS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over ``embed`` with a learned scale."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {"weight": ("embed",)}
+
+    def __init__(self, dim: int, eps: float = 1e-5, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device))
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (seq, head_dim // 2)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate halves (the Hugging Face Llama convention). x: (batch, heads, seq, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos2 = torch.cat([cos, cos], dim=-1)
+    sin2 = torch.cat([sin, sin], dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    return x * cos2 + rot * sin2
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention through scaled_dot_product_attention."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {
+        "wq": ("heads", "head_dim", "embed"),
+        "wk": ("kv_heads", "head_dim", "embed"),
+        "wv": ("kv_heads", "head_dim", "embed"),
+        "wo": ("embed", "heads", "head_dim"),
+    }
+
+    def __init__(self, cfg: LlamaConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.hd
+        self.wq = nn.Parameter(torch.empty(cfg.heads, hd, cfg.embed, device=device))
+        self.wk = nn.Parameter(torch.empty(cfg.kv_heads, hd, cfg.embed, device=device))
+        self.wv = nn.Parameter(torch.empty(cfg.kv_heads, hd, cfg.embed, device=device))
+        self.wo = nn.Parameter(torch.empty(cfg.embed, cfg.heads, hd, device=device))
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.normal_(w, std=self.cfg.init_std, generator=gen)
+        nn.init.normal_(self.wo, std=self.cfg.init_std / math.sqrt(2 * self.cfg.layers), generator=gen)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+        cfg = self.cfg
+        b, s, _ = x.shape
+        x = constrain(x, ("batch", WHOLE, "embed"))
+        q = F.linear(x, self.wq.flatten(0, 1)).unflatten(-1, (cfg.heads, cfg.hd)).transpose(1, 2)
+        k = F.linear(x, self.wk.flatten(0, 1)).unflatten(-1, (cfg.kv_heads, cfg.hd)).transpose(1, 2)
+        v = F.linear(x, self.wv.flatten(0, 1)).unflatten(-1, (cfg.kv_heads, cfg.hd)).transpose(1, 2)
+        q = constrain(q, ("batch", "heads", WHOLE, "head_dim"))
+        k = constrain(k, ("batch", "kv_heads", WHOLE, "head_dim"))
+        v = constrain(v, ("batch", "kv_heads", WHOLE, "head_dim"))
+        cos, sin = rope_tables(s, cfg.hd, cfg.rope_theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = cfg.heads // cfg.kv_heads
+        if rep > 1:  # each kv head serves `rep` consecutive query heads
+            k = k[:, :, None].expand(b, cfg.kv_heads, rep, s, cfg.hd).flatten(1, 2)
+            v = v[:, :, None].expand(b, cfg.kv_heads, rep, s, cfg.hd).flatten(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = constrain(o, ("batch", "heads", WHOLE, "head_dim"))
+        o = o.transpose(1, 2).flatten(2, 3)  # (batch, seq, heads * head_dim)
+        return constrain(F.linear(o, self.wo.flatten(1, 2)), ("batch", "seq", "embed"))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block: embed -> mlp -> embed."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {
+        "w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp"),
+    }
+
+    def __init__(self, cfg: LlamaConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.w_gate = nn.Parameter(torch.empty(cfg.mlp, cfg.embed, device=device))
+        self.w_up = nn.Parameter(torch.empty(cfg.mlp, cfg.embed, device=device))
+        self.w_down = nn.Parameter(torch.empty(cfg.embed, cfg.mlp, device=device))
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        nn.init.normal_(self.w_gate, std=self.cfg.init_std, generator=gen)
+        nn.init.normal_(self.w_up, std=self.cfg.init_std, generator=gen)
+        nn.init.normal_(self.w_down, std=self.cfg.init_std / math.sqrt(2 * self.cfg.layers), generator=gen)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+        x = constrain(x, ("batch", WHOLE, "embed"))
+        h = F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up)
+        h = constrain(h, ("batch", WHOLE, "mlp"))
+        return constrain(F.linear(h, self.w_down), ("batch", "seq", "embed"))
+
+
+@block
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, device=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
+        self.attn = Attention(cfg, device)
+        self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
+        self.mlp = MLP(cfg, device)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "seq", "embed"))
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama.  ``forward(tokens)`` gives logits; with ``labels`` the mean
+    next-token cross-entropy over every position of the (global) batch."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {
+        "tok_emb": ("vocab", "embed"),
+        "lm_head": ("vocab", "embed"),
+    }
+
+    def __init__(self, cfg: LlamaConfig, device=None, seed: Optional[int] = 0):
+        """Built on ``device`` (``"meta"`` for a model that lowering materialises shard by
+        shard).  On a real device the weights are initialised from ``seed`` (None: leave
+        them uninitialised)."""
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Parameter(torch.empty(cfg.vocab, cfg.embed, device=device))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, device) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab, cfg.embed, device=device))
+        if seed is not None and torch.device(device or "cpu").type != "meta":
+            init_params(self, seed)
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        nn.init.normal_(self.tok_emb, std=self.cfg.init_std, generator=gen)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head, std=self.cfg.init_std, generator=gen)
+
+    def forward(self, tokens: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+        x = constrain(F.embedding(tokens, self.tok_emb), ("batch", "seq", "embed"))
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        head = self.tok_emb if self.lm_head is None else self.lm_head
+        logits = constrain(F.linear(x, head), ("batch", "seq", "vocab"))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))

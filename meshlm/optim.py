@@ -1,0 +1,131 @@
+"""Optimizers over sharded parameters, with optimizer state where the layout says.
+
+``ShardedOptimizer(model, torch.optim.AdamW, lr=...)`` wraps any torch optimizer.  When a
+parameter's optimizer placements (and master dtype) equal its storage, the torch optimizer
+updates the parameter in place.  Otherwise (ZeRO-1/2, or fp32 master weights under mixed
+precision) it keeps a *master* copy in the optimizer placements: at the step the gradient is
+reduced into them (a reduce-scatter for ZeRO-1's local gradients, nothing for ZeRO-2's), the
+master is updated, and the parameter is refreshed from it (an all-gather for ZeRO-1/2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshlm.lower import iter_params, placements, shard_state
+
+
+class ShardedOptimizer:
+    """A torch optimizer on a sharded model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, optim_cls: type = torch.optim.AdamW,
+                 master_dtype: Optional[torch.dtype] = None, **kwargs: Any):
+        st = shard_state(model)
+        self.model = model
+        self.mesh = st.mesh
+        self._pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        masters = []
+        for fqn, _m, _n, p in iter_params(model):
+            if not p.requires_grad:
+                continue
+            plan = st.plans[fqn]
+            opt_pl = placements(plan.optimizer, st.mesh)
+            mdt = master_dtype or p.dtype
+            direct = tuple(p.placements) == opt_pl and mdt == p.dtype and plan.grads is not None \
+                and placements(plan.grads, st.mesh) == opt_pl
+            if direct:
+                master = p
+            else:
+                with torch.no_grad():
+                    master = nn.Parameter(p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
+            self._pairs.append((fqn, p, master))
+            masters.append(master)
+        self.inner = optim_cls(masters, **kwargs)
+        self._ready = False
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def masters(self) -> dict[str, nn.Parameter]:
+        """FQN -> the tensor the optimizer updates (the parameter itself, or its master)."""
+        return {fqn: m for fqn, _p, m in self._pairs}
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Bring every gradient into optimizer placements and dtype (once per step)."""
+        if self._ready:
+            return
+        for _fqn, p, m in self._pairs:
+            if m is p:
+                continue
+            g = p.grad
+            if g is None:
+                m.grad = None
+                continue
+            g = g.to(m.dtype)
+            if tuple(g.placements) != tuple(m.placements):
+                g = g.redistribute(self.mesh, m.placements)
+            m.grad = g
+        self._ready = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
+        before clipping.  One all-reduce for the whole model."""
+        self.reduce_grads()
+        grads = [m.grad for _f, _p, m in self._pairs if m.grad is not None]
+        total = grad_norm(grads, self.mesh)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def step(self) -> None:
+        self.reduce_grads()
+        self.inner.step()
+        with torch.no_grad():
+            for _fqn, p, m in self._pairs:
+                if m is p:
+                    continue
+                new = m.detach().to(p.dtype)
+                if tuple(new.placements) != tuple(p.placements):
+                    new = new.redistribute(self.mesh, p.placements)
+                p.copy_(new)
+        self._ready = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _fqn, p, m in self._pairs:
+            p.grad = None
+            if m is not p:
+                m.grad = None
+        self._ready = False
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)
+
+
+def grad_norm(grads: list[Tensor], mesh) -> Tensor:
+    """Global L2 norm of DTensor gradients (no Partial placements) with one all-reduce:
+    each local sum of squares is divided by how many ranks hold a replica of it."""
+    local = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):
+                raise RuntimeError("grad_norm needs reduced gradients; call reduce_grads() first")
+            reps = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+            local += g._local_tensor.double().pow(2).sum().cpu() / reps
+        else:
+            local += g.double().pow(2).sum().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local)
+    return local.sqrt().float()

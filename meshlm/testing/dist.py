@@ -1,0 +1,572 @@
+"""A multi-process gloo harness: spawn a process group once, run many test functions on it.
+
+`DistPool(n)` starts `n` worker processes (multiprocessing "spawn"), each of which joins
+one gloo process group on CPU and then waits for jobs. `pool.run(fn, *args, **kwargs)`
+calls `fn(*args, **kwargs)` on every rank and returns the per-rank results, indexed by
+rank. Inside `fn`, `torch.distributed` is initialised: use `dist.get_rank()`,
+collectives, `init_device_mesh("cpu", ...)` as usual.
+
+One pool per test module, as STYLE.md section 6 asks::
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from meshlm.testing.dist import DistPool
+
+    @pytest.fixture(scope="module")
+    def pool4():
+        with DistPool(4, timeout_s=20) as p:
+            yield p
+
+    def _sum_ranks():  # module level, so that it pickles by reference
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t
+
+    def test_sum(pool4):
+        assert [t.item() for t in pool4.run(_sum_ranks)] == [6.0] * 4
+
+`pool4 = dist_pool_fixture(4, timeout_s=20)` builds the same fixture.
+
+Rules for `fn` and its results:
+- `fn`, its arguments and its results are pickled. `fn` must be a module-level function
+  (no lambdas, no closures); each worker imports its module, so keep test modules cheap to
+  import (pytest's default "prepend" import mode makes test modules importable by name). A
+  script (not pytest) that makes a pool needs the `if __name__ == "__main__":` guard that
+  "spawn" always needs.
+- Tensors in the result (also inside lists, tuples and dicts) are detached, copied to the
+  CPU and compacted before they are sent back. DTensors are not: return
+  `x.full_tensor()` or `x.to_local()`.
+- Workers have `MESHLM_TEST_WORKER=1`, `torch.set_num_threads(1)`, `OMP_NUM_THREADS=1` and
+  `TORCHINDUCTOR_COMPILE_THREADS=1` (override the last two with `env=`). They print to the
+  parent's stdout and stderr.
+
+Failures, and why none of them hangs:
+- An exception on any rank makes `run` raise `WorkerError` (a `RuntimeError`) that names
+  the failing ranks and carries the remote traceback of the root cause: ordinary errors
+  come before the gloo timeouts and "connection closed" errors they cause, then the
+  earliest wins.
+- `init_process_group` gets `timeout_s`, so a collective that not every rank enters (a
+  deadlock) raises after `timeout_s`. The workers then join a fresh process group (no
+  respawn), because the old one's collectives no longer line up across ranks.
+- Ranks that have not answered `error_grace_s` after another rank failed are presumed stuck
+  in a collective waiting for it, and are not waited for until the gloo timeout: every
+  worker is killed (the stuck ones first dump their Python stacks to stderr) and the next
+  `run` respawns them. The same happens when a worker dies or a job runs past
+  `job_timeout_s`.
+- `close()` (or leaving the `with` block) destroys the process group and ends the workers;
+  a pool that is never closed is killed when it is garbage collected or at interpreter
+  exit, and a worker whose parent died exits on its own.
+
+A pool is not thread-safe: one `run` at a time.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+# torch is imported lazily, in the parent when a pool starts and in a worker after `env` is
+# applied, so that `env` can set variables torch reads at import (OMP_NUM_THREADS, TORCH_LOGS).
+
+__all__ = ["DistPool", "WorkerError", "dist_pool_fixture", "run_distributed"]
+
+_WORKER_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+# Control messages from the parent. Jobs are pickles, which start with b"\x80", never these.
+_JOIN = b"join:"  # + the store's port: (re)join a process group
+_STOP = b"stop"
+_READY = b"ready"
+_JOINED = b"joined"
+
+
+class WorkerError(RuntimeError):
+    """`fn` raised on at least one rank.
+
+    Attributes: `ranks` (the failing ranks, sorted), `rank` (the root-cause rank),
+    `exc_type` (its exception type, qualified unless a builtin) and `remote_traceback`.
+    """
+
+    def __init__(self, message: str, ranks: list[int], rank: int, exc_type: str, remote_traceback: str):
+        super().__init__(message)
+        self.ranks = ranks
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    time: float  # time.time() in the worker; all ranks share one clock
+    is_comm: bool  # a gloo timeout or a peer gone: usually a consequence, not a cause
+
+    def headline(self) -> str:
+        first_line = self.message.splitlines()[0] if self.message else ""
+        return f"rank {self.rank}: {self.exc_type}: {first_line}"
+
+
+# --- worker side ---
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    # Gloo reports timeouts and dead peers as a plain RuntimeError whose message names a
+    # gloo source file: "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting".
+    return isinstance(exc, dist.DistError) or "/gloo/" in str(exc)
+
+
+def _to_cpu(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        # Look DTensor up instead of importing it: the import costs a second per worker.
+        dtensor_module = sys.modules.get("torch.distributed.tensor")
+        if dtensor_module is not None and isinstance(obj, dtensor_module.DTensor):
+            raise TypeError("fn returned a DTensor: return x.full_tensor() or x.to_local() instead")
+        # copy=True also compacts views, so a slice does not ship its whole base storage.
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_cpu(x) for x in obj))
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _run_job(rank: int, job: bytes) -> bytes:
+    try:
+        fn, args, kwargs = pickle.loads(job)
+        return pickle.dumps(("ok", _to_cpu(fn(*args, **kwargs))))
+    except Exception as exc:  # everything goes back to the parent; KeyboardInterrupt ends the worker
+        if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+            exc = exc.with_traceback(exc.__traceback__.tb_next)  # drop this frame: start at fn
+        failure = _Failure(
+            rank=rank,
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            time=time.time(),
+            is_comm=_is_comm_error(exc),
+        )
+        return pickle.dumps(("err", failure))
+
+
+def _join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _worker_main(rank: int, world_size: int, conn: Connection, timeout_s: float, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MESHLM_TEST_WORKER="1",
+        MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)  # what a killed worker printed is not lost
+    faulthandler.enable()  # a segfault prints the Python stack
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks before a kill
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        # The parent sends the first join once every rank has imported torch, so that import
+        # time on a busy machine does not count against a short `timeout_s`.
+        conn.send_bytes(_READY)
+        while (msg := conn.recv_bytes()) != _STOP:
+            if msg.startswith(_JOIN):
+                _join_group(rank, world_size, int(msg.removeprefix(_JOIN)), timeout_s)
+                conn.send_bytes(_JOINED)
+            else:
+                conn.send_bytes(_run_job(rank, msg))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone: exit instead of lingering as an orphan
+
+
+# --- parent side ---
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _WorkerDied(RuntimeError):
+    pass
+
+
+class _Workers:
+    """One generation of worker processes, their pipes and the rendezvous store."""
+
+    def __init__(self, world_size: int, timeout_s: float, env: dict[str, str], start_timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.store: Any = None
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                # Not a daemon, so that fn may start processes of its own (DataLoader workers);
+                # DistPool's finalizer ends the workers instead.
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, world_size, child_end, timeout_s, env),
+                    name=f"meshlm-dist-rank{rank}",
+                )
+                proc.start()
+                child_end.close()  # so that a dead worker reads as EOF here
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+            self.collect(_READY, start_timeout_s, "start-up (import torch)")
+            self.join_group(timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def join_group(self, timeout_s: float) -> None:
+        """(Re)form the process group on a new store."""
+        import torch.distributed as dist
+
+        # The parent hosts the store on a port the OS picks (port 0) and keeps it open, so no
+        # concurrent test run can take the port between choosing and binding it.
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        for conn in self.conns:
+            conn.send_bytes(_JOIN + str(self.store.port).encode())
+        self.collect(_JOINED, timeout_s + 30.0, "init_process_group")
+
+    def collect(self, expected: bytes, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(len(self.procs)))
+        while pending:
+            ready = self.wait(pending, deadline)
+            if not ready:
+                raise RuntimeError(
+                    f"DistPool: ranks {sorted(pending)} did not finish {what} within {timeout_s:.0f} s; "
+                    "is the machine overloaded? (DistPool.start_timeout_s, timeout_s)"
+                )
+            for rank in ready:
+                try:
+                    msg = self.recv(rank)
+                except _WorkerDied as exc:
+                    raise RuntimeError(f"DistPool: {exc} during {what}; its stderr above says why") from None
+                if msg != expected:
+                    raise RuntimeError(f"DistPool: rank {rank} sent {msg[:40]!r} during {what}")
+                pending.discard(rank)
+
+    def wait(self, ranks: set[int], deadline: float) -> list[int]:
+        """The ranks among `ranks` that sent something or died, waiting until `deadline`."""
+        handles = {self.conns[r]: r for r in ranks} | {self.procs[r].sentinel: r for r in ranks}
+        ready = mp_connection.wait(list(handles), timeout=max(0.0, deadline - time.monotonic()))
+        return sorted({handles[h] for h in ready})
+
+    def recv(self, rank: int) -> bytes:
+        try:
+            return self.conns[rank].recv_bytes()
+        except (EOFError, OSError):
+            self.procs[rank].join(1.0)
+            raise _WorkerDied(f"rank {rank} died ({_exit_reason(self.procs[rank].exitcode)})") from None
+
+    def kill(self, dump_stacks_of: Sequence[int] = ()) -> None:
+        for rank in dump_stacks_of if hasattr(signal, "SIGUSR1") else ():
+            proc = self.procs[rank]
+            if proc.is_alive():
+                sys.stderr.write(f"--- DistPool: Python stacks of stuck rank {rank} (pid {proc.pid}) ---\n")
+                sys.stderr.flush()
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    continue
+                time.sleep(0.3)  # let faulthandler write them before the next rank's
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        self._reap()
+
+    def stop(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(_STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        self._reap()
+
+    def _reap(self) -> None:
+        for proc in self.procs:
+            proc.join(5.0)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns, self.store = [], [], None
+
+
+def _kill_workers(holder: list[_Workers | None]) -> None:
+    workers, holder[0] = holder[0], None
+    if workers is not None:
+        workers.kill()
+
+
+class DistPool:
+    """`world_size` spawned workers in one gloo process group on CPU, reused across `run`s.
+
+    Args:
+        world_size: number of ranks.
+        timeout_s: gloo timeout given to `init_process_group`: how long a collective that
+            not every rank enters blocks before it raises.
+        env: extra environment variables for the workers, set before they import torch.
+        job_timeout_s: wall-clock limit of one `run`.
+
+    The attributes `job_timeout_s`, `error_grace_s` (how long to wait for the other ranks
+    once one has failed) and `start_timeout_s` (worker start-up) may be changed at any time.
+    """
+
+    job_timeout_s: float = 120.0
+    error_grace_s: float = 3.0
+    start_timeout_s: float = 120.0
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+        *,
+        job_timeout_s: float | None = None,
+    ):
+        if world_size < 1:
+            raise ValueError(f"DistPool: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.env = {**_WORKER_ENV_DEFAULTS, **{k: str(v) for k, v in (env or {}).items()}}
+        if job_timeout_s is not None:
+            self.job_timeout_s = job_timeout_s
+        self._closed = False
+        # The finalizer reaches the workers through this list, never through self, so that a
+        # forgotten pool can be collected. Its exitpriority runs it at interpreter exit before
+        # multiprocessing joins its non-daemon children, which would wait forever.
+        self._holder: list[_Workers | None] = [None]
+        self._finalizer = mp_util.Finalize(self, _kill_workers, args=(self._holder,), exitpriority=100)
+        self._respawn()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self.broken else "running")
+        return f"DistPool(world_size={self.world_size}, timeout_s={self.timeout_s:g}, {state})"
+
+    def __enter__(self) -> DistPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def broken(self) -> bool:
+        """True once a failure killed the workers; the next `run` respawns them."""
+        return not self._closed and self._holder[0] is None
+
+    def close(self) -> None:
+        """Destroy the process group and end the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.cancel()
+        workers, self._holder[0] = self._holder[0], None
+        if workers is not None:
+            workers.stop()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `fn(*args, **kwargs)` on every rank; return the results indexed by rank.
+
+        Raises `WorkerError` if `fn` raised on any rank, `RuntimeError` if a worker died or
+        the job ran past `job_timeout_s`, `TypeError` if `fn` or its arguments do not pickle.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self!r}: run() after close()")
+        name = _fn_name(fn)
+        try:
+            job = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise TypeError(
+                f"DistPool.run: cannot pickle {name} or its arguments ({exc}); fn must be a module-level "
+                "function and its arguments picklable"
+            ) from exc
+        if self._holder[0] is None:
+            self._respawn()
+        try:
+            return self._run(job, name)
+        except WorkerError:
+            raise  # _run left the pool usable, or killed it
+        except BaseException:
+            self._kill()  # workers left mid-job (Ctrl-C, say) must not answer the next job
+            raise
+
+    def _respawn(self) -> None:
+        self._holder[0] = _Workers(self.world_size, self.timeout_s, self.env, self.start_timeout_s)
+
+    def _kill(self, dump_stacks_of: Sequence[int] = ()) -> None:
+        workers, self._holder[0] = self._holder[0], None
+        if workers is not None:
+            workers.kill(dump_stacks_of)
+
+    def _run(self, job: bytes, name: str) -> list[Any]:
+        workers = self._holder[0]
+        assert workers is not None
+        what = f"DistPool(world_size={self.world_size}): {name}"
+        for rank, conn in enumerate(workers.conns):
+            try:
+                conn.send_bytes(job)
+            except OSError:
+                workers.procs[rank].join(1.0)
+                reason = _exit_reason(workers.procs[rank].exitcode)
+                raise RuntimeError(
+                    f"{what}: rank {rank} had died ({reason}) before the job was sent; killed all workers, "
+                    "the next run respawns them"
+                ) from None
+        results: list[Any] = [None] * self.world_size
+        failures: list[_Failure] = []
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + self.job_timeout_s
+        first_failure_at = 0.0
+        while pending:
+            wait_until = deadline if not failures else min(deadline, first_failure_at + self.error_grace_s)
+            ready = workers.wait(pending, wait_until)
+            if not ready:
+                stuck = sorted(pending)
+                self._kill(dump_stacks_of=stuck)
+                if failures:
+                    raise _worker_error(
+                        what,
+                        failures,
+                        f"Ranks {stuck} had not answered {self.error_grace_s:g} s after rank "
+                        f"{failures[0].rank} failed (blocked in a collective waiting for it?); killed all "
+                        "workers, the next run respawns them; the stuck ranks' Python stacks are on stderr "
+                        "above.",
+                    )
+                raise RuntimeError(
+                    f"{what} did not finish within job_timeout_s={self.job_timeout_s:g} s on ranks "
+                    f"{stuck}; killed all workers, the next run respawns them; their Python stacks are on "
+                    "stderr above."
+                )
+            for rank in ready:
+                try:
+                    status, payload = pickle.loads(workers.recv(rank))
+                except _WorkerDied as exc:
+                    self._kill(dump_stacks_of=sorted(pending - {rank}))
+                    earlier = f" (ranks {sorted(f.rank for f in failures)} had raised)" if failures else ""
+                    raise RuntimeError(
+                        f"{what}: {exc}{earlier}; killed all workers, the next run "
+                        "respawns them. The worker's stderr above says why."
+                    ) from None
+                except Exception as exc:  # a result that does not unpickle here
+                    status = "err"
+                    payload = _Failure(rank, type(exc).__name__, f"the result did not unpickle: {exc}",
+                                       traceback.format_exc(), time.time(), False)
+                pending.discard(rank)
+                if status == "ok":
+                    results[rank] = payload
+                    continue
+                if not failures:
+                    first_failure_at = time.monotonic()
+                failures.append(payload)
+        if not failures:
+            return results
+        note = ""
+        if all(f.is_comm for f in failures) and len(failures) < self.world_size:
+            returned = sorted(set(range(self.world_size)) - {f.rank for f in failures})
+            note = f"Ranks {returned} returned normally: did they skip a collective that the others entered?"
+        error = _worker_error(what, failures, note)
+        if any(f.is_comm for f in failures):
+            # After a gloo timeout the ranks disagree on which collectives ran: start a new group.
+            try:
+                workers.join_group(self.timeout_s)
+            except RuntimeError:
+                self._kill()
+        raise error
+
+
+def _worker_error(what: str, failures: list[_Failure], note: str = "") -> WorkerError:
+    """One error for a job that failed on some ranks, led by the root cause's traceback."""
+    ranks = sorted(f.rank for f in failures)
+    root = min(failures, key=lambda f: (f.is_comm, f.time))
+    others = [f.headline() for f in sorted(failures, key=lambda f: f.rank) if f is not root]
+    lines = [
+        f"{what} raised on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}.",
+        f"Root cause: {root.headline()}",
+    ]
+    if others:
+        lines.append("Then: " + "; ".join(others))
+    if note:
+        lines.append(note)
+    lines += [f"--- remote traceback of rank {root.rank} ---", root.traceback.rstrip()]
+    return WorkerError("\n".join(lines), ranks, root.rank, root.exc_type, root.traceback)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60, **kwargs: Any
+) -> list[Any]:
+    """`fn(*args, **kwargs)` on a one-shot `DistPool(world_size, timeout_s)`; results by rank.
+
+    Spawning costs seconds: a module that runs more than one job should share a `DistPool`.
+    """
+    with DistPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)
+
+
+def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Any:
+    """A module-scoped pytest fixture that yields a `DistPool`: `pool4 = dist_pool_fixture(4)`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def pool() -> Any:
+        with DistPool(world_size, timeout_s=timeout_s, env=env) as p:
+            yield p
+
+    return pool
