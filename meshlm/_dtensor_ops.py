@@ -66,6 +66,21 @@ def allow_implicit_replication() -> None:
     DTensor._op_dispatcher._allow_implicit_replication = True
 
 
+def waited(x: DTensor) -> DTensor:
+    """``x`` with its local tensor's pending collective (if any) waited for now.
+
+    DTensor's redistribute returns an AsyncCollectiveTensor that waits at its first use.
+    The re-gather policy (NOTE [re-gather in backward]) must see the wait as part of the
+    gather, or activation checkpointing caches the waited (gathered) tensor."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    local = x._local_tensor
+    if isinstance(local, AsyncCollectiveTensor):
+        return DTensor.from_local(local.wait(), x.device_mesh, x.placements, run_check=False,
+                                  shape=x.shape, stride=x.stride())
+    return x
+
+
 # --------------------------------------------------------------------------- fallback
 def _default(op, args, kwargs):
     """Run ``op`` through DTensor's default propagation (our handler removed meanwhile)."""

@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from meshlm import _dtensor_ops, annotate
-from meshlm.annotate import param_axes_of
-from meshlm.axes import Axes
+from meshlm.annotate import is_block, param_axes_of
+from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
 from meshlm.layout import INPUT_MESH_AXES, DimPlan, Layout, load_layout, resolve
 from meshlm.mesh import MeshSpec, mesh_spec
@@ -163,15 +163,22 @@ class _AtUse(torch.autograd.Function):
     reduce dtype; with local grads (ZeRO-1) Partial stays Partial until the optimizer step."""
 
     @staticmethod
-    def forward(ctx, p, compute, grads, dtype, reduce_dtype):  # type: ignore[override]
+    def forward(ctx, p, compute, grads, dtype, reduce_dtype, regather):  # type: ignore[override]
         ctx.storage = p.placements
         ctx.grads = grads
         ctx.pdtype = p.dtype
         ctx.reduce_dtype = reduce_dtype
-        x = p if dtype is None or p.dtype == dtype else p.to(dtype)
-        if tuple(x.placements) != tuple(compute):
-            x = x.redistribute(p.device_mesh, compute)
-        return x.view_as(x) if x is p else x
+        _GATHERING[0] += int(regather)
+        try:
+            x = p if dtype is None or p.dtype == dtype else p.to(dtype)
+            if tuple(x.placements) != tuple(compute):
+                x = x.redistribute(p.device_mesh, compute)
+                if regather:
+                    x = _dtensor_ops.waited(x)
+            x = x.view_as(x) if x is p else x
+        finally:
+            _GATHERING[0] -= int(regather)
+        return x
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -185,21 +192,75 @@ class _AtUse(torch.autograd.Function):
         g = g.redistribute(g.device_mesh, target)
         if g.dtype != ctx.pdtype:
             g = g.to(ctx.pdtype)
-        return g, None, None, None, None
+        return g, None, None, None, None, None
 
 
 @torch._dynamo.allow_in_graph
-def _at_use(p, compute, grads, dtype, reduce_dtype):
+def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
     """``_AtUse`` as one opaque node for Dynamo, so that AOTAutograd (which sees the real
     gradient placements, Partial included) traces its backward; Dynamo would trace it with a
     gradient guessed from the forward output's placements (NOTE [at-use under compile])."""
-    return _AtUse.apply(p, compute, grads, dtype, reduce_dtype)
+    return _AtUse.apply(p, compute, grads, dtype, reduce_dtype, regather)
+
+
+# NOTE [re-gather in backward]
+#     ZeRO-3 frees a gathered parameter after its use in forward and gathers it again in
+#     backward.  Autograd would instead keep the gathered tensor alive (F.linear saves its
+#     weight), which is ZeRO-2's memory.  So each block whose parameters are gathered over a
+#     data axis runs under selective activation checkpointing: every op's output is saved as
+#     usual except the ops of those gathers (counted in ``_GATHERING`` while ``_AtUse``
+#     gathers), which are recomputed, i.e. re-gathered, in backward.  It works the same in
+#     eager mode and under torch.compile (SimpleFSDP's approach).
+_GATHERING = [0]
+
+
+def _regather_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not _GATHERING[0] and op in _SAVED_OPS and _has_dtensor(args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _has_dtensor(args) -> bool:
+    return any(isinstance(a, DTensor) for a in args)
+
+
+# Which outputs a re-gathering block keeps for backward: its matmuls and attention (the
+# expensive ops, as torchtitan's selective checkpointing keeps), never a gathered weight.
+# Everything else (norms, activations, RoPE, views) is recomputed in backward.
+#
+# Why so few: checkpointing matches the ops of the recompute with those of the forward by
+# per-op call counts, and it sees ops at two levels, a DTensor op and the plain-tensor ops
+# DTensor runs inside it (local kernels, collectives, waits).  A saved op is not run again
+# in the recompute, so whatever it ran inside is not seen again and later counts would
+# shift onto the wrong saved outputs.  Matmuls and attention run no DTensor op inside, and
+# plain-tensor ops are never saved, so a shift can only pair recompute with recompute.
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+    if hasattr(torch.ops.aten, _name):
+        _SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
+
+
+def _regather_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_regather_policy)
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    base = type(self).__mro__[1].forward
+    return checkpoint(base, self, *args, use_reentrant=False, context_fn=_regather_context, **kwargs)
 
 
 @dataclass
 class _UseSpec:
     compute: tuple[Placement, ...]
     grads: Optional[tuple[Placement, ...]]
+    regather: bool = False
 
 
 def _make_getter(name: str):
@@ -207,7 +268,7 @@ def _make_getter(name: str):
         p = self._parameters[name]
         spec = self._meshlm_use[name]
         st = self._meshlm_state
-        return _at_use(p, spec.compute, spec.grads, st.compute_dtype, st.reduce_dtype)
+        return _at_use(p, spec.compute, spec.grads, st.compute_dtype, st.reduce_dtype, spec.regather)
 
     return property(get)
 
@@ -343,12 +404,19 @@ def shard(
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]
-        use = _UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh))
+        use = _UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh),
+                       regather=_needs_regather(pp))
         by_module.setdefault(id(m), (m, {}))[1][name] = use
     for m, uses in by_module.values():
-        m.__class__ = _sharded_class(type(m), tuple(uses))
+        m.__class__ = _sharded_class(type(m), tuple(uses), False)
         m._meshlm_use = uses
         m._meshlm_state = st
+    for m in model.modules():
+        if is_block(m) and any(u.regather for sub in m.modules() for u in getattr(sub, "_meshlm_use", {}).values()):
+            cls = type(m)
+            base = cls.__mro__[1] if cls in _CLASSES.values() else cls
+            names = tuple(getattr(m, "_meshlm_use", {}))
+            m.__class__ = _sharded_class(base, names, True)
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
     model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})
@@ -356,15 +424,26 @@ def shard(
     return model
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
 
 
-def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+def _needs_regather(pp: ParamPlan) -> bool:
+    """Gathered over a data axis at use (ZeRO-3): storage shards a dim over dp/fsdp that
+    compute does not."""
+    for st_axes, cp_axes in zip(pp.storage, pp.compute):
+        if any(a in DATA_AXES and a not in cp_axes for a in st_axes):
+            return True
+    return False
+
+
+def _sharded_class(cls: type, names: tuple[str, ...], checkpointed: bool) -> type:
     """One subclass per (class, parameter names), shared by every instance, so that
     torch.compile sees the same type for every layer and compiles a block once."""
-    key = (cls, names)
+    key = (cls, names, checkpointed)
     if key not in _CLASSES:
         attrs = {n: _make_getter(n) for n in names}
+        if checkpointed:
+            attrs["forward"] = _checkpointed_forward
         attrs["__module__"] = cls.__module__
         attrs["__qualname__"] = cls.__qualname__
         _CLASSES[key] = type(cls.__name__, (cls,), attrs)

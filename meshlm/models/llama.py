@@ -239,7 +239,7 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = self.norm(x)
-        head = self.tok_emb if self.lm_head is None else self.lm_head
+        head = self.tok_emb if self.cfg.tie_embeddings else self.lm_head  # one at-use gather, not two
         logits = constrain(F.linear(x, head), ("batch", "seq", "vocab"))
         if labels is None:
             return logits

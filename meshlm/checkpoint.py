@@ -1,0 +1,606 @@
+"""Sharded checkpoints that reshard on load and survive a SIGKILL at any moment.
+
+A checkpoint is a directory ``<dir>/step_00000042/`` written with
+``torch.distributed.checkpoint`` (DCP): every rank writes the shards it owns, and the
+DCP metadata records each tensor's *global* shape and where its chunks lie.  Loading asks
+DCP for the chunks the *loading* layout and mesh need, so a checkpoint saved under
+``fsdp`` on 4 processes loads under ``fsdp_tp`` on 2x2, ``tp`` on 2 or a single process
+with no conversion step.
+
+What is saved (flat keys, so nothing depends on parameter order or rank count):
+
+* ``model/<fqn>``: every parameter (DTensor, storage placements);
+* ``master/<fqn>``: the optimizer's master copy when its dtype differs from the
+  parameter's (fp32 masters under mixed precision); same-dtype masters (ZeRO-1/2) are
+  rebuilt from the parameter on load;
+* ``optim/<fqn>/<key>``: each tensor of the torch optimizer's per-parameter state, keyed
+  by parameter FQN, never by index (so it reshards and survives a reordering);
+* ``meta.json`` (rank 0): step, model config, layout, mesh, world size, the caller's
+  ``run_meta``, and a size and CRC-32 for every file of the checkpoint;
+* ``extra.pt`` (rank 0): the caller's ``extra`` dict (step, data-loader position, LR
+  schedule, ...), the optimizer's param-group hyperparameters and non-tensor state;
+* ``rng/rank<r>.pt``: each rank's torch RNG states (restored when the world size is
+  unchanged).
+
+NOTE [commit protocol]: ranks write into ``<dir>/.tmp_step_<N>/``; after a barrier rank 0
+writes ``meta.json``, then the ``COMMIT`` marker, fsyncs, and renames the directory to
+``step_<N>`` (atomic on POSIX), then fsyncs ``<dir>``.  ``resume='auto'`` only considers
+``step_*`` directories that hold ``COMMIT``, so a process killed at any moment leaves
+either a complete checkpoint or one that is ignored (and deleted by the next save).
+
+Every failure to load (missing or truncated file, CRC mismatch, a tensor of another
+shape, a missing key) raises :class:`meshlm.errors.CheckpointError` on *every* rank, after
+the ranks have agreed on it, so a bad checkpoint never hangs a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshlm.errors import CheckpointError
+
+__all__ = [
+    "CheckpointConfig", "Checkpointer", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+    "read_meta", "verify_checkpoint", "COMMIT", "META",
+]
+
+COMMIT = "COMMIT"
+META = "meta.json"
+EXTRA = "extra.pt"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+try:  # the train owner's config module defines the dataclass; fall back to our own copy
+    from meshlm.config import CheckpointConfig  # type: ignore[attr-defined]
+except Exception:  # noqa: BLE001  (config.py may not exist yet, or not define it)
+
+    @dataclass
+    class CheckpointConfig:  # type: ignore[no-redef]
+        """The ``checkpoint`` config section."""
+
+        dir: Optional[str] = None  #: where step_<N> directories go; None = no checkpoints
+        every: int = 0  #: save every N steps (0 = only when save() is called)
+        keep: int = 3  #: keep the last N complete checkpoints (0 = keep all)
+        resume: Optional[str] = None  #: None, 'auto' (latest complete in dir) or a path
+
+
+# --------------------------------------------------------------------------- process group
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _bcast(obj: Any) -> Any:
+    """``obj`` of rank 0 on every rank."""
+    if not _dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not _dist():
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: Optional[str]) -> None:
+    """Raise the same CheckpointError on every rank if any rank saw one (no hang)."""
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+# --------------------------------------------------------------------------- files
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def _tmp_dir(root: str, step: int) -> str:
+    return os.path.join(root, f".tmp_step_{step:08d}")
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory that was committed (``COMMIT`` and ``meta.json`` present)."""
+    return os.path.isfile(os.path.join(path, COMMIT)) and os.path.isfile(os.path.join(path, META))
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        if m and is_complete(os.path.join(root, name)):
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint in ``root`` (incomplete ones are ignored), or None."""
+    cps = list_checkpoints(root)
+    return cps[-1][1] if cps else None
+
+
+def read_meta(path: str) -> dict:
+    """The ``meta.json`` of a checkpoint directory; CheckpointError if absent or unreadable."""
+    f = os.path.join(path, META)
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing; {path} is not a complete meshlm checkpoint "
+                              "(killed during a save?). Resume from an earlier step_* directory "
+                              "or use checkpoint.resume=auto") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e}); the checkpoint is corrupted, resume from an earlier one") from None
+
+
+def resolve_path(path: str) -> str:
+    """A checkpoint directory, or a run directory whose latest complete checkpoint is meant."""
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, META)) and not os.path.exists(os.path.join(path, ".metadata")):
+        latest = latest_checkpoint(path)
+        if latest is not None:
+            return latest
+    return path
+
+
+# --------------------------------------------------------------------------- state
+def _params(model: nn.Module) -> dict[str, Tensor]:
+    from meshlm.lower import iter_params
+
+    return {fqn: p for fqn, _m, _n, p in iter_params(model)}
+
+
+def _masters(optimizer: Any) -> dict[str, Tensor]:
+    if optimizer is None:
+        return {}
+    if hasattr(optimizer, "masters"):
+        return dict(optimizer.masters())
+    raise CheckpointError("checkpoint: the optimizer must be a meshlm.optim.ShardedOptimizer (it needs masters())")
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "inner", optimizer)
+
+
+def _tensor_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Tensor], dict]:
+    """The flat DCP state dict, and the non-tensor optimizer state (for extra.pt)."""
+    sd: dict[str, Tensor] = {}
+    params = _params(model)
+    for fqn, p in params.items():
+        sd[f"model/{fqn}"] = p.detach()
+    other: dict[str, dict] = {}
+    groups: list[dict] = []
+    if optimizer is not None:
+        masters = _masters(optimizer)
+        inner = _inner(optimizer)
+        by_id = {id(m): fqn for fqn, m in masters.items()}
+        for fqn, m in masters.items():
+            if m is not params[fqn] and m.dtype != params[fqn].dtype:
+                sd[f"master/{fqn}"] = m.detach()
+            for k, v in inner.state.get(m, {}).items():
+                if isinstance(v, Tensor):
+                    sd[f"optim/{fqn}/{k}"] = v
+                else:
+                    other.setdefault(fqn, {})[k] = v
+        for g in inner.param_groups:
+            groups.append({"params": [by_id[id(p)] for p in g["params"]],
+                           **{k: v for k, v in g.items() if k != "params"}})
+    return sd, {"optim_other": other, "param_groups": groups}
+
+
+def _model_info(model: nn.Module) -> dict:
+    info: dict[str, Any] = {"class": type(model).__mro__[1].__name__ if hasattr(model, "_meshlm_state") else type(model).__name__}
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        info["config"] = cfg.to_dict()
+    st = getattr(model, "_meshlm_state", None)
+    if st is not None:
+        info["layout"] = {"source": str(st.layout.source), "name": getattr(st.layout, "name", None)}
+        info["mesh"] = dict(st.sizes)
+    info["shapes"] = {fqn: list(p.shape) for fqn, p in _params(model).items()}
+    return info
+
+
+# --------------------------------------------------------------------------- save
+def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = None,
+                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0) -> str:
+    """Save a complete checkpoint of step ``step`` under ``root`` (collective: every rank
+    calls it) and return its directory.  See NOTE [commit protocol]."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    rank = _rank()
+    final, tmp = _step_dir(root, step), _tmp_dir(root, step)
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            for stale in (tmp, final):  # a torn earlier attempt, or a re-save of the same step
+                if os.path.exists(stale):
+                    shutil.rmtree(stale)
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as e:
+            err = f"checkpoint.dir={root!r}: cannot create {tmp} ({e})"
+    _agree(err)
+    sd, opt_extra = _tensor_state(model, optimizer)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    # each rank checksums the files it wrote; rank 0 lists them all in meta.json
+    mine = {}
+    for name in sorted(os.listdir(tmp)):
+        if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
+            f = os.path.join(tmp, name)
+            mine[name] = {"bytes": os.path.getsize(f), "crc32": _crc32(f)}
+    rngf = os.path.join("rng", f"rank{rank}.pt")
+    mine[rngf] = {"bytes": os.path.getsize(os.path.join(tmp, rngf)), "crc32": _crc32(os.path.join(tmp, rngf))}
+    files: dict[str, dict] = {}
+    for d in _gather(mine):
+        files.update(d)
+    if rank == 0:
+        buf = _torch_bytes({"extra": dict(extra or {}), **opt_extra})
+        _atomic_write(os.path.join(tmp, EXTRA), buf)
+        files[EXTRA] = {"bytes": len(buf), "crc32": zlib.crc32(buf)}
+        md = os.path.join(tmp, ".metadata")
+        files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
+        meta = {
+            "format": FORMAT, "step": int(step), "world_size": _world(), "time": time.time(),
+            "torch": torch.__version__, "model": _model_info(model), "run": _jsonable(run_meta or {}),
+            "files": files,
+        }
+        _atomic_write(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
+        _atomic_write(os.path.join(tmp, COMMIT), f"{step}\n".encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, final)  # NOTE [commit protocol]: the checkpoint becomes visible here
+        _fsync_dir(root)
+        if keep > 0:
+            for _s, old in list_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        for name in os.listdir(root):  # torn saves of other steps
+            if name.startswith(".tmp_step_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    import io
+
+    b = io.BytesIO()
+    torch.save(obj, b)
+    return b.getvalue()
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        if hasattr(obj, "__dataclass_fields__"):
+            from dataclasses import asdict
+
+            return _jsonable(asdict(obj))
+        return repr(obj)
+
+
+# --------------------------------------------------------------------------- verify + load
+def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = True) -> Optional[str]:
+    """What is wrong with the files of checkpoint ``path`` (first problem), or None.
+
+    Checks the commit marker, that every file listed in ``meta.json`` exists with its size
+    and CRC-32, and that every byte range the DCP metadata points at lies inside its file.
+    Local only (no collectives)."""
+    if not os.path.isdir(path):
+        return f"checkpoint {path}: no such directory"
+    if not os.path.isfile(os.path.join(path, COMMIT)):
+        return (f"checkpoint {path}: no {COMMIT} marker, so the save that wrote it did not finish "
+                "(killed mid-save?); resume from an earlier step_* directory or use checkpoint.resume=auto")
+    try:
+        meta = meta or read_meta(path)
+    except CheckpointError as e:
+        return str(e)
+    for name, want in sorted(meta.get("files", {}).items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return (f"checkpoint {path}: shard file {f} is missing (meta.json lists it with {want['bytes']} bytes); "
+                    "the checkpoint is incomplete: copy the whole directory, or resume from another checkpoint")
+        size = os.path.getsize(f)
+        if size != want["bytes"]:
+            return (f"checkpoint {path}: file {f} has {size} bytes but meta.json records {want['bytes']} "
+                    f"({'truncated' if size < want['bytes'] else 'grown'}); the checkpoint is corrupted, resume from another one")
+        if crc:
+            got = _crc32(f)
+            if got != want["crc32"]:
+                return (f"checkpoint {path}: file {f} fails its CRC-32 check (0x{got:08x}, meta.json records "
+                        f"0x{want['crc32']:08x}); the file is corrupted, resume from another checkpoint")
+    return None
+
+
+def _read_dcp_metadata(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 (any unpickling error means a bad file)
+        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, '.metadata')} is unreadable "
+                              f"({type(e).__name__}: {e}); the checkpoint is corrupted, resume from another one") from None
+
+
+def _fmt_shape(s) -> str:
+    return "(" + ", ".join(str(int(x)) for x in s) + ")"
+
+
+def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> tuple[dict[str, Tensor], list]:
+    """The DCP state dict to load into (creating optimizer state where missing), after
+    checking every key and global shape against the checkpoint; raises CheckpointError."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = md.state_dict_metadata
+    params = _params(model)
+    cfg_note = ""
+    if meta.get("model", {}).get("config"):
+        cfg_note = f" (saved model config: {meta['model']['config']})"
+    sd: dict[str, Tensor] = {}
+    for fqn, p in params.items():
+        key = f"model/{fqn}"
+        if key not in saved:
+            raise CheckpointError(f"checkpoint {path}: has no parameter `{fqn}` that the model has; it was saved "
+                                  f"from a different model{cfg_note}")
+        m = saved[key]
+        if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(p.shape):
+            got = _fmt_shape(m.size) if isinstance(m, TensorStorageMetadata) else "a non-tensor"
+            raise CheckpointError(f"checkpoint {path}: parameter `{fqn}` has shape {got} there but the model "
+                                  f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
+                                  "model with the saved config, or start without checkpoint.resume")
+        sd[key] = p.detach()
+    extra_keys = sorted(k[len("model/"):] for k in saved if k.startswith("model/") and k[len("model/"):] not in params)
+    if extra_keys:
+        raise CheckpointError(f"checkpoint {path}: has parameters the model lacks ({', '.join(extra_keys[:5])}); "
+                              f"it was saved from a different model{cfg_note}")
+    post: list = []  # (master, param) pairs to refresh after loading
+    if optimizer is not None:
+        masters = _masters(optimizer)
+        inner = _inner(optimizer)
+        for fqn, m in masters.items():
+            p = params[fqn]
+            if m is not p:
+                if f"master/{fqn}" in saved and m.dtype != p.dtype:
+                    sd[f"master/{fqn}"] = m.detach()
+                else:
+                    post.append((m, p))
+            prefix = f"optim/{fqn}/"
+            keys = [k for k in saved if k.startswith(prefix)]
+            if not keys:
+                continue  # saved before the first step: keep the fresh state
+            state = inner.state.setdefault(m, {})
+            for k in keys:
+                name = k[len(prefix):]
+                km = saved[k]
+                if not isinstance(km, TensorStorageMetadata):
+                    continue
+                cur = state.get(name)
+                size = tuple(km.size)
+                if size == tuple(m.shape):
+                    if cur is None or tuple(cur.shape) != size:
+                        cur = torch.zeros_like(m.detach(), dtype=km.properties.dtype)
+                elif size == ():
+                    if cur is None or cur.ndim != 0 or isinstance(cur, DTensor):
+                        cur = torch.zeros((), dtype=km.properties.dtype)
+                else:
+                    raise CheckpointError(f"checkpoint {path}: optimizer state `{name}` of `{fqn}` has shape "
+                                          f"{_fmt_shape(size)} but the parameter has {_fmt_shape(m.shape)}")
+                state[name] = cur
+                sd[k] = cur
+    return sd, post
+
+
+def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any = None, verify: bool = True,
+                    restore_rng: bool = True) -> dict:
+    """Load checkpoint ``path`` into ``model`` (and ``optimizer``) in place, under whatever
+    layout and mesh they are sharded with now; return the saved ``extra`` dict.  Collective.
+    Raises :class:`CheckpointError` (on every rank) for a bad or mismatched checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = resolve_path(path)
+    rank, world = _rank(), _world()
+    # rank 0 reads meta.json; each rank verifies every world-th file; all agree before DCP runs
+    meta, err = None, None
+    if rank == 0:
+        try:
+            if not os.path.isdir(path):
+                raise CheckpointError(f"checkpoint {path}: no such directory (checkpoint.resume={path!r})")
+            if not os.path.isfile(os.path.join(path, COMMIT)):
+                raise CheckpointError(verify_checkpoint(path) or f"checkpoint {path}: incomplete")
+            meta = read_meta(path)
+        except CheckpointError as e:
+            err = str(e)
+    meta, err = _bcast((meta, err))
+    if err:
+        raise CheckpointError(err)
+    if verify:
+        names = sorted(meta.get("files", {}))
+        part = {"files": {n: meta["files"][n] for i, n in enumerate(names) if i % world == rank}}
+        _agree(verify_checkpoint(path, part))
+    err = None
+    try:
+        md = _read_dcp_metadata(path)
+        sd, post = _plan_load(path, md, model, optimizer, meta)
+    except CheckpointError as e:
+        err, sd, post = str(e), {}, []
+    _agree(err)
+    try:
+        dcp.load(sd, storage_reader=FileSystemReader(path))
+    except Exception as e:  # noqa: BLE001 (DCP gathers every rank's error, so all ranks land here)
+        raise CheckpointError(f"checkpoint {path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+    with torch.no_grad():
+        for m, p in post:
+            src = p.detach()
+            if isinstance(src, DTensor) and tuple(src.placements) != tuple(m.placements):
+                src = src.redistribute(src.device_mesh, m.placements)
+            m.copy_(src.to(m.dtype))
+        # a master of another dtype was loaded: the parameter follows it
+        if optimizer is not None:
+            params = _params(model)
+            for fqn, m in _masters(optimizer).items():
+                p = params[fqn]
+                if m is not p and f"master/{fqn}" in sd:
+                    src = m.detach().to(p.dtype)
+                    if isinstance(src, DTensor) and tuple(src.placements) != tuple(p.placements):
+                        src = src.redistribute(src.device_mesh, p.placements)
+                    p.copy_(src)
+    try:
+        blob = torch.load(os.path.join(path, EXTRA), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, EXTRA)} is unreadable ({type(e).__name__}: {e})") from None
+    if optimizer is not None:
+        _restore_groups(path, optimizer, blob)
+    if restore_rng and meta.get("world_size") == world:
+        f = os.path.join(path, "rng", f"rank{rank}.pt")
+        if os.path.isfile(f):
+            rng = torch.load(f, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+    extra = dict(blob.get("extra", {}))
+    extra.setdefault("step", meta.get("step"))
+    return extra
+
+
+def _restore_groups(path: str, optimizer: Any, blob: dict) -> None:
+    inner = _inner(optimizer)
+    masters = _masters(optimizer)
+    by_fqn_group = {}
+    for i, g in enumerate(inner.param_groups):
+        for p in g["params"]:
+            fqn = next((f for f, m in masters.items() if m is p), None)
+            if fqn is not None:
+                by_fqn_group[fqn] = i
+    for sg in blob.get("param_groups", []):
+        idx = {by_fqn_group.get(f) for f in sg["params"]} - {None}
+        for i in idx:
+            for k, v in sg.items():
+                if k != "params":
+                    inner.param_groups[i][k] = v
+    for fqn, other in blob.get("optim_other", {}).items():
+        if fqn in masters:
+            inner.state.setdefault(masters[fqn], {}).update(other)
+
+
+# --------------------------------------------------------------------------- Checkpointer
+class Checkpointer:
+    """What the train loop talks to: ``resume()`` once, ``maybe_save(step, extra)`` every
+    step, ``close()`` at the end.  ``cfg.dir=None`` disables saving."""
+
+    def __init__(self, cfg: CheckpointConfig, *, model: nn.Module, optimizer: Any = None, mesh: Any = None,
+                 run_meta: Optional[dict] = None):
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.run_meta = dict(run_meta or {})
+        self.last_saved: Optional[str] = None
+
+    def _resume_path(self) -> Optional[str]:
+        r = self.cfg.resume
+        if r in (None, "", "none", "never", False):
+            return None
+        if r == "auto":
+            if not self.cfg.dir:
+                raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir; set checkpoint.dir=PATH")
+            return _bcast(latest_checkpoint(self.cfg.dir) if _rank() == 0 else None)
+        return str(r)
+
+    def resume(self) -> Optional[dict]:
+        """Load the checkpoint ``cfg.resume`` names (``auto``: the latest complete one in
+        ``cfg.dir``, None when there is none yet) and return its ``extra`` (with "step")."""
+        path = self._resume_path()
+        if path is None:
+            return None
+        return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+
+    def maybe_save(self, step: int, extra: Optional[dict] = None) -> Optional[str]:
+        """Save when ``cfg.every`` divides ``step``; return the directory or None."""
+        if not self.cfg.dir or self.cfg.every <= 0 or step % self.cfg.every:
+            return None
+        return self.save(step, extra)
+
+    def save(self, step: int, extra: Optional[dict] = None) -> str:
+        """Save now (collective); keeps the last ``cfg.keep`` checkpoints."""
+        if not self.cfg.dir:
+            raise CheckpointError("Checkpointer.save: checkpoint.dir is not set; set checkpoint.dir=PATH")
+        extra = dict(extra or {})
+        extra.setdefault("step", step)
+        self.last_saved = save_checkpoint(self.cfg.dir, step, model=self.model, optimizer=self.optimizer,
+                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep)
+        return self.last_saved
+
+    def close(self) -> None:
+        """Nothing is pending (saves are synchronous); here for symmetry with async saving."""

@@ -1,0 +1,157 @@
+"""The ``meshlm`` command.  The only module that imports Hydra for an app; it turns the
+DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
+
+    meshlm train [key=value ...]          train (a Hydra app over conf/); -m for a sweep
+    meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
+    meshlm convert ...                    Hugging Face <-> meshlm checkpoints
+    meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshlm.errors import ConfigError, MeshlmError
+
+USAGE = __doc__.split("\n\n", 1)[1].rstrip() + "\n"
+
+# Filled in by the Hydra task (one process runs every job of a sweep, in turn).
+_SWEEP: dict[str, Any] = {"dir": None, "failed": 0, "jobs": 0}
+
+
+def resolve_auto(cfg):
+    """``layout=auto``: let ``meshlm.plan.choose_layout`` pick the layout and mesh."""
+    from meshlm.config import LayoutConfig, MeshConfig
+
+    if cfg.layout.name != "auto":
+        return cfg
+    try:
+        from meshlm.plan import choose_layout
+    except ImportError as e:
+        raise ConfigError(f"layout=auto needs meshlm.plan ({e}); name a layout instead, e.g. layout=fsdp_tp") from None
+    name, mesh = choose_layout(cfg)
+    return dataclasses.replace(cfg, layout=LayoutConfig(name=name), mesh=MeshConfig(**dict(mesh)))
+
+
+def _record_error(e: BaseException) -> None:
+    """Under torchrun, write the error file its agent reports as the root cause."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+
+
+def _train_task(dc) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    import yaml
+    from omegaconf import OmegaConf
+
+    from meshlm.config import from_dict
+    from meshlm.launch import launch
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:
+        _SWEEP["dir"] = hc.sweep.dir
+    _SWEEP["jobs"] += 1
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        cfg = resolve_auto(from_dict(OmegaConf.to_container(dc, resolve=True)))
+        if int(os.environ.get("RANK", "0")) == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        launch(cfg, run_dir)
+    except MeshlmError as e:
+        _record_error(e)
+        print(f"meshlm train: error: {e}", file=sys.stderr, flush=True)
+        _SWEEP["failed"] += 1
+        if not multirun:
+            sys.exit(1)
+
+
+def train_main(argv: list[str]) -> int:
+    """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
+    import hydra
+
+    from meshlm.config import conf_dir
+
+    argv = list(argv)
+    if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
+        # Under torchrun every rank must agree on the run directory; its run id is shared.
+        rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        argv.append(f"hydra.run.dir=outputs/torchrun-{rid}")
+    app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_task)
+    _SWEEP.update(dir=None, failed=0, jobs=0)
+    saved = sys.argv
+    sys.argv = ["meshlm-train", *argv]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+    if _SWEEP["dir"]:
+        from meshlm.metrics import summarize_sweep
+
+        out = summarize_sweep(_SWEEP["dir"])
+        if out is not None:
+            print(out.read_text(), end="")
+            print(f"sweep summary: {out}, {out.with_suffix('.csv')}, {out.with_suffix('.png')}", flush=True)
+        if _SWEEP["failed"]:
+            print(f"meshlm train: {_SWEEP['failed']} of {_SWEEP['jobs']} runs failed", file=sys.stderr)
+    return 1 if _SWEEP["failed"] else 0
+
+
+def plan_cmd(argv: list[str]) -> int:
+    from meshlm.config import load_config
+    from meshlm.plan import plan_main
+
+    return int(plan_main(load_config(argv)) or 0)
+
+
+def convert_cmd(argv: list[str]) -> int:
+    from meshlm.hf import convert_main
+
+    return int(convert_main(argv) or 0)
+
+
+def layout_cmd(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshlm layout", description="Inspect a layout.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    show = sub.add_parser("show", help="the placement of every parameter of a model under a layout and mesh")
+    show.add_argument("layout", help="a layout name (layouts/<name>.yaml) or a YAML path")
+    show.add_argument("--model", default="llama_tiny", help="model config name (default: llama_tiny)")
+    show.add_argument("--mesh", default="fsdp=2,tp=2", help="mesh, e.g. fsdp=2,tp=2 (default)")
+    a = p.parse_args(argv)
+    from meshlm.show import layout_table
+
+    print(layout_table(a.model, a.layout, a.mesh))
+    return 0
+
+
+COMMANDS = {"train": train_main, "plan": plan_cmd, "convert": convert_cmd, "layout": layout_cmd}
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        sys.stderr.write(f"meshlm: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}\n\n{USAGE}")
+        return 2
+    try:
+        return COMMANDS[cmd](rest)
+    except MeshlmError as e:
+        _record_error(e)
+        print(f"meshlm {cmd}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

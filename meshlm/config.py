@@ -1,0 +1,300 @@
+"""Typed run configuration: one dataclass per config section, built and checked in one place.
+
+``conf/`` (Hydra) composes the sections; :func:`from_dict` turns the resolved plain dict
+into a :class:`RunConfig` and checks every value, so no DictConfig travels past
+``meshlm/cli.py`` and a bad value fails before any process starts, naming the key and
+the allowed values.  :func:`load_config` composes ``conf/`` with Hydra's compose API for
+tests and other commands (``meshlm plan``); Hydra is imported there lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from meshlm.axes import MESH_AXES
+from meshlm.data import DataConfig
+from meshlm.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
+CHECKPOINTING = ("none", "full", "selective")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    """``model``: a named Llama config (``meshlm.models.CONFIGS``) plus field overrides."""
+
+    name: str = "llama_small"
+    init_from: Optional[str] = None  #: Hugging Face dir / safetensors to start from (meshlm.load_hf)
+    # Architecture overrides; None keeps the named config's value.
+    vocab: Optional[int] = None
+    embed: Optional[int] = None
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    mlp: Optional[int] = None
+    head_dim: Optional[int] = None
+    rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+    init_std: Optional[float] = None
+
+    def overrides(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("name", "init_from") and getattr(self, f.name) is not None}
+
+    def llama(self):
+        """The :class:`meshlm.models.LlamaConfig` this section describes."""
+        from meshlm.models import llama_config
+
+        return llama_config(self.name, **self.overrides())
+
+
+@dataclass
+class LayoutConfig:
+    """``layout``: a layout name (``layouts/<name>.yaml``), a path to a YAML file, or
+    ``auto`` (``meshlm.plan.choose_layout`` picks layout and mesh)."""
+
+    name: str = "fsdp_tp"
+
+
+@dataclass
+class MeshConfig:
+    """``mesh``: the size of each mesh axis (1 = unused; at most one -1 = the rest of the world)."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def as_dict(self) -> dict[str, int]:
+        """Axes of size != 1, in canonical order (``{"dp": 1}`` for a one-device mesh)."""
+        d = {a: getattr(self, a) for a in MESH_AXES if getattr(self, a, 1) != 1}
+        return d or {"dp": 1}
+
+    def size(self, world_size: Optional[int] = None) -> int:
+        """Number of processes the mesh needs (with a -1 axis, ``world_size``)."""
+        d = self.as_dict()
+        if -1 in d.values():
+            if world_size is None:
+                raise ConfigError(f"mesh {self}: an axis is -1 (the rest of the world) but the world size is unknown")
+            return world_size
+        return math.prod(d.values())
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.as_dict().items())
+
+
+@dataclass
+class TrainConfig:
+    """``train``: the optimisation loop."""
+
+    steps: int = 100
+    seed: int = 0
+    batch_size: int = 8  #: global sequences per optimizer step (all ranks, all micro-batches)
+    seq_len: int = 128
+    grad_accum: int = 1  #: micro-batches per step; each is batch_size // grad_accum sequences
+    lr: float = 3e-3
+    min_lr: float = 3e-4  #: the cosine schedule ends here
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  #: max global gradient norm; 0 disables clipping
+    param_dtype: str = "float32"  #: storage dtype of parameters (fp32 masters when lower)
+    compute_dtype: Optional[str] = None  #: dtype of parameters at use; None = param_dtype
+    reduce_dtype: Optional[str] = None  #: dtype gradients are reduced in; None = float32
+    compile: str = "none"  #: torch.compile per block: none | aot_eager | inductor
+    activation_checkpointing: str = "none"  #: none | full | selective (per block)
+    device: str = "auto"  #: auto (cuda if available) | cpu | cuda
+    log_every: int = 1
+    val_every: int = 25  #: validation every N steps and at the end; 0 = only at the end
+    val_batches: int = 4
+    skip_nonfinite: bool = False  #: skip a step whose loss is NaN/Inf instead of stopping
+    pg_timeout_s: float = 300.0  #: process-group timeout: a stuck collective fails after this
+    progress: bool = True  #: tqdm progress bar on rank 0
+    profile: bool = False  #: write a torch profiler trace of steps [profile_start, +profile_steps)
+    profile_start: int = 3
+    profile_steps: int = 2
+    memory_snapshot: bool = False  #: CUDA only: dump an allocator snapshot (pytorch.org/memory_viz)
+    count_comm: bool = True  #: count collective bytes of one step (comm_bytes in metrics)
+    # Fault injection, for tests of the fault handling only.
+    inject_nan_step: int = -1  #: make the loss NaN at this step
+    inject_crash_step: int = -1  #: raise on rank inject_crash_rank at this step
+    inject_crash_rank: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint`` (meshlm.checkpoint.Checkpointer)."""
+
+    dir: Optional[str] = None
+    every: int = 0
+    keep: int = 3
+    resume: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """``plan`` (meshlm.plan): the hardware to plan for."""
+
+    devices: Optional[int] = None  #: number of devices; None = the mesh size
+    device_memory_gib: Optional[float] = None  #: per device; None = this machine's
+    top: int = 5  #: how many candidate layouts to show
+
+
+@dataclass
+class RunConfig:
+    """The whole run; each component receives only its own section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def _coerce(key: str, value: Any, typ: str) -> Any:
+    """Check ``value`` against a dataclass field annotation (as a string, PEP 563)."""
+    typ = typ.replace(" ", "")
+    optional = typ.startswith("Optional[") or typ.endswith("|None")
+    base = typ[len("Optional["):-1] if typ.startswith("Optional[") else typ.removesuffix("|None")
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} must not be null (expected {base})")
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if base == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    return value
+
+
+def _section(name: str, cls: type, data: Any) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {name!r} must be a mapping, got {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {name}.{unknown[0]}; allowed keys in {name}: {', '.join(known)}")
+    kwargs = {k: _coerce(f"{name}.{k}", v, str(known[k].type)) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _choice(key: str, value: Any, allowed: "tuple[str, ...] | list[str]") -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from a plain (resolved) dict."""
+    unknown = sorted(set(d) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config section {unknown[0]!r}; allowed: {', '.join(_SECTIONS)}")
+    cfg = RunConfig(**{name: _section(name, type(factory()), d.get(name)) for name, factory in _SECTIONS.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError naming the key and its allowed values for the first bad value."""
+    from meshlm.layout import shipped_layouts
+    from meshlm.models import CONFIGS
+
+    _choice("model.name", cfg.model.name, list(CONFIGS))
+    for k, v in cfg.model.overrides().items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+            raise ConfigError(f"model.{k}={v} must be positive")
+    name = cfg.layout.name
+    if not (name == "auto" or name.endswith((".yaml", ".yml")) or os.sep in name):
+        _choice("layout.name", name, shipped_layouts() + ["auto"])
+    m = cfg.mesh
+    sizes = [getattr(m, a) for a in ("dp", "fsdp", "tp", "cp", "pp", "ep")]
+    for a, s in zip(("dp", "fsdp", "tp", "cp", "pp", "ep"), sizes):
+        if s == 0 or s < -1:
+            raise ConfigError(f"mesh.{a}={s} must be a positive integer, or -1 for 'the rest of the world'")
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh {m}: at most one axis may be -1")
+    t = cfg.train
+    _choice("train.compile", t.compile, COMPILE_BACKENDS)
+    _choice("train.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING)
+    _choice("train.param_dtype", t.param_dtype, DTYPES)
+    _choice("train.device", t.device, DEVICES)
+    if t.compute_dtype is not None:
+        _choice("train.compute_dtype", t.compute_dtype, DTYPES)
+    if t.reduce_dtype is not None:
+        _choice("train.reduce_dtype", t.reduce_dtype, DTYPES)
+    for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "val_batches"):
+        if getattr(t, k) < 1:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 1")
+    for k in ("warmup_steps", "val_every"):
+        if getattr(t, k) < 0:
+            raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+                          "each micro-batch holds batch_size // grad_accum sequences")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    if t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    if t.pg_timeout_s <= 0:
+        raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
+
+
+def conf_dir() -> Path:
+    """The Hydra config directory: $MESHLM_CONF, else ``conf/`` next to the package."""
+    env = os.environ.get("MESHLM_CONF")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "conf", here / "conf"):
+        if (cand / "config.yaml").exists():
+            return cand
+    raise ConfigError(f"no Hydra config directory found next to {here}; set MESHLM_CONF to the conf/ directory")
+
+
+def load_config(overrides: "list[str] | None" = None) -> RunConfig:
+    """Compose ``conf/config.yaml`` with Hydra-style ``overrides`` (``["layout=ddp",
+    "train.steps=5"]``) into a validated RunConfig, without starting a Hydra app."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            dc = compose(config_name="config", overrides=list(overrides or []))
+    except HydraException as e:
+        raise ConfigError(str(e)) from None
+    return from_dict(OmegaConf.to_container(dc, resolve=True))  # type: ignore[arg-type]

@@ -1,0 +1,418 @@
+"""The training loop of ``meshlm train``: one process per mesh device.
+
+``run(cfg, run_dir)`` is what each worker runs: it joins the process group (torchrun's or
+the one ``meshlm.launch`` started), builds the mesh, lowers a Llama built on the meta device
+under the layout, and trains it with a sharded AdamW (warmup + cosine LR, global-norm
+clipping, gradient accumulation, mixed precision, activation checkpointing and
+torch.compile per block), logging to the run directory from rank 0.
+
+``python -m meshlm.train key=value ...`` under torchrun is ``meshlm train`` joining that
+world (see docs/train.md for the multi-node command).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from meshlm.config import RunConfig, TrainConfig
+from meshlm.errors import ConfigError, MeshError, MeshlmError
+
+log = logging.getLogger("meshlm.train")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NonFiniteLossError(MeshlmError):
+    """The loss became NaN or Inf."""
+
+
+# --------------------------------------------------------------------------- helpers
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``t.lr`` over ``t.warmup_steps`` steps, then cosine to ``t.min_lr``
+    at ``t.steps``.  ``step`` counts from 1."""
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel replicas: the mesh axes the
+    layout splits the input batch over (ranks that differ only in tp/pp/ep share a rank)."""
+    from meshlm.layout import INPUT_MESH_AXES, resolve
+    from meshlm.mesh import mesh_spec
+
+    sizes = mesh_spec(mesh).as_dict()
+    plan = resolve(("batch", "seq"), layout.compute, sizes, shape=(batch, seq),
+                   what=f"input batch ({batch} sequences of {seq} tokens per micro-batch)", layout=layout,
+                   allow_mesh=INPUT_MESH_AXES)
+    if plan[1]:
+        raise ConfigError(f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
+                          "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp")
+    names = list(mesh.mesh_dim_names or ())
+    rank, size = 0, 1
+    for a in plan[0]:
+        i = names.index(a)
+        rank = rank * mesh.size(i) + mesh.get_local_rank(i)
+        size *= mesh.size(i)
+    return rank, size
+
+
+def _selective_policy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default}
+    cpu_sdpa = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if cpu_sdpa is not None:
+        save.add(cpu_sdpa.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
+    """Wrap each ``@meshlm.block`` module's forward in torch.utils.checkpoint (non-reentrant).
+    ``full`` recomputes the whole block in backward; ``selective`` saves matmul and
+    attention outputs and recomputes the cheap elementwise ops."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from meshlm.annotate import is_block
+
+    if mode == "none":
+        return 0
+    kw: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+    n = 0
+    for m in model.modules():
+        if is_block(m):
+            inner = m.forward
+
+            def fwd(*args, _inner=inner, **kwargs):
+                return checkpoint(_inner, *args, **kw, **kwargs)
+
+            m.forward = fwd
+            n += 1
+    return n
+
+
+def _device(t: TrainConfig) -> torch.device:
+    if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.pg_timeout_s))
+
+
+def check_world(cfg: RunConfig, world_size: int) -> None:
+    """A mesh whose size differs from the number of processes: say both numbers."""
+    need = cfg.mesh.size(world_size)
+    if need != world_size:
+        raise MeshError(
+            f"mesh {cfg.mesh} has {need} devices but the job has {world_size} processes; make the mesh sizes "
+            f"multiply to {world_size} (e.g. mesh.dp=-1 for 'the rest'), or launch {need} processes"
+        )
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [h]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.0f}MiB"
+
+
+# --------------------------------------------------------------------------- run
+def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
+    """Train under ``cfg`` in this process (one rank of the job); return the run summary.
+
+    Inside torchrun or ``meshlm.launch`` it joins that world; a one-device mesh also runs
+    without any launcher."""
+    import meshlm
+    from meshlm.data import ShardedLoader, TokenDataset
+    from meshlm.comm import CommCounter
+    from meshlm.metrics import MetricsWriter, peak_memory_bytes, plot_loss
+    from meshlm.models import Llama
+    from meshlm.optim import ShardedOptimizer
+
+    t = cfg.train
+    run_dir = Path(run_dir)
+    device = _device(t)
+    _init_process_group(cfg, device)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    check_world(cfg, world)
+    torch.manual_seed(t.seed)
+    mesh = meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
+    rank = dist.get_rank()
+    is_main = rank == 0
+    _setup_logging(run_dir, rank)
+    if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+    layout = meshlm.load_layout(cfg.layout.name)
+    mcfg = cfg.model.llama()
+    pdt = _DTYPES[t.param_dtype]
+    cdt = _DTYPES[t.compute_dtype] if t.compute_dtype else (pdt if pdt != torch.float32 else None)
+    rdt = _DTYPES[t.reduce_dtype] if t.reduce_dtype else None
+    shard_kw = dict(compute_dtype=cdt, reduce_dtype=rdt)
+    if cfg.model.init_from:
+        from meshlm.hf import load_hf
+
+        model = load_hf(cfg.model.init_from, layout, mesh, **shard_kw)
+    else:
+        model = meshlm.shard(Llama(mcfg, device="meta"), layout, mesh, seed=t.seed, **shard_kw)
+    if pdt != torch.float32:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(pdt)
+    n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
+    if t.compile != "none":
+        meshlm.compile.compile_blocks(model, t.compile)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, master_dtype=torch.float32 if pdt != torch.float32 else None,
+                           lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+
+    micro = t.batch_size // t.grad_accum
+    dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
+    ds = TokenDataset.from_config(cfg.data, t.seq_len)
+    loader = ShardedLoader(ds.train, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+
+    def evaluate() -> float:
+        vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+        n = min(t.val_batches, vl.steps_per_epoch)
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(n):
+                x, y = vl.next()
+                total += float(model(x.to(device), y.to(device)))
+        return total / n
+
+    ckpt = None
+    start = 0
+    if cfg.checkpoint.dir or cfg.checkpoint.resume:
+        try:
+            from meshlm.checkpoint import Checkpointer
+        except ImportError as e:
+            raise ConfigError(f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
+                              "set checkpoint.dir=null") from None
+        ckpt = Checkpointer(cfg.checkpoint, model=model, optimizer=opt, mesh=mesh,
+                            run_meta={"config": cfg.to_dict()})
+        extra = ckpt.resume()
+        if extra:
+            start = int(extra["step"])
+            loader.load_state_dict(extra["loader"])
+
+    n_params = mcfg.num_params()
+    header = (f"meshlm train: {cfg.model.name} ({n_params / 1e6:.1f}M params), layout {layout.name}, mesh {cfg.mesh} "
+              f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
+              f"tokens; run dir {run_dir}")
+    log.info(header)
+    log.info("config: %s", json.dumps(cfg.to_dict()))
+    writer = None
+    if is_main:
+        print(header, flush=True)
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        if not (run_dir / "config.json").exists():
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    bar = None
+    if is_main and t.progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout,
+                       mininterval=0.5)
+        except ImportError:
+            bar = None
+
+    prof = None
+    comm_bytes: Optional[int] = None
+    tokens_per_step = t.batch_size * t.seq_len
+    rates: list[float] = []
+    first_loss = last_loss = val_loss = None
+    skipped = 0
+    t_start = time.perf_counter()
+    if t.memory_snapshot and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    model.train()
+    for step in range(start + 1, t.steps + 1):
+        if t.profile and step == t.profile_start:
+            prof = torch.profiler.profile(record_shapes=True, profile_memory=True, with_stack=False)
+            prof.__enter__()
+        count = t.count_comm and t.compile == "none" and comm_bytes is None and step >= start + 2
+        counter = CommCounter(mesh) if count else None
+        t0 = time.perf_counter()
+        lr = lr_at(step, t)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if counter:
+            counter.__enter__()
+        try:
+            loss_sum = 0.0
+            for _ in range(t.grad_accum):
+                x, y = loader.next()
+                loss = model(x.to(device), y.to(device))
+                if step == t.inject_nan_step:
+                    loss = loss * float("nan")
+                if t.inject_crash_step == step and rank == t.inject_crash_rank:
+                    raise RuntimeError(f"injected crash on rank {rank} at step {step} (train.inject_crash_step)")
+                (loss / t.grad_accum).backward()
+                loss_sum += float(loss.detach())
+            loss_val = loss_sum / t.grad_accum
+            if not math.isfinite(loss_val):
+                if not t.skip_nonfinite:
+                    raise NonFiniteLossError(
+                        f"loss is {loss_val} at step {step} (lr {lr:.3g}); lower train.lr, keep train.grad_clip > 0, "
+                        "or set train.skip_nonfinite=true to skip such steps")
+                opt.zero_grad()
+                skipped += 1
+                log.warning("step %d: loss %s, step skipped (train.skip_nonfinite)", step, loss_val)
+                if writer:
+                    writer.write({"step": step, "loss": None, "lr": lr, "skipped": True})
+                continue
+            gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
+            opt.step()
+            opt.zero_grad()
+        finally:
+            if counter:
+                counter.__exit__(None, None, None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if counter:
+            comm_bytes = int(sum(c.wire_bytes for c in counter.records))
+        if prof is not None and step == t.profile_start + t.profile_steps - 1:
+            prof.__exit__(None, None, None)
+            (run_dir / "profile").mkdir(exist_ok=True)
+            prof.export_chrome_trace(str(run_dir / "profile" / f"trace_rank{rank}.json"))
+            prof = None
+        tps = tokens_per_step / dt
+        if step > start + 1:
+            rates.append(tps)  # the first step includes compilation and warm-up
+        if first_loss is None:
+            first_loss = loss_val
+        last_loss = loss_val
+        mem = peak_memory_bytes(device)
+        row: dict[str, Any] = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+                               "step_time_s": dt, "peak_mem_bytes": mem}
+        if comm_bytes is not None:
+            row["comm_bytes"] = comm_bytes
+        if step == t.steps or (t.val_every and step % t.val_every == 0):
+            val_loss = evaluate()
+            row["val_loss"] = val_loss
+            log.info("step %d val_loss %.4f", step, val_loss)
+            if bar is not None:
+                bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        if step % t.log_every == 0 or "val_loss" in row:
+            log.info("step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s", step, loss_val, lr, gnorm, tps,
+                     _fmt_bytes(mem))
+            if writer:
+                writer.write(row)
+        if bar is not None:
+            bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {_fmt_bytes(mem)}", refresh=False)
+            bar.update(1)
+        if ckpt is not None:
+            ckpt.maybe_save(step, {"step": step, "loader": loader.state_dict()})
+    if bar is not None:
+        bar.close()
+    if ckpt is not None:
+        ckpt.close()
+    if t.memory_snapshot and device.type == "cuda":
+        torch.cuda.memory._dump_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    wall = time.perf_counter() - t_start
+
+    # Peak memory of the fullest rank (a CPU value is the process's resident set).
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    rates.sort()
+    summary = {
+        "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.name, "world_size": world,
+        "steps": t.steps, "skipped_steps": skipped,
+        "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
+        "peak_mem_bytes_per_rank": int(peak.item()), "comm_bytes_per_step": comm_bytes,
+        "first_train_loss": first_loss, "final_train_loss": last_loss, "final_val_loss": val_loss,
+        "wall_s": wall, "activation_checkpointed_blocks": n_ckpt,
+    }
+    if is_main:
+        assert writer is not None
+        writer.close()
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        from meshlm.metrics import read_metrics
+
+        plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
+                  title=f"{cfg.model.name} {layout.name} mesh {cfg.mesh}")
+        tp = summary["tokens_per_s"]
+        print(f"done: {t.steps} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
+              f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; peak mem/rank {_fmt_bytes(summary['peak_mem_bytes_per_rank'])}"
+              f"; outputs in {run_dir}", flush=True)
+    log.info("summary: %s", json.dumps(summary))
+    return summary
+
+
+# --------------------------------------------------------------------------- worker entry
+def worker(cfg: RunConfig, run_dir: str) -> None:
+    """Entry point of a worker started by ``meshlm.launch``: train, then leave the process
+    group.  On an error the worker records it in the launcher's error file (the root cause
+    the launcher prints once) and in ``logs/rank<N>.log``, and exits quietly with status 1."""
+    try:
+        run(cfg, run_dir)
+    except BaseException as e:  # noqa: BLE001 - everything must reach the error file
+        tb = traceback.format_exc()
+        try:
+            log.error("failed:\n%s", tb)
+        except Exception:  # noqa: BLE001
+            pass
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+        sys.stdout.flush()
+        os._exit(1)  # skip atexit/PG teardown, which could wait on ranks that are gone
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """``python -m meshlm.train [overrides]``: the same as ``meshlm train [overrides]``."""
+    from meshlm.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

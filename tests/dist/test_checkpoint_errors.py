@@ -1,0 +1,127 @@
+"""Bad checkpoints give a CheckpointError naming the file and the mismatch, on every rank,
+never garbage or a hang."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from meshlm.testing import DistPool
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with DistPool(2, timeout_s=30) as p:
+        yield p
+
+
+def _model(**overrides):
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.optim import ShardedOptimizer
+
+    mesh = meshlm.make_mesh("fsdp=2")
+    model = meshlm.shard(Llama(llama_config("llama_tiny", **overrides), device="meta"), "fsdp", mesh, seed=0)
+    return model, ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+
+def _save(root):
+    from meshlm.checkpoint import save_checkpoint
+
+    model, opt = _model()
+    x = torch.randint(0, 256, (2, 8))
+    model(x, x).backward()
+    opt.step()
+    return save_checkpoint(root, 1, model=model, optimizer=opt, extra={"step": 1})
+
+
+def _try_load(path, **overrides):
+    import torch.distributed as dist
+
+    from meshlm.checkpoint import load_checkpoint
+    from meshlm.errors import CheckpointError
+
+    model, opt = _model(**overrides)
+    try:
+        load_checkpoint(path, model=model, optimizer=opt)
+    except CheckpointError as e:
+        dist.barrier()  # every rank got here: nobody hangs in a collective
+        return str(e)
+    return None
+
+
+def _damaged(good: str, where: str, how) -> str:
+    bad = f"{where}/{how.__name__}"
+    shutil.copytree(good, bad)
+    how(bad)
+    return bad
+
+
+def truncate(d):
+    f = f"{d}/__1_0.distcp"
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+
+
+def flip_bytes(d):
+    f = f"{d}/__0_0.distcp"
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) // 2)
+        b = fh.read(8)
+        fh.seek(-8, 1)
+        fh.write(bytes(x ^ 0xFF for x in b))
+
+
+def missing_shard(d):
+    os.remove(f"{d}/__1_0.distcp")
+
+
+def uncommitted(d):
+    os.remove(f"{d}/COMMIT")
+
+
+def garbage_metadata(d):
+    with open(f"{d}/.metadata", "wb") as fh:
+        fh.write(b"not a pickle")
+    os.remove(f"{d}/meta.json")
+    open(f"{d}/meta.json", "w").write("{}")  # no file list: the DCP metadata itself is read
+
+
+@pytest.mark.parametrize("how,expect", [
+    (truncate, ["__1_0.distcp", "truncated"]),
+    (flip_bytes, ["__0_0.distcp", "CRC-32"]),
+    (missing_shard, ["__1_0.distcp", "missing"]),
+    (uncommitted, ["COMMIT", "did not finish"]),
+    (garbage_metadata, [".metadata", "unreadable"]),
+])
+def test_damaged_checkpoint(pool2, tmp_path, how, expect):
+    good = pool2.run(_save, str(tmp_path / "good"))[0]
+    bad = _damaged(good, str(tmp_path), how)
+    msgs = pool2.run(_try_load, bad)
+    assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+    for word in expect:
+        assert word in msgs[0], msgs[0]
+
+
+def test_other_model_shape(pool2, tmp_path):
+    good = pool2.run(_save, str(tmp_path / "good"))[0]
+    msgs = pool2.run(_try_load, good, mlp=64)
+    assert msgs[0] == msgs[1] and msgs[0] is not None
+    assert "layers.0.mlp.w_gate" in msgs[0] and "(128, 64)" in msgs[0] and "(64, 64)" in msgs[0], msgs[0]
+    assert "different model shape" in msgs[0]
+    msgs = pool2.run(_try_load, good, layers=3)
+    assert "layers.2." in msgs[0] and "different model" in msgs[0], msgs[0]
+
+
+def test_good_checkpoint_and_auto(pool2, tmp_path):
+    from meshlm.checkpoint import latest_checkpoint
+
+    good = pool2.run(_save, str(tmp_path / "run"))[0]
+    assert pool2.run(_try_load, good) == [None, None]
+    assert pool2.run(_try_load, str(tmp_path / "run")) == [None, None]  # a run dir: its latest
+    os.makedirs(tmp_path / "run" / ".tmp_step_00000009")
+    os.makedirs(tmp_path / "run" / "step_00000010")  # no COMMIT: ignored
+    assert latest_checkpoint(str(tmp_path / "run")) == good

@@ -1,0 +1,148 @@
+"""Hugging Face interop: a tiny random GQA Llama built locally with transformers (offline).
+
+meshlm's logits equal transformers' under every shipped layout on 4 gloo ranks; export
+(from a live sharded model, and from a training checkpoint with `meshlm convert`, run
+distributed) reproduces the original safetensors exactly and loads in transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from meshlm.testing import DistPool
+
+transformers = pytest.importorskip("transformers")
+
+# fp32 logits of a 2-layer model: meshlm and transformers order their matmul reductions
+# and attention kernels differently, so outputs agree to fp32 rounding (logits ~1e-1).
+LOGIT_TOL = dict(rtol=1e-4, atol=1e-5)
+
+LAYOUT_MESH = {
+    "single": "dp=4", "ddp": "dp=4", "zero1": "dp=4", "zero2": "dp=4", "fsdp": "fsdp=4",
+    "hsdp": "dp=2,fsdp=2", "tp": "tp=4", "tp_sp": "tp=4", "fsdp_tp": "fsdp=2,tp=2", "fsdp_tp_sp": "fsdp=2,tp=2",
+}
+
+
+def _hf_model():
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=128, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=128, attention_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF inits norms to ones; make them non-trivial so a mix-up shows
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    m = _hf_model()
+    single, sharded = str(d / "single"), str(d / "sharded")
+    m.save_pretrained(single, safe_serialization=True)
+    m.save_pretrained(sharded, safe_serialization=True, max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    tokens = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = m(tokens).logits
+    return {"single": single, "sharded": sharded, "tokens": tokens, "ref": ref, "root": str(d)}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    with DistPool(4, timeout_s=60) as p:
+        yield p
+
+
+def _logits(path, layout, mesh_shape, tokens, export_to=None):
+    import meshlm
+    from meshlm.hf import load_hf, save_hf
+
+    torch._dynamo.reset()
+    mesh = meshlm.make_mesh(mesh_shape)
+    model = load_hf(path, layout, mesh)
+    with torch.no_grad():
+        out = model(meshlm.shard_batch(tokens, layout, mesh))
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    if export_to:
+        save_hf(model, export_to)
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_MESH))
+def test_logits_match_transformers(pool4, hf_dirs, layout):
+    which = "sharded" if layout in ("fsdp", "fsdp_tp") else "single"  # both file forms
+    got = pool4.run(_logits, hf_dirs[which], layout, LAYOUT_MESH[layout], hf_dirs["tokens"])
+    for r in got:
+        torch.testing.assert_close(r, hf_dirs["ref"], **LOGIT_TOL)
+
+
+def _read_all(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def _assert_same_tensors(a: str, b: str) -> None:
+    ta, tb = _read_all(a), _read_all(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k], tb[k]), k  # exact: export moves bytes only
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_export_round_trip(pool4, hf_dirs, layout):
+    out = os.path.join(hf_dirs["root"], f"export_{layout}")
+    pool4.run(_logits, hf_dirs["sharded"], layout, LAYOUT_MESH[layout], hf_dirs["tokens"], out)
+    _assert_same_tensors(hf_dirs["single"], out)
+    m = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(hf_dirs["tokens"]).logits, hf_dirs["ref"], rtol=0, atol=0)
+
+
+def _convert_both_ways(hf, ckpt_root, out):
+    from meshlm.hf import convert_main
+
+    assert convert_main([hf, ckpt_root]) == 0  # HF -> meshlm checkpoint (fsdp=4)
+    torch._dynamo.reset()
+    return convert_main([ckpt_root, out, "--layout", "fsdp_tp", "--mesh", "fsdp=2,tp=2"])
+
+
+def test_convert_distributed(pool4, hf_dirs):
+    ck, out = os.path.join(hf_dirs["root"], "ckpt"), os.path.join(hf_dirs["root"], "converted")
+    assert pool4.run(_convert_both_ways, hf_dirs["single"], ck, out) == [0] * 4
+    _assert_same_tensors(hf_dirs["single"], out)
+
+
+def test_convert_single_process(hf_dirs, tmp_path):
+    """`meshlm convert` without torchrun: a checkpoint saved on 4 ranks, exported by one."""
+    import subprocess
+    import sys
+
+    ck = os.path.join(hf_dirs["root"], "ckpt")
+    if not os.path.isdir(ck):
+        pytest.skip("needs test_convert_distributed's checkpoint")
+    code = ("import sys; from meshlm.hf import convert_main; "
+            f"sys.exit(convert_main([{ck!r}, {str(tmp_path / 'out')!r}]))")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_tensors(hf_dirs["single"], str(tmp_path / "out"))
+
+
+def test_bad_hf_dir(tmp_path):
+    from meshlm.errors import CheckpointError
+    from meshlm.hf import read_hf_config
+
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        read_hf_config(str(tmp_path))

@@ -1,0 +1,60 @@
+"""Parity of every shipped layout against one device: loss, every gradient, the AdamW step.
+
+Meshes of 2 and 4 gloo processes, 1-D and 2-D; the same under torch.compile (aot_eager for
+every layout, inductor for one).  The checks run inside the workers
+(meshlm.testing.parity.check_step); tolerances and their justification are in
+meshlm/testing/tolerances.py.
+"""
+
+import pytest
+
+from meshlm.testing import dist_pool_fixture
+from meshlm.testing.parity import check_step
+
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
+
+EAGER_2 = [
+    ("single", "dp=2"), ("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "fsdp=2"), ("fsdp", "fsdp=2"),
+    ("hsdp", "fsdp=2"), ("tp", "tp=2"), ("tp_sp", "tp=2"), ("fsdp_tp", "fsdp=2"), ("fsdp_tp_sp", "tp=2"),
+]
+EAGER_4 = [
+    ("ddp", "dp=4"), ("zero1", "dp=2,fsdp=2"), ("zero2", "dp=4"), ("fsdp", "fsdp=4"), ("fsdp", "dp=2,fsdp=2"),
+    ("hsdp", "dp=2,fsdp=2"), ("tp", "tp=4"), ("tp", "dp=2,tp=2"), ("tp_sp", "tp=4"), ("tp_sp", "fsdp=2,tp=2"),
+    ("fsdp_tp", "fsdp=2,tp=2"), ("fsdp_tp_sp", "fsdp=2,tp=2"),
+]
+COMPILED_4 = [
+    ("ddp", "dp=4"), ("zero1", "dp=4"), ("zero2", "dp=4"), ("fsdp", "fsdp=4"), ("hsdp", "dp=2,fsdp=2"),
+    ("tp", "tp=4"), ("tp_sp", "tp=4"), ("fsdp_tp", "fsdp=2,tp=2"), ("fsdp_tp_sp", "fsdp=2,tp=2"),
+]
+
+
+def _ok(res):
+    for r in res:
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
+    assert len({r["loss"] for r in res}) == 1, "ranks disagree on the loss"
+
+
+@pytest.mark.parametrize("layout,mesh", EAGER_2, ids=[f"{l}-{m}" for l, m in EAGER_2])
+def test_parity_2(pool2, layout, mesh):
+    _ok(pool2.run(check_step, layout, mesh))
+
+
+@pytest.mark.parametrize("layout,mesh", EAGER_4, ids=[f"{l}-{m}" for l, m in EAGER_4])
+def test_parity_4(pool4, layout, mesh):
+    _ok(pool4.run(check_step, layout, mesh))
+
+
+@pytest.mark.parametrize("layout,mesh", COMPILED_4, ids=[f"{l}-{m}" for l, m in COMPILED_4])
+def test_parity_compiled_aot_eager(pool4, layout, mesh):
+    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager"))
+
+
+def test_parity_compiled_inductor(pool2):
+    _ok(pool2.run(check_step, "tp_sp", "tp=2", compile="inductor"))
+
+
+@pytest.mark.parametrize("layout,mesh", [("tp", "tp=4"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
+def test_parity_tied_embeddings(pool4, layout, mesh):
+    """A vocab-sharded table used by both F.embedding and the output F.linear."""
+    _ok(pool4.run(check_step, layout, mesh, tie_embeddings=True))

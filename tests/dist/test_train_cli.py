@@ -1,0 +1,149 @@
+"""``meshlm train`` end to end, as a user runs it: subprocesses with timeouts, tiny runs.
+
+2 and 4 worker processes started by the command itself, a sweep, 2 "nodes" x 2 processes
+through torchrun's c10d rendezvous, and the fault cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["model=llama_tiny", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=2",
+        "train.val_every=0", "train.val_batches=1", "train.progress=false", "train.pg_timeout_s=60"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def meshlm(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def _check_outputs(run_dir: Path, steps: int) -> list[dict]:
+    for f in ("config.yaml", "metrics.jsonl", "loss.png", "summary.json", "logs/rank0.log"):
+        assert (run_dir / f).exists(), f
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for k in ("loss", "lr", "tokens_per_s", "peak_mem_bytes", "grad_norm"):
+        assert all(r[k] is not None for r in rows), k
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, "loss did not fall"
+    assert rows[-1].get("val_loss") is not None
+    return rows
+
+
+def test_train_two_processes(tmp_path):
+    r = meshlm("train", *TINY, "layout=ddp", "mesh=dp2", "train.steps=8", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_outputs(tmp_path, 8)
+    assert "done: 8 steps" in r.stdout
+    assert (tmp_path / "logs" / "rank1.log").exists()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["comm_bytes_per_step"] > 0
+
+
+def test_train_four_processes_2d_mesh(tmp_path):
+    r = meshlm("train", *TINY, "layout=tp", "mesh=dp2_tp2", "train.steps=8", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_outputs(tmp_path, 8)
+    assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
+
+
+def test_sweep_writes_summary(tmp_path):
+    r = meshlm("train", "-m", *TINY, "layout=ddp,single", "mesh=cpu1", "train.steps=3",
+               f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for f in ("summary.md", "summary.csv", "summary.png"):
+        assert (tmp_path / f).exists(), f
+    csv = (tmp_path / "summary.csv").read_text().splitlines()
+    assert csv[0].startswith("run,layout,mesh") and len(csv) == 3
+    assert "| ddp |" in (tmp_path / "summary.md").read_text()
+
+
+def test_crashing_worker_ends_job_with_root_cause_once(tmp_path):
+    t0 = time.time()
+    r = meshlm("train", *TINY, "layout=ddp", "mesh=dp2", "train.steps=20", "train.inject_crash_step=2",
+               "train.inject_crash_rank=1", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert r.returncode == 1
+    out = r.stdout + r.stderr
+    assert out.count("injected crash on rank 1 at step 2") == 2, out  # message + its traceback line, once
+    assert "worker rank 1" in out
+    assert time.time() - t0 < 110
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path):
+    r = meshlm("train", *TINY, "layout=single", "mesh=cpu1", "train.steps=5", "train.inject_nan_step=3",
+               f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 1
+    assert "loss is nan at step 3" in r.stderr and "train.skip_nonfinite" in r.stderr
+
+
+def test_nan_loss_skipped_when_configured(tmp_path):
+    r = meshlm("train", *TINY, "layout=single", "mesh=cpu1", "train.steps=4", "train.inject_nan_step=2",
+               "train.skip_nonfinite=true", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _metrics(tmp_path)
+    assert rows[1] == {"step": 2, "loss": None, "lr": rows[1]["lr"], "skipped": True}
+    assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 1
+
+
+def test_bad_config_value_names_key_and_choices(tmp_path):
+    r = meshlm("train", "train.compile=jit", f"hydra.run.dir={tmp_path}", timeout=60)
+    assert r.returncode == 1
+    assert "train.compile='jit'" in r.stderr and "aot_eager" in r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_mesh_mismatch_says_both_numbers(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "meshlm.train", *TINY, "mesh=dp4", f"hydra.run.dir={tmp_path}"]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "4 devices but the job has 2 processes" in r.stdout + r.stderr
+
+
+def test_two_nodes_through_c10d_rendezvous(tmp_path):
+    """2 torchrun agents ("nodes") x 2 processes on localhost, c10d rendezvous."""
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "meshlm-test", "--max-restarts", "0", "-m", "meshlm.train", *TINY,
+               "layout=fsdp", "mesh=dp2_fsdp2", "train.steps=5", f"hydra.run.dir={tmp_path}"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    rows = _metrics(tmp_path)
+    assert len(rows) == 5 and json.loads((tmp_path / "summary.json").read_text())["world_size"] == 4

@@ -1,0 +1,69 @@
+"""meshlm.config: conf/ composes into a validated RunConfig; bad values name key and choices."""
+
+import pytest
+
+from meshlm.config import MeshConfig, RunConfig, from_dict, load_config
+from meshlm.errors import ConfigError, MeshError
+from meshlm.layout import shipped_layouts
+from meshlm.train import check_world, lr_at
+
+
+def test_defaults_are_the_quickstart():
+    cfg = load_config([])
+    assert isinstance(cfg, RunConfig)
+    assert (cfg.model.name, cfg.layout.name, cfg.mesh.as_dict()) == ("llama_small", "fsdp_tp", {"fsdp": 2, "tp": 2})
+    assert cfg.model.llama().embed == 256
+    assert cfg.checkpoint.dir is None and cfg.plan.top == 5
+
+
+def test_overrides_and_groups():
+    cfg = load_config(["layout=ddp", "mesh=dp4", "model=llama_tiny", "train.steps=7", "data.path=/x.txt",
+                       "model.layers=3"])
+    assert (cfg.layout.name, cfg.mesh.as_dict(), cfg.train.steps, cfg.data.path) == ("ddp", {"dp": 4}, 7, "/x.txt")
+    assert cfg.model.llama().layers == 3
+
+
+def test_every_shipped_layout_has_a_conf_entry():
+    for name in shipped_layouts():
+        assert load_config([f"layout={name}"]).layout.name == name
+    assert load_config(["layout=auto"]).layout.name == "auto"
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.compile=jit", ["train.compile", "none", "aot_eager", "inductor"]),
+    ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
+    ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
+    ("train.steps=0", ["train.steps", ">= 1"]),
+    ("train.steps=abc", ["train.steps", "integer"]),
+    ("model.name=gpt2", ["model.name", "llama_tiny"]),
+    ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
+    ("mesh.tp=0", ["mesh.tp"]),
+])
+def test_bad_value_names_key_and_choices(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config([override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_key_and_group_option():
+    with pytest.raises(ConfigError, match="allowed keys in train"):
+        from_dict({"train": {"stepz": 3}})
+    with pytest.raises(ConfigError, match="layout"):
+        load_config(["layout=nope"])
+
+
+def test_mesh_size_mismatch_says_both_numbers():
+    cfg = load_config(["mesh=fsdp2_tp2"])
+    with pytest.raises(MeshError, match=r"4 devices but the job has 2 processes"):
+        check_world(cfg, 2)
+    check_world(load_config(["mesh.dp=-1", "mesh.fsdp=2", "mesh.tp=1"]), 8)
+    assert MeshConfig(dp=-1, tp=2).size(8) == 8
+
+
+def test_lr_schedule_warmup_then_cosine():
+    t = load_config(["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]).train
+    assert lr_at(1, t) == pytest.approx(0.1) and lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(55, t) == pytest.approx(0.55) and lr_at(100, t) == pytest.approx(0.1)
+    lrs = [lr_at(s, t) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
