@@ -8,9 +8,17 @@ from meshlm.layout import Layout, load_layout, resolve
 from meshlm.lower import full_state_dict, plan_params, shard, shard_batch
 from meshlm.mesh import MeshSpec, make_mesh
 
+
+def load_hf(path, layout, mesh, **shard_kwargs):
+    """Import a Hugging Face Llama directory into a sharded meshlm Llama (see meshlm.hf)."""
+    from meshlm.hf import load_hf as _load_hf
+
+    return _load_hf(path, layout, mesh, **shard_kwargs)
+
+
 __all__ = [
     "Axes", "LOGICAL_AXES", "MESH_AXES", "block", "constrain", "init_params", "Layout", "load_layout",
-    "resolve", "make_mesh", "MeshSpec", "shard", "shard_batch", "plan_params", "full_state_dict",
+    "resolve", "make_mesh", "load_hf", "MeshSpec", "shard", "shard_batch", "plan_params", "full_state_dict",
     "MeshlmError", "AxisError", "LayoutError", "AnnotationError", "MeshError", "ConfigError", "CheckpointError",
 ]
 __version__ = "0.1.0"

@@ -225,9 +225,8 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     path = _strip(path)
     cfg = read_hf_config(path)
     reader = _HFReader(path)
-    # NOTE: shard() has no "leave uninitialised" mode, so the meta model is initialised from
-    # `seed` shard by shard (one module at a time) and then overwritten block by block.
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=seed, **shard_kwargs)
+    # Each rank allocates its shards uninitialised and reads exactly those blocks below.
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, init=False, **shard_kwargs)
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
             local = p.to_local()

@@ -162,7 +162,7 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         for key, val in raw.items():
             where = f"{source}: {sec}.{key}"
             check_logical(str(key), where)
-            axes = (val,) if isinstance(val, str) else tuple(val or ())
+            axes = (val,) if isinstance(val, str) else tuple(val) if isinstance(val, (list, tuple)) else (val,) if val else ()
             if not all(isinstance(a, str) for a in axes):
                 raise LayoutError(f"{where}: expected a mesh axis or a list of mesh axes, got {val!r}")
             for a in axes:

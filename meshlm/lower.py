@@ -188,6 +188,12 @@ class _AtUse(torch.autograd.Function):
             target = tuple(gp if gp.is_partial() else sp for gp, sp in zip(g.placements, ctx.storage))
         else:
             target = ctx.grads
+        # Reduce-scatter first, then all-reduce what is left, on the scattered shard: HSDP
+        # all-reduces 1/fsdp of the gradient over dp, not all of it (DTensor alone would
+        # reduce mesh axes in mesh order, dp first).
+        first = tuple(t if gp.is_partial() and isinstance(t, Shard) else gp for gp, t in zip(g.placements, target))
+        if first != tuple(g.placements) and first != tuple(target):
+            g = g.redistribute(g.device_mesh, first)
         # Unconditional: a no-op when the placements already agree at run time.
         g = g.redistribute(g.device_mesh, target)
         if g.dtype != ctx.pdtype:
@@ -312,8 +318,10 @@ class ShardState:
         if len(axes) != x.ndim:
             raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}")
         pl = self.activation_placements(axes, x.shape)
-        if tuple(x.placements) == pl:
-            return x
+        # Always through redistribute, even when the placements already agree: its backward
+        # puts the gradient at the same placements, so a Partial gradient is reduced here
+        # (Megatron's "f" operator at the input of a tensor-parallel block) rather than
+        # carried through the residual stream and reduced later per weight.
         return x.redistribute(x.device_mesh, pl)
 
 
@@ -382,6 +390,7 @@ def shard(
     mesh: DeviceMesh,
     *,
     seed: int = 0,
+    init: bool = True,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
@@ -389,7 +398,8 @@ def shard(
 
     A model built on the meta device is initialised from ``seed`` shard by shard (the same
     values as ``meshlm.annotate.init_params(model, seed)`` on one device); a model holding
-    real weights (the same on every rank) is distributed from those weights.
+    real weights (the same on every rank) is distributed from those weights.  With
+    ``init=False`` the shards of a meta model are left uninitialised (to be loaded into).
     ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
     dtype gradients are reduced in.
     """
@@ -399,7 +409,7 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    _materialize(model, plans, mesh, seed)
+    _materialize(model, plans, mesh, seed if init else None)
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
@@ -458,18 +468,18 @@ def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
             raise LayoutError(f"{layout.source}: mesh axis {a!r} is not a dim of this DeviceMesh")
 
 
-def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: int) -> None:
+def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int]) -> None:
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
         owner[id(p)] = fqn
     any_meta = any(p.is_meta for p in model.parameters())
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     for mname, m in model.named_modules():
         direct = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in owner]
         init = getattr(m, "init_weights", None)
         fulls: dict[str, Tensor] = {}
-        if any_meta and callable(init):
+        if any_meta and callable(init) and seed is not None:
             saved = dict(m._parameters)
             try:
                 for n, p in direct:
@@ -481,6 +491,14 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 m._parameters.update(saved)
         for n, p in direct:
             fqn = owner.pop(id(p))
+            if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
+                pl = placements(plans[fqn].storage, mesh)
+                local = torch.empty(plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
+                                    dtype=p.dtype, device=dev)
+                dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                        stride=torch.empty(plans[fqn].shape, device="meta").stride())
+                m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                continue
             if p.is_meta:
                 if n not in fulls:
                     raise AnnotationError(

@@ -238,7 +238,8 @@ class Llama(nn.Module):
         x = constrain(F.embedding(tokens, self.tok_emb), ("batch", "seq", "embed"))
         for layer in self.layers:
             x = layer(x)
-        x = self.norm(x)
+        # The output head needs every position (a vocab-parallel head is column-parallel).
+        x = constrain(self.norm(x), ("batch", WHOLE, "embed"))
         head = self.tok_emb if self.cfg.tie_embeddings else self.lm_head  # one at-use gather, not two
         logits = constrain(F.linear(x, head), ("batch", "seq", "vocab"))
         if labels is None:

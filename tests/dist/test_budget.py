@@ -101,31 +101,26 @@ def budget(layout: str, mesh: dict) -> dict:
     if layout in ("tp", "fsdp_tp"):
         # Megatron TP: 2 all-reduces of bsh per block forward, 2 backward; plus the
         # vocab-parallel embedding, whose Partial output is all-reduced (1 x bsh forward;
-        # its backward needs none: each rank keeps its vocab rows' gradient).
+        # its backward needs none: each rank keeps its vocab rows' gradient), and the
+        # vocab-parallel output head, a column-parallel linear whose input gradient is
+        # all-reduced (1 x bsh backward), as Megatron's output layer does.
         add("all_reduce", "tp", "forward", 2 * L + 1, (2 * L + 1) * bsh)
-        add("all_reduce", "tp", "backward", 2 * L, 2 * L * bsh)
+        add("all_reduce", "tp", "backward", 2 * L + 1, (2 * L + 1) * bsh)
     if layout in ("tp_sp", "fsdp_tp_sp"):
         # TP+SP: each all-reduce becomes an all-gather + a reduce-scatter of the same bsh:
-        # forward gathers each block's two inputs (2L) and reduce-scatters its two outputs
-        # and the embedding's (2L+1); backward mirrors it.  Extra under SP: the norm weights
-        # see a seq-sharded input, so their gradients (2L+1 norms, h floats) are all-reduced.
-        add("all_gather", "tp", "forward", 2 * L, 2 * L * bsh)
+        # forward gathers the two inputs of each block and the output head's input (2L+1) and
+        # reduce-scatters each block's two outputs and the embedding's (2L+1); backward
+        # mirrors it.  Extra under SP: the norm weights see a seq-sharded input, so their
+        # gradients (2L+1 norms, h floats) are all-reduced.
+        add("all_gather", "tp", "forward", 2 * L + 1, (2 * L + 1) * bsh)
         add("reduce_scatter", "tp", "forward", 2 * L + 1, (2 * L + 1) * bsh)
         add("all_gather", "tp", "backward", 2 * L + 1, (2 * L + 1) * bsh)
-        add("reduce_scatter", "tp", "backward", 2 * L, 2 * L * bsh)
+        add("reduce_scatter", "tp", "backward", 2 * L + 1, (2 * L + 1) * bsh)
         add("all_reduce", "tp", "backward", 2 * L + 1, (2 * L + 1) * h * 4)
     return out
 
 
-KNOWN = {
-    # Reported to the lead (lower.py _AtUse.backward): DTensor reduces (Partial, Partial) ->
-    # (Replicate, Shard) one mesh dim at a time in mesh order, so the dp all-reduce runs on
-    # the whole gradient (P) before the fsdp reduce-scatter, 2x the budget on the slow axis.
-    "hsdp": "dp all-reduce of the whole gradient before the fsdp reduce-scatter (2x budget)",
-    # Reported: backward leaves the residual-stream gradient Partial over tp through the
-    # norms, so weight gradients are reduce-scattered instead of 2 bsh all-reduces per block.
-    "tp": "backward reduces weight grads over tp instead of Megatron's activation all-reduces",
-}
+KNOWN: dict[str, str] = {}
 
 CASES = [
     ("single", {"dp": 4}), ("ddp", {"dp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}),

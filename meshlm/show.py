@@ -1,0 +1,83 @@
+"""``meshlm layout show``: where every parameter of a model lives under a layout and mesh.
+
+Pure planning: the model is built on the meta device and nothing is communicated, so any
+mesh size works in one process (no process group is needed to place parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshlm.layout import describe, load_layout
+from meshlm.lower import ParamPlan, plan_params
+from meshlm.mesh import MeshSpec
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _placement_str(plan, names: tuple[str, ...]) -> str:
+    """DTensor-style placements per mesh axis, e.g. ``fsdp:S(2) tp:S(0)``."""
+    parts = []
+    for n in names:
+        d = next((i for i, axes in enumerate(plan) if n in axes), None)
+        parts.append(f"{n}:{'R' if d is None else f'S({d})'}")
+    return " ".join(parts) or "R"
+
+
+def layout_rows(model: str, layout: str, mesh: str) -> tuple[list[dict], MeshSpec]:
+    """One dict per parameter: fqn, axes, storage/compute/grads/optimizer placements,
+    global and local shapes, bytes per rank."""
+    from meshlm.models import Llama, llama_config
+
+    spec = MeshSpec.parse(mesh)
+    lay = load_layout(layout)
+    with torch.device("meta"):
+        m = Llama(llama_config(model), device="meta")
+    plans = plan_params(m, lay, spec)
+    sizes = spec.as_dict()
+    names = tuple(a for a, s in spec.active())
+    rows = []
+    for fqn, pp in plans.items():
+        local = pp.local_shape(pp.storage, sizes)
+        numel = 1
+        for n in local:
+            numel *= n
+        rows.append({
+            "fqn": fqn,
+            "axes": "(" + ", ".join(a or "-" for a in pp.axes) + ")",
+            "storage": _placement_str(pp.storage, names),
+            "compute": _placement_str(pp.compute, names),
+            "grads": "local" if pp.grads is None else _placement_str(pp.grads, names),
+            "optimizer": _placement_str(pp.optimizer, names),
+            "global": "x".join(map(str, pp.shape)),
+            "local": "x".join(map(str, local)),
+            "bytes": numel * torch.empty((), dtype=pp.dtype, device="meta").element_size(),
+        })
+    return rows, spec
+
+
+def layout_table(model: str, layout: str, mesh: str) -> str:
+    """The table ``meshlm layout show`` prints."""
+    rows, spec = layout_rows(model, layout, mesh)
+    lay = load_layout(layout)
+    cols = ["fqn", "axes", "storage", "compute", "global", "local", "bytes/rank"]
+    show_go = any(r["grads"] != r["storage"] or r["optimizer"] != r["storage"] for r in rows)
+    if show_go:
+        cols[4:4] = ["grads", "optimizer"]
+    table = [[r["fqn"], r["axes"], r["storage"], r["compute"]] + ([r["grads"], r["optimizer"]] if show_go else [])
+             + [r["global"], r["local"], _fmt_bytes(r["bytes"])] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    total = sum(r["bytes"] for r in rows)
+    out = [f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model}",
+           "placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated", "",
+           line(cols), line(["-" * w for w in widths])]
+    out += [line(t) for t in table]
+    out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]
+    return "\n".join(out)

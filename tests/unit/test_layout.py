@@ -1,0 +1,196 @@
+"""The resolver as tables, the YAML schema, and every layout error in logical terms."""
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import meshlm
+from meshlm.errors import AnnotationError, AxisError, LayoutError, MeshError
+from meshlm.layout import load_layout, parse_layout, resolve, shipped_layouts
+from meshlm.lower import plan_params
+from meshlm.mesh import MeshSpec
+from meshlm.models import CONFIGS, Llama, llama_config
+
+FSDP_TP = parse_layout({
+    "params": {"embed": "fsdp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
+    "compute": {"batch": ["dp", "fsdp"], "seq": "tp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
+}, name="t", source="t.yaml")
+
+# (axes, section, mesh, expected per-dim mesh axes)
+RESOLVE_TABLE = [
+    # storage of an MLP weight: mlp over tp, embed over fsdp
+    (("mlp", "embed"), "params", {"fsdp": 2, "tp": 2}, (("tp",), ("fsdp",))),
+    # compute drops fsdp (gather at use) but keeps tp
+    (("mlp", "embed"), "compute", {"fsdp": 2, "tp": 2}, (("tp",), ())),
+    # a list shards one dim over several mesh axes, outer -> inner
+    (("batch", "seq", "embed"), "compute", {"dp": 2, "fsdp": 2}, (("dp", "fsdp"), (), ())),
+    # absent mesh axes drop out
+    (("batch", "seq", "embed"), "compute", {"fsdp": 4}, (("fsdp",), (), ())),
+    # size-1 mesh axes drop out
+    (("batch", "seq", "embed"), "compute", {"dp": 1, "fsdp": 1, "tp": 1}, ((), (), ())),
+    # sequence parallel between blocks: seq over tp
+    (("batch", "seq", "embed"), "compute", {"fsdp": 2, "tp": 2}, (("fsdp",), ("tp",), ())),
+    # NOTE [sequence yields]: inside attention heads take tp and seq is gathered
+    (("batch", "heads", "seq", "head_dim"), "compute", {"fsdp": 2, "tp": 2}, (("fsdp",), ("tp",), (), ())),
+    (("batch", "seq", "vocab"), "compute", {"tp": 4}, ((), (), ("tp",))),
+    # None is never sharded
+    (("batch", None, "embed"), "compute", {"fsdp": 2, "tp": 2}, (("fsdp",), (), ())),
+    # unmapped logical axes are replicated
+    (("head_dim",), "params", {"fsdp": 2, "tp": 2}, ((),)),
+]
+
+
+@pytest.mark.parametrize("axes,section,mesh,expected", RESOLVE_TABLE)
+def test_resolve_table(axes, section, mesh, expected):
+    assert resolve(axes, FSDP_TP.rules(section), mesh) == expected
+
+
+def test_shipped_layouts_all_present_and_documented():
+    names = set(shipped_layouts())
+    want = {"single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp"}
+    assert want <= names
+    for n in want:
+        lay = load_layout(n)
+        assert len(lay.description) > 80, f"layouts/{n}.yaml needs a header comment saying when to use it"
+
+
+def test_zero_layout_sections():
+    z1, z2 = load_layout("zero1"), load_layout("zero2")
+    assert z1.grads == "local" and z1.optimizer_rules["embed"] == ("dp", "fsdp") and z1.params == {}
+    assert z2.grad_rules["embed"] == ("dp", "fsdp") and z2.optimizer_rules == z2.grad_rules and z2.params == {}
+
+
+def test_unknown_logical_axis_in_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("params:\n  embd: fsdp\n")
+    with pytest.raises(AxisError, match=r"bad.yaml: params.embd: unknown logical axis 'embd'.*embed"):
+        load_layout(str(p))
+
+
+def test_unknown_mesh_axis_in_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("compute:\n  batch: [dp, fdsp]\n")
+    with pytest.raises(AxisError, match=r"compute.batch: unknown mesh axis 'fdsp'"):
+        load_layout(str(p))
+
+
+def test_malformed_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("params: {embed: fsdp\n")
+    with pytest.raises(LayoutError, match="is not valid YAML"):
+        load_layout(str(p))
+    p.write_text("- embed\n")
+    with pytest.raises(LayoutError, match="a layout is a mapping"):
+        load_layout(str(p))
+    p.write_text("parms: {}\n")
+    with pytest.raises(LayoutError, match=r"unknown section\(s\) \['parms'\]"):
+        load_layout(str(p))
+    p.write_text("params: {embed: 3}\n")
+    with pytest.raises(LayoutError, match="expected a mesh axis"):
+        load_layout(str(p))
+
+
+def test_non_canonical_list_order(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("compute:\n  batch: [fsdp, dp]\n")
+    with pytest.raises(LayoutError, match=r"write \['dp', 'fsdp'\]"):
+        load_layout(str(p))
+
+
+def test_unknown_layout_name_lists_shipped():
+    with pytest.raises(LayoutError, match="Shipped layouts: .*fsdp_tp"):
+        load_layout("fsdp_pt")
+
+
+def test_mesh_axis_used_twice_in_one_tensor():
+    lay = parse_layout({"params": {"mlp": "tp", "embed": "tp"}}, source="layouts/x.yaml")
+    m = Llama(llama_config("llama_tiny"), device="meta")
+    with pytest.raises(LayoutError, match=r"param `layers.0.mlp.w_gate`: mesh axis 'tp' is used twice.*params.mlp and params.embed"):
+        plan_params(m, lay, {"tp": 2})
+
+
+def test_indivisible_dim_names_param_size_axis_and_layout_key():
+    # 6 kv heads over tp=4
+    m = Llama(llama_config("llama_tiny", heads=12, kv_heads=6, embed=96), device="meta")
+    with pytest.raises(LayoutError) as e:
+        plan_params(m, load_layout("tp"), {"tp": 4})
+    msg = str(e.value)
+    for part in ("layers.0.attn.wk", "'kv_heads' (size 6)", "mesh axis tp (size 4)", "tp.yaml: params.kv_heads"):
+        assert part in msg, (part, msg)
+
+
+class _Unannotated(nn.Module):
+    param_axes = {"w": ("embed", "mlp")}
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 8))
+        self.bias = nn.Parameter(torch.zeros(8))
+
+
+def test_unannotated_parameter_is_an_error_not_replicated():
+    with pytest.raises(AnnotationError, match=r"parameter `bias` .*_Unannotated.param_axes has no entry 'bias'"):
+        plan_params(_Unannotated(), load_layout("ddp"), {"dp": 2})
+
+
+def test_wrong_number_of_axes():
+    class M(nn.Module):
+        param_axes = {"w": ("embed",)}
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 8))
+
+    with pytest.raises(AnnotationError, match="has 2 dims"):
+        plan_params(M(), load_layout("ddp"), {"dp": 2})
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_parameter_of_every_model_is_annotated(name):
+    m = Llama(llama_config(name), device="meta")
+    plans = plan_params(m, load_layout("single"), {"dp": 1})
+    assert set(plans) == {n for n, _ in m.named_parameters()}
+    for fqn, p in plans.items():
+        assert len(p.axes) == len(p.shape) and all(a is not None for a in p.axes), fqn
+
+
+def test_mesh_spec_parse():
+    assert MeshSpec.parse("tp=2,fsdp=2").axes == (("fsdp", 2), ("tp", 2))  # canonical order
+    assert MeshSpec.parse({"dp": -1, "tp": 2}, world_size=8).as_dict() == {"dp": 4, "tp": 2}
+    assert MeshSpec.parse({"dp": 1, "fsdp": 4, "tp": 1}).active() == (("fsdp", 4),)
+    with pytest.raises(MeshError, match="at most one axis may be -1"):
+        MeshSpec.parse({"dp": -1, "tp": -1}, world_size=8)
+    with pytest.raises(MeshError, match="does not divide the world size 6"):
+        MeshSpec.parse({"dp": -1, "tp": 4}, world_size=6)
+    with pytest.raises(AxisError, match="unknown mesh axis 'xp'"):
+        MeshSpec.parse("xp=2")
+
+
+def test_make_mesh_outside_launch_says_how_to_fix():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(MeshError, match="needs 4 processes.*torchrun --nproc-per-node 4"):
+        meshlm.make_mesh({"fsdp": 2, "tp": 2})
+
+
+def test_model_runs_unchanged_without_shard():
+    """Annotations are data: with no lowering, constrain is the identity and the model is
+    plain PyTorch."""
+    cfg = llama_config("llama_tiny")
+    m = Llama(cfg, seed=0)
+    toks = torch.randint(0, cfg.vocab, (2, 8))
+    logits = m(toks)
+    assert logits.shape == (2, 8, cfg.vocab) and type(logits) is torch.Tensor
+    loss = m(toks, toks)
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    # the same seed gives the same weights; init_params replays the same order
+    m2 = Llama(cfg, device="meta")
+    m2 = m2.to_empty(device="cpu")
+    meshlm.init_params(m2, 0)
+    for (n, a), (_, b) in zip(m.named_parameters(), m2.named_parameters()):
+        assert torch.equal(a, b), n
