@@ -113,8 +113,7 @@ def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | N
     dp_rep, dp_shard, tp, sp = STRATEGIES[layout](mesh_sizes)
     mc, par = _model_config(cfg, sp, tp, dp_shard, dp_rep, seq)
     dist_utils.set_spmd_backend("partial_dtensor")
-    dims = ParallelDims(dp_replicate=dp_rep, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
-                        world_size=dist.get_world_size())
+    dims = ParallelDims.from_config(par, dist.get_world_size())
     dims.build_mesh()
     with torch.device("meta"):
         model = mc.build()

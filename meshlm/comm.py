@@ -92,6 +92,17 @@ class Collective:
         return self.bytes * ring_factor(self.kind, self.group_size)
 
 
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group  # private
+
+    return _resolve_process_group(name)
+
+
+def _ranks(pg) -> tuple[int, ...]:
+    """The sorted global ranks a process group spans (NOTE [groups by ranks])."""
+    return tuple(sorted(dist.get_process_group_ranks(pg)))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -106,13 +117,18 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.records: list[Collective] = []
         self._phase = "forward"
-        self._names: dict[str, tuple[str, ...]] = {}
+        # NOTE [groups by ranks]: a group is named by the set of global ranks it spans, not
+        # by its c10d name.  Building a second mesh of the same shape in one process (as a
+        # test pool does) gives DeviceMesh new group names while DTensor may still issue
+        # collectives on groups of the first, equal in ranks; matching names fails there.
+        self._by_ranks: dict[tuple[int, ...], tuple[str, ...]] = {}
+        self._cache: dict[str, tuple[str, ...]] = {}
         if mesh is not None:
             names = tuple(mesh.mesh_dim_names or ())
             for i, n in enumerate(names):
-                self._names[mesh.get_group(i).group_name] = (n,)
-            if dist.is_initialized():
-                self._names.setdefault(dist.group.WORLD.group_name, names)
+                self._by_ranks[_ranks(mesh.get_group(i))] = (n,)
+            if names and dist.is_initialized():
+                self._by_ranks.setdefault(tuple(range(dist.get_world_size())), names)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -124,18 +140,23 @@ class CommCounter(TorchDispatchMode):
             self._phase = prev
 
     # ------------------------------------------------------------------ recording
-    def _axes(self, group_name) -> tuple[str, ...]:
-        if not isinstance(group_name, str):
-            group_name = getattr(group_name, "group_name", None)
-        return self._names.get(group_name, ("?",)) if group_name is not None else ("?",)
+    def _axes(self, group) -> tuple[str, ...]:
+        name = group if isinstance(group, str) else getattr(group, "group_name", None)
+        if name is None:
+            return ("?",)
+        if name not in self._cache:
+            try:
+                pg = group if not isinstance(group, str) else _resolve(group)
+                self._cache[name] = self._by_ranks.get(_ranks(pg), ("?",))
+            except Exception:  # pragma: no cover - a group c10d cannot resolve
+                self._cache[name] = ("?",)
+        return self._cache[name]
 
     def _group_size(self, group_name) -> int:
         try:
             if not isinstance(group_name, str):
                 return group_name.size()
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(group_name).size()
+            return _resolve(group_name).size()
         except Exception:  # pragma: no cover - unnamed group
             return 0
 

@@ -259,7 +259,28 @@ def _checkpointed_forward(self, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
     base = type(self).__mro__[1].forward
-    return checkpoint(base, self, *args, use_reentrant=False, context_fn=_regather_context, **kwargs)
+    return checkpoint(keep_constraints(base), self, *args, use_reentrant=False, context_fn=_regather_context,
+                      **kwargs)
+
+
+def keep_constraints(fn):
+    """``fn`` with the constrain handler active now (inside the sharded forward) also
+    active when torch.utils.checkpoint re-runs it in backward, outside the root forward.
+    Without it, the recompute sees ``constrain`` as the identity: a Partial attention
+    output stays Partial into the MLP, so the saved inputs differ from forward's and the
+    weight gradients come out Partial over tp at full size (extra reduce-scatters)."""
+    handler = annotate._handler
+
+    def run(*args, **kwargs):
+        if annotate._handler is handler:
+            return fn(*args, **kwargs)
+        prev, annotate._handler = annotate._handler, handler
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            annotate._handler = prev
+
+    return run
 
 
 @dataclass
