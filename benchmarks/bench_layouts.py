@@ -440,7 +440,7 @@ def main(argv=None) -> int:
     results = {}
     t_start = time.time()
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    with DistPool(4, timeout_s=300, env=env) as pool:
+    with DistPool(4, timeout_s=300, env=env, job_timeout_s=3600) as pool:
         for lay in layouts:
             t0 = time.time()
             try:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.lower import local_box
 
 __all__ = ["load_hf", "save_hf", "export_checkpoint", "import_hf", "convert_main", "hf_config_to_llama",
            "llama_to_hf_config", "hf_name"]
@@ -130,24 +131,6 @@ def read_hf_config(path: str):
 
 
 # --------------------------------------------------------------------------- local boxes
-def _local_box(shape, mesh, pls) -> list[tuple[int, int]]:
-    """(start, length) per dim of this rank's block under placements ``pls`` (even shards,
-    several mesh axes on one dim outer -> inner: NOTE [shard order] in meshlm.lower)."""
-    box = [(0, n) for n in shape]
-    per_dim: dict[int, list[int]] = {}
-    for i, p in enumerate(pls):
-        if p.is_shard():
-            per_dim.setdefault(p.dim, []).append(i)
-    for d, mdims in per_dim.items():
-        idx, k = 0, 1
-        for i in mdims:
-            idx = idx * mesh.size(i) + mesh.get_local_rank(i)
-            k *= mesh.size(i)
-        n = shape[d] // k
-        box[d] = (idx * n, n)
-    return box
-
-
 def _owns_replica(mesh, pls) -> bool:
     """This rank writes its block: the first replica along every replicated mesh axis."""
     return all(p.is_shard() or mesh.get_local_rank(i) == 0 for i, p in enumerate(pls))
@@ -230,7 +213,7 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
             local = p.to_local()
-            box = _local_box(tuple(p.shape), p.device_mesh, p.placements)
+            box = local_box(tuple(p.shape), p.device_mesh, p.placements)
             block = _read_block(reader, fqn, tuple(p.shape), box)
             if tuple(block.shape) != tuple(local.shape):
                 raise CheckpointError(f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}")
@@ -312,7 +295,7 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
                 if isinstance(p, DTensor):
                     if not _owns_replica(p.device_mesh, p.placements):
                         continue
-                    local, box = p.to_local(), _local_box(shape, p.device_mesh, p.placements)
+                    local, box = p.to_local(), local_box(shape, p.device_mesh, p.placements)
                 elif rank == 0:
                     local, box = p.detach(), [(0, n) for n in shape]
                 else:

@@ -129,10 +129,11 @@ def placements(plan: DimPlan, mesh: "DeviceMesh | tuple[str, ...]") -> tuple[Pla
     return tuple(out)
 
 
-def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tensor:
-    """This rank's block of ``full`` (the same on every rank) under ``pl``; no communication."""
+def local_box(shape: Sequence[int], mesh: DeviceMesh, pl: Sequence[Placement]) -> list[tuple[int, int]]:
+    """(start, length) per dim of this rank's block of a tensor of ``shape`` under ``pl``
+    (even shards; several mesh axes on one dim outer -> inner, NOTE [shard order])."""
     names = mesh.mesh_dim_names or ()
-    t = full
+    box = [(0, n) for n in shape]
     per_dim: dict[int, list[int]] = {}
     for i, p in enumerate(pl):
         if isinstance(p, Shard):
@@ -142,11 +143,20 @@ def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tens
         for i in mdims:
             idx = idx * mesh.size(i) + mesh.get_local_rank(i)
             k *= mesh.size(i)
-        if t.shape[d] % k:
-            raise LayoutError(f"dim {d} of size {t.shape[d]} is not divisible by mesh axes "
+        if shape[d] % k:
+            raise LayoutError(f"dim {d} of size {shape[d]} is not divisible by mesh axes "
                               f"{[names[i] for i in mdims]} (size {k})")
-        n = t.shape[d] // k
-        t = t.narrow(d, idx * n, n)
+        n = shape[d] // k
+        box[d] = (idx * n, n)
+    return box
+
+
+def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tensor:
+    """This rank's block of ``full`` (the same on every rank) under ``pl``; no communication."""
+    t = full
+    for d, (start, n) in enumerate(local_box(full.shape, mesh, pl)):
+        if n != full.shape[d]:
+            t = t.narrow(d, start, n)
     return t
 
 

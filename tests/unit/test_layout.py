@@ -194,3 +194,16 @@ def test_model_runs_unchanged_without_shard():
     meshlm.init_params(m2, 0)
     for (n, a), (_, b) in zip(m.named_parameters(), m2.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_layout_show_cli_table(capsys):
+    from meshlm.cli import main
+
+    assert main(["layout", "show", "fsdp_tp", "--model", "llama3_8b", "--mesh", "dp=8,fsdp=16,tp=8"]) == 0
+    out = capsys.readouterr().out
+    assert "on mesh dp=8,fsdp=16,tp=8 (1024 devices)" in out
+    row = next(l for l in out.splitlines() if l.startswith("layers.0.attn.wq "))
+    # heads over tp (dim 0), embed over fsdp (dim 2); 32x128x4096 -> 4x128x256 fp32 per rank
+    assert "dp:R fsdp:S(2) tp:S(0)" in row and "32x128x4096" in row and "4x128x256" in row and "512.00 KiB" in row
+    assert main(["layout", "show", "tp", "--model", "llama_tiny", "--mesh", "tp=3"]) == 1
+    assert "not divisible by mesh axis tp (size 3)" in capsys.readouterr().err
