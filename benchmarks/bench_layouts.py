@@ -350,11 +350,12 @@ def render(results: dict, meta: dict) -> str:
         f"(slowest rank); compiled = per-block torch.compile, backend `{meta['backend']}`.",
         "Memory = peak tracked tensor storage per rank in one eager step (params + grads + optimizer state + "
         "activations + communication buffers that torch allocates; not gloo internals or the Python heap).",
-        "Collectives and MB are per rank per step, eager, counted by meshlm.comm.CommCounter; ring MB = bytes on "
-        "the wire of a ring algorithm; budget = meshlm.plan (REFERENCE.md formulas).",
+        "Collectives and MB are per rank per step, eager, counted by meshlm.comm.CommCounter; MB = logical bytes "
+        "(NOTE [logical bytes] in meshlm/comm.py; ring bytes are not compared because CommCounter cannot size the "
+        "groups of c10d ops that DDP and FSDP2 issue); budget = meshlm.plan (REFERENCE.md formulas).",
         "",
-        "| layout | impl | eager s | compiled s | tok/s (eager) | peak MB | colls | ring MB | budget ring MB "
-        "| eager / torch | compiled / titan | mem / torch | ring MB / titan |",
+        "| layout | impl | eager s | compiled s | tok/s (eager) | peak MB | colls | MB | budget MB "
+        "| eager / torch | compiled / titan | mem / torch | MB / titan |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layout, res in results.items():
@@ -372,14 +373,14 @@ def render(results: dict, meta: dict) -> str:
             row = [layout, impl, f"{e['step_s']:.3f}" if e.get("step_s") else "-",
                    f"{c['step_s']:.3f}" if c.get("step_s") else "-",
                    f"{tokens / e['step_s']:.0f}" if e.get("step_s") else "-", _mb(e.get("peak_bytes")),
-                   str(e.get("collectives", "-")), _mb(e.get("wire_bytes")),
-                   _mb(bud["wire_bytes"]) if impl == "meshlm" else ""]
+                   str(e.get("collectives", "-")), _mb(e.get("bytes")),
+                   _mb(bud["bytes"]) if impl == "meshlm" else ""]
             if impl == "meshlm":
                 te, tc = res.get("torch/eager", {}), res.get("titan/compiled", {})
                 ti = res.get("titan/eager", {})
                 row += [_ratio(e.get("step_s"), te.get("step_s")), _ratio(c.get("step_s"), tc.get("step_s")),
                         _ratio(e.get("peak_bytes"), te.get("peak_bytes")),
-                        _ratio(e.get("wire_bytes"), ti.get("wire_bytes"))]
+                        _ratio(e.get("bytes"), ti.get("bytes"))]
             else:
                 row += ["", "", "", ""]
             lines.append("| " + " | ".join(row) + " |")
@@ -415,7 +416,14 @@ def main(argv=None) -> int:
                     help="compiled variants' backend (none: eager only)")
     ap.add_argument("--no-titan", action="store_true", help="skip the torchtitan column")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--render", metavar="JSON", help="only re-render the markdown table of a results JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        d = json.loads(Path(args.render).read_text())
+        md = render(d["results"], d["meta"])
+        Path(args.render).with_suffix(".md").write_text(md)
+        print(md)
+        return 0
     layouts = [x for x in args.layouts.split(",") if x]
     for lay in layouts:
         if lay not in LAYOUTS:
@@ -484,7 +492,8 @@ def main(argv=None) -> int:
 
     def clean(o):
         if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items() if k not in ("model", "opt", "step", "mesh")}
+            return {k: clean(v) for k, v in o.items()
+                    if isinstance(v, (str, int, float, bool, list, tuple, dict, set, type(None)))}
         if isinstance(o, (list, tuple)):
             return [clean(x) for x in o]
         if isinstance(o, set):

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if dev.type == "cuda" else None)
     torch.manual_seed(0)
     toks = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    x, y = toks[:, :-1].to(dev), toks[:, 1:].to(dev)
+    x, y = toks[:, :-1].contiguous().to(dev), toks[:, 1:].contiguous().to(dev)  # meshlm: labels must be contiguous
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     for name, step in variants.items():
         t0 = time.perf_counter()
         for _ in range(args.warmup):
-            losses[name] = float(step())
+            losses[name] = float(step().detach())
         _sync(dev)
         warm[name] = time.perf_counter() - t0
     times: dict[str, list[float]] = {n: [] for n in variants}

@@ -399,7 +399,7 @@ def _wrap_input(st: ShardState, local: Tensor, axes: Axes) -> DTensor:
         if isinstance(p, Shard):
             gshape[p.dim] *= mesh.size(i)
     pl = st.input_placements(axes, gshape)
-    return DTensor.from_local(local.to(mesh.device_type), mesh, pl, run_check=False,
+    return DTensor.from_local(local.to(mesh.device_type).contiguous(), mesh, pl, run_check=False,
                               shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride())
 
 
@@ -422,6 +422,7 @@ def shard(
     *,
     seed: int = 0,
     init: bool = True,
+    param_dtype: Optional[torch.dtype] = None,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
@@ -431,6 +432,7 @@ def shard(
     values as ``meshlm.annotate.init_params(model, seed)`` on one device); a model holding
     real weights (the same on every rank) is distributed from those weights.  With
     ``init=False`` the shards of a meta model are left uninitialised (to be loaded into).
+    ``param_dtype`` is the storage dtype of the shards (initialised in fp32, then cast).
     ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
     dtype gradients are reduced in.
     """
@@ -440,7 +442,7 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    _materialize(model, plans, mesh, seed if init else None)
+    _materialize(model, plans, mesh, seed if init else None, param_dtype)
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
@@ -499,7 +501,8 @@ def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
             raise LayoutError(f"{layout.source}: mesh axis {a!r} is not a dim of this DeviceMesh")
 
 
-def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int]) -> None:
+def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
+                 param_dtype: Optional[torch.dtype] = None) -> None:
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
@@ -525,7 +528,7 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
             if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
                 pl = placements(plans[fqn].storage, mesh)
                 local = torch.empty(plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
-                                    dtype=p.dtype, device=dev)
+                                    dtype=param_dtype or p.dtype, device=dev)
                 dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
                                         stride=torch.empty(plans[fqn].shape, device="meta").stride())
                 m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -542,7 +545,7 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 full = p.detach()
             pl = placements(plans[fqn].storage, mesh)
             local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
-            local = local.to(dev).clone().contiguous()
+            local = local.to(dev, dtype=param_dtype or local.dtype).clone().contiguous()
             dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
                                     stride=torch.empty(plans[fqn].shape, device="meta").stride())
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)

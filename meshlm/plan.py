@@ -141,15 +141,39 @@ def model_config(model: "str | LlamaConfig") -> tuple[str, LlamaConfig]:
 
 
 _PLAN_CACHE: dict = {}
-_MODELS: dict = {}  # one meta model per config: building it dominates planning time
+_MODELS: dict = {}  # one one-layer meta model per config
 
 
-def _param_plans(cfg: LlamaConfig, layout: Layout, sizes: dict[str, int]) -> dict[str, ParamPlan]:
+@dataclass(frozen=True)
+class _Param:
+    """One parameter's plan and how many identical copies the model holds (every layer's
+    parameters are planned once, on layer 0, and counted ``L`` times)."""
+
+    plan: ParamPlan
+    count: int
+    in_block: bool
+    name: str  # the FQN with ``layers.<i>.`` removed
+
+
+def _param_plans(cfg: LlamaConfig, layout: Layout, sizes: dict[str, int]) -> list[_Param]:
+    """Per-parameter plans, each distinct parameter planned once.
+
+    NOTE [one layer]: every block of our Llama has the same parameters (names, shapes,
+    axes), so planning layer 0 of a one-layer model and counting it ``layers`` times gives
+    the plans of the whole model; planning cost is independent of depth."""
     key = (cfg, layout.source, layout.name, tuple(sorted(sizes.items())))
     if key not in _PLAN_CACHE:
-        if cfg not in _MODELS:
-            _MODELS[cfg] = Llama(cfg, device="meta")
-        _PLAN_CACHE[key] = plan_params(_MODELS[cfg], layout, sizes)
+        one = replace(cfg, layers=1)
+        if one not in _MODELS:
+            _MODELS[one] = Llama(one, device="meta")
+        out = []
+        for fqn, pp in plan_params(_MODELS[one], layout, sizes).items():
+            in_block = fqn.startswith("layers.")
+            out.append(_Param(pp, cfg.layers if in_block else 1, in_block,
+                              fqn.split(".", 2)[2] if in_block else fqn))
+        if len(_PLAN_CACHE) > 4096:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = out
     return _PLAN_CACHE[key]
 
 
@@ -168,37 +192,44 @@ def plan(
     """Predict per-rank memory and per-step communication (see the module docstring).
 
     ``global_batch`` sequences per optimizer step over all ranks, in ``grad_accum``
-    micro-batches; activations are per micro-batch."""
+    micro-batches; activations are per micro-batch.  ``activation_checkpointing`` is
+    ``none``, ``selective`` or ``full`` (``train.activation_checkpointing``)."""
     name, cfg = model_config(model)
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
     sizes = {a: s for a, s in spec.axes}
-    plans = _param_plans(cfg, lay, sizes)
+    if activation_checkpointing not in ("none", "selective", "full"):
+        raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: choose none, selective or full")
+    params_ = _param_plans(cfg, lay, sizes)
     pdt = _dtype(param_dtype)
     mdt = _dtype(master_dtype, pdt)
     B, MB = _bytes(pdt), _bytes(mdt)
+    batch_axes = _batch_axes(lay, sizes)
+    n_batch = _prod(batch_axes, sizes) * grad_accum
+    if global_batch % n_batch:
+        raise ConfigError(f"global batch {global_batch} does not split into {grad_accum} micro-batch(es) over "
+                          f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards)")
 
     # ---------------------------------------------------------------- model state
     params = grads = optim = 0
-    for pp in plans.values():
+    for prm in params_:
+        pp, k = prm.plan, prm.count
         n_store = _local_numel(pp, pp.storage, sizes)
         n_opt = _local_numel(pp, pp.optimizer, sizes)
-        params += n_store * B
+        params += k * n_store * B
         gplan = pp.grads if pp.grads is not None else pp.storage  # ZeRO-1: whole local grads
-        grads += _local_numel(pp, gplan, sizes) * B
+        grads += k * _local_numel(pp, gplan, sizes) * B
         direct = pp.optimizer == pp.storage and pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt
         # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
-        optim += 2 * n_opt * MB + 4
+        optim += k * (2 * n_opt * MB + 4)
         if not direct:
-            optim += n_opt * MB  # the master copy
+            optim += k * n_opt * MB  # the master copy
             # the master's gradient is a new buffer unless the grad already is in optimizer
             # placements and dtype (ZeRO-2 in fp32: the same tensor)
             if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt):
-                grads += n_opt * MB
+                grads += k * n_opt * MB
 
     psi = cfg.num_params()
-    data = [a for a in DATA_AXES if sizes.get(a, 1) > 1]
-    n_data = _prod(data, sizes)
     t = sizes.get("tp", 1)
     formulas: dict[str, Any] = {
         "psi": psi,
@@ -206,17 +237,47 @@ def plan(
     }
 
     # ---------------------------------------------------------------- activations
-    batch_axes = _batch_axes(lay, sizes)
-    b_local = global_batch // grad_accum // _prod(batch_axes, sizes)
-    act, act_formula = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt)
-    formulas["activations"] = act_formula
-    memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act}
+    b_local = global_batch // n_batch
+    regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather)
+    gathered = _held_gathered(params_, sizes, regather, B)
+    formulas["activations"] = act
+    memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
+              "gathered": gathered, "recompute": act["recompute"]}
     memory["total"] = sum(memory.values())
 
-    comm = _comm(cfg, lay, sizes, plans, b_local, seq, B, MB, mdt != pdt, batch_axes, grad_accum)
+    ckpt = regather or activation_checkpointing != "none"
+    comm = _comm(cfg, lay, sizes, params_, b_local, seq, B, mdt != pdt, batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, B, batch_axes)
     return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, str(pdt).removeprefix("torch."),
                 str(mdt).removeprefix("torch."), activation_checkpointing, memory, formulas, comm)
+
+
+def _regathers(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
+    """Gathered over a data axis at use (lower.py ``_needs_regather``, on active axes)."""
+    return any(a in DATA_AXES and a not in c and sizes.get(a, 1) > 1 for s_, c in zip(pp.storage, pp.compute) for a in s_)
+
+
+def _held_gathered(params_: list[_Param], sizes: Mapping[str, int], regather: bool, B: int) -> int:
+    """Bytes of at-use copies of parameters that autograd keeps from forward to backward.
+
+    A parameter whose compute placements differ from its storage is redistributed (a new
+    tensor) at use, and ``F.linear``/the norm's multiply save that copy for backward.  Block
+    parameters gathered over a data axis are not kept (NOTE [re-gather in backward]); the
+    embedding table is not kept either (``F.embedding`` saves only the token ids), unless it
+    is tied to the output head."""
+    out = 0
+    for prm in params_:
+        pp = prm.plan
+        if [[a for a in d if sizes.get(a, 1) > 1] for d in pp.compute] == \
+                [[a for a in d if sizes.get(a, 1) > 1] for d in pp.storage]:
+            continue  # used as stored: the saved tensor is (a view of) the parameter
+        if prm.in_block and regather:
+            continue
+        if prm.name == "tok_emb" and any(p.name == "lm_head" for p in params_):
+            continue
+        out += prm.count * _local_numel(pp, pp.compute, sizes) * B
+    return out
 
 
 def _shard_n(lay: Layout, sizes: Mapping[str, int]) -> int:
@@ -247,139 +308,9 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
                     f"Adam {2 * MB}Ψ/{'N' if stage >= 1 else '1'} (+ master {MB}Ψ/N if separate), Ψ/t with t={t}"}
 
 
-# --------------------------------------------------------------------------- activations
-def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
-                     ac: str, dtype: torch.dtype) -> tuple[int, dict[str, Any]]:
-    """Saved-for-backward bytes per rank per micro-batch (docs/plan.md, "Activations").
+#ACT
 
-    Per token of one block (elements, B bytes each; lse float32):
-      attention: 2h (norm input, normalised x) + h (norm output, the q/k/v input)
-                 + 2q + 2kv (q, k and their rotated halves for RoPE) + q (rotated q)
-                 + 2q (k, v expanded to all heads for GQA) + q (SDPA output)
-                 + a (logsumexp); the o-projection input is a view of the SDPA output,
-                 whose kernel lays it out (batch, seq, heads, head_dim)
-      MLP:       2h (norm) + h (norm output) + 4f (gate, silu(gate), up, silu*up)
-    with q = heads*head_dim, kv = kv_heads*head_dim, f = mlp, a = heads.
-    Under tp the q/kv/f/a terms divide by t; under sequence parallelism the norm terms
-    (4h) divide by t too.  Outside blocks: the final norm (2h + h) and the float32 logits'
-    log-softmax (vocab, divided by t when the vocab is sharded).  Full checkpointing keeps
-    the block input (h per token, divided by t under SP) per block, plus one block's worth
-    recomputed in backward.
-    """
-    h, hd = cfg.embed, cfg.hd
-    q, kv, f, a, V, L = cfg.heads * hd, cfg.kv_heads * hd, cfg.mlp, cfg.heads, cfg.vocab, cfg.layers
-    t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
-    tf = _prod([x for x in lay.compute.get("mlp", ()) if sizes.get(x, 1) > 1], sizes)
-    tv = _prod([x for x in lay.compute.get("vocab", ()) if sizes.get(x, 1) > 1], sizes)
-    ts = _prod([x for x in lay.compute.get("seq", ()) if sizes.get(x, 1) > 1], sizes)
-    B = _bytes(dtype)
-    norm = 4 * h / ts + 2 * h  # two norms (input + normalised), two gathered norm outputs
-    attn = (6 * q + 2 * kv) / t
-    mlp = 4 * f / tf
-    per_block = b * s * ((norm + attn + mlp) * B + 4 * a / t)
-    outside = b * s * ((2 * h / ts + h) * B + 4 * V / tv)
-    if ac == "full":
-        keep = b * s * h / ts * B * L
-        total = keep + per_block + outside
-    else:
-        total = per_block * L + outside
-    k_text = (f"sbh·(6 + (6q+2kv)/(h·t) + 4f/(h·t)) ·B + 4·sb·a/t per layer, q={q}, kv={kv}, f={f}, t={t}"
-              if ts == 1 else f"sbh·(4/t + 2 + (6q+2kv)/(h·t) + 4f/(h·t))·B + 4·sb·a/t per layer (SP), t={t}")
-    korthikanti = s * b * h * (34 + 5 * a * s / h) if t == 1 else (
-        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) if ts == 1 else s * b * h * (34 / t + 5 * a * s / (h * t)))
-    return int(total), {"per_layer": per_block, "outside_blocks": outside, "text": k_text,
-                        "korthikanti_gpt_16bit_per_layer": korthikanti}
-
-
-# --------------------------------------------------------------------------- communication
-def _comm(cfg, lay, sizes, plans, b, s, B, MB, mixed, batch_axes, accum) -> list[CommEntry]:
-    out: dict[tuple, CommEntry] = {}
-
-    def add(kind, axis, phase, nbytes, what, count=1):
-        n = sizes[axis]
-        key = (kind, (axis,), phase, what)
-        e = out.get(key)
-        if e is None:
-            e = out[key] = CommEntry(kind, (axis,), phase, 0, 0, 0.0, what)
-        e.count += count
-        e.bytes += int(nbytes) * count
-        e.wire_bytes += nbytes * ring_factor(kind, n) * count
-
-    data_batch = [a for a in batch_axes if a in DATA_AXES]
-    for fqn, pp in plans.items():
-        numel = math.prod(pp.shape)
-        in_block = fqn.startswith("layers.")
-        # at-use gather: storage axes that compute drops, inner axis first
-        cur = _local_numel(pp, pp.storage, sizes)
-        gathers = []
-        for st_axes, cp_axes in zip(pp.storage, pp.compute):
-            for ax in reversed(st_axes):
-                if ax not in cp_axes and sizes.get(ax, 1) > 1:
-                    cur *= sizes[ax]
-                    gathers.append((ax, cur))
-        regather = in_block and any(a in DATA_AXES for a, _ in gathers)
-        for ax, nb in gathers:
-            add("all_gather", ax, "forward", nb * B, "param gather at use", accum)
-            if regather:
-                add("all_gather", ax, "backward", nb * B, "param re-gather in backward (ZeRO-3)", accum)
-        # gradient reduction over the data axes that split the batch (mesh order)
-        cnum = _local_numel(pp, pp.compute, sizes)
-        gplan = pp.grads
-        target = gplan if gplan is not None else pp.optimizer
-        phase = "backward" if gplan is not None else "optimizer"
-        cnt = accum if gplan is not None else 1
-        gaxes = _dimplan_axes(target)
-        cur = cnum
-        for ax in data_batch:
-            if ax in _dimplan_axes(pp.compute):
-                continue
-            if ax in gaxes:
-                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt)
-                cur //= sizes[ax]
-            else:
-                add("all_reduce", ax, phase, cur * B, "gradient all-reduce", cnt)
-        # optimizer: refresh the stored parameter from its (sharded) master
-        direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
-        if not direct:
-            cur = _local_numel(pp, pp.optimizer, sizes)
-            for o_axes, s_axes in zip(pp.optimizer, pp.storage):
-                for ax in reversed(o_axes):
-                    if ax not in s_axes and sizes.get(ax, 1) > 1:
-                        cur *= sizes[ax]
-                        add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)")
-    # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim
-    for ax in data_batch:
-        add("all_reduce", ax, "forward", 4, "scalar loss", accum)
-    _activation_comm(cfg, lay, sizes, b, s, B, add, accum)
-    return list(out.values())
-
-
-def _activation_comm(cfg, lay, sizes, b, s, B, add, accum) -> None:
-    """Megatron TP / TP+SP activation collectives over the tensor axis (design volume)."""
-    tp_axes = [a for a in lay.compute.get("heads", ()) if sizes.get(a, 1) > 1]
-    if not tp_axes:
-        return
-    ax = tp_axes[0]
-    L = cfg.layers
-    bsh = b * s * cfg.embed * B
-    sp = any(sizes.get(a, 1) > 1 for a in lay.compute.get("seq", ()))
-    vocab_par = any(sizes.get(a, 1) > 1 for a in lay.compute.get("vocab", ()))
-    if not sp:
-        add("all_reduce", ax, "forward", bsh, "Megatron TP: attention and MLP outputs", 2 * L * accum)
-        add("all_reduce", ax, "backward", bsh, "Megatron TP: attention and MLP input grads", 2 * L * accum)
-        if vocab_par:
-            add("all_reduce", ax, "forward", bsh, "vocab-parallel embedding output", accum)
-    else:
-        add("all_gather", ax, "forward", bsh, "TP+SP: block inputs gathered", 2 * L * accum)
-        add("reduce_scatter", ax, "forward", bsh, "TP+SP: block outputs reduce-scattered", 2 * L * accum)
-        add("all_gather", ax, "backward", bsh, "TP+SP: output grads gathered", 2 * L * accum)
-        add("reduce_scatter", ax, "backward", bsh, "TP+SP: input grads reduce-scattered", 2 * L * accum)
-        add("all_reduce", ax, "backward", cfg.embed * B, "SP: norm weight grads (seq-sharded inputs)",
-            (2 * L + 1) * accum)
-        if vocab_par:
-            add("reduce_scatter", ax, "forward", bsh, "vocab-parallel embedding output", accum)
-            add("all_gather", ax, "backward", bsh, "vocab-parallel embedding grad", accum)
-
+#COMM
 
 def _comm_formula(lay, cfg, psi, sizes, b, s, B, batch_axes) -> dict[str, Any]:
     out: dict[str, Any] = {}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
+import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 
 log = logging.getLogger("meshlm.train")
 
@@ -188,17 +189,13 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     pdt = _DTYPES[t.param_dtype]
     cdt = _DTYPES[t.compute_dtype] if t.compute_dtype else (pdt if pdt != torch.float32 else None)
     rdt = _DTYPES[t.reduce_dtype] if t.reduce_dtype else None
-    shard_kw = dict(compute_dtype=cdt, reduce_dtype=rdt)
+    shard_kw = dict(param_dtype=pdt if pdt != torch.float32 else None, compute_dtype=cdt, reduce_dtype=rdt)
     if cfg.model.init_from:
         from meshlm.hf import load_hf
 
         model = load_hf(cfg.model.init_from, layout, mesh, **shard_kw)
     else:
         model = meshlm.shard(Llama(mcfg, device="meta"), layout, mesh, seed=t.seed, **shard_kw)
-    if pdt != torch.float32:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data = p.data.to(pdt)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile)
