@@ -144,10 +144,14 @@ class CheckpointConfig:
 
 @dataclass
 class PlanConfig:
-    """``plan`` (meshlm.plan): the hardware to plan for."""
+    """``plan`` (meshlm.plan): ``meshlm plan`` and ``layout=auto``."""
 
-    devices: Optional[int] = None  #: number of devices; None = the mesh size
-    device_memory_gib: Optional[float] = None  #: per device; None = this machine's
+    devices: Optional[int] = None  #: number of devices for layout=auto; None = the mesh size
+    max_memory_per_device: Optional[Any] = None  #: "80GiB", "141GB" or a number of GiB; None = the profile's
+    profile: str = "auto"  #: hardware profile (meshlm.plan.HARDWARE); auto = h100_nvlink_ib with CUDA, else cpu
+    overlap: bool = True  #: cost model: communication overlaps compute (max) or not (sum)
+    format: str = "text"  #: text | json
+    png: Optional[str] = None  #: layout=auto: write the candidates' memory breakdown here (meshlm plan: plan.png)
     top: int = 5  #: how many candidate layouts to show
 
 
@@ -269,6 +273,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _choice("plan.format", cfg.plan.format, ("text", "json"))
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
 

@@ -19,17 +19,19 @@ NOTE [plan = lowering]
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 import torch
 
 from meshlm.axes import DATA_AXES
 from meshlm.comm import ring_factor
+from meshlm.errors import ConfigError, MeshlmError
 from meshlm.layout import Layout, load_layout, shipped_layouts
 from meshlm.lower import ParamPlan, plan_params
 from meshlm.mesh import MeshSpec
@@ -134,7 +136,10 @@ def _dimplan_axes(plan) -> set[str]:
     return {a for axes in plan for a in axes}
 
 
-def model_config(model: "str | LlamaConfig") -> tuple[str, LlamaConfig]:
+def model_config(model: "str | LlamaConfig | tuple[str, LlamaConfig]") -> tuple[str, LlamaConfig]:
+    """(name, config) from a config name, a LlamaConfig, or a (name, LlamaConfig) pair."""
+    if isinstance(model, tuple):
+        return model
     if isinstance(model, LlamaConfig):
         return "custom", model
     return model, llama_config(model)
@@ -301,16 +306,187 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
     # hsdp shards over fsdp only
     p = psi / t
     params = p * B / (nn_ if stage == 3 else 1)
-    grads = p * B / (nn_ if stage >= 2 else 1)
+    grads = p * B / (nn_ if stage >= 2 else 1) + (p * MB / nn_ if MB != B else 0)  # + the master's grad
     opt = p * (2 * MB) / (nn_ if stage >= 1 else 1) + (p * MB / nn_ if (stage in (1, 2) or MB != B) else 0)
     return {"stage": stage, "params": params, "grads": grads, "optimizer": opt,
-            "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, grads {B}Ψ/{'N' if stage >= 2 else '1'}, "
+            "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, grads {B}Ψ/{'N' if stage >= 2 else '1'}"
+                    f"{f' + master grads {MB}Ψ/N' if MB != B else ''}, "
                     f"Adam {2 * MB}Ψ/{'N' if stage >= 1 else '1'} (+ master {MB}Ψ/N if separate), Ψ/t with t={t}"}
 
 
-#ACT
+# --------------------------------------------------------------------------- activations
+def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
+                     ac: str, dtype: torch.dtype, *, regather: bool = False) -> dict[str, Any]:
+    """Activation bytes per rank per micro-batch (docs/plan.md, "Activations").
 
-#COMM
+    ``held``: what stays allocated from the end of forward to the start of backward (what
+    autograd and checkpointing keep).  ``recompute``: the transient extra while backward
+    recomputes one checkpointed block.  Per token of one block, in bytes, with B the
+    compute dtype's size, F = 4 (float32), t the tp degree of heads/kv_heads/mlp, ts of seq:
+
+      RMSNorm (x2):  F·h/ts (its float32 input)  + F/ts (rsqrt)  + B·h/ts (normalised x,
+                     kept for the weight's gradient) + B·h (its output as the matmuls see
+                     it: whole seq, gathered over ts under sequence parallelism)
+      attention:     B·(q + k' + v' + o)/t  +  F·a/t (logsumexp)   (q after RoPE, k' and v'
+                     as SDPA sees them: expanded to all heads under GQA, so q each, else kv;
+                     o the SDPA output, which the o-projection's view reuses)
+      MLP:           4·B·f/t  (gate, silu(gate), up, silu·up)
+      RoPE tables:   4·s·hd·B per layer (cos and sin, concatenated, for q and for k)
+
+    Outside blocks: the final norm (as above) and the float32 log-softmax of the logits
+    (F·V/tv per token), plus the loss's 4-byte total weight.
+
+    Checkpointed blocks (``selective``, and every block whose parameters are re-gathered:
+    NOTE [re-gather in backward] in lower.py) keep only the block input (B·h/ts) and the
+    matmul and attention outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole
+    seq, before its reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).
+    ``full`` keeps the block input only."""
+    h, hd = cfg.embed, cfg.hd
+    q, kv, f, a, V, L = cfg.heads * hd, cfg.kv_heads * hd, cfg.mlp, cfg.heads, cfg.vocab, cfg.layers
+    t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
+    tf = _prod([x for x in lay.compute.get("mlp", ()) if sizes.get(x, 1) > 1], sizes)
+    tv = _prod([x for x in lay.compute.get("vocab", ()) if sizes.get(x, 1) > 1], sizes)
+    ts = _prod([x for x in lay.compute.get("seq", ()) if sizes.get(x, 1) > 1], sizes)
+    B, F = _bytes(dtype), 4
+    tok = b * s
+    norm = F * h / ts + F / ts + B * h / ts + B * h
+    kv_sdpa = q if cfg.heads != cfg.kv_heads else kv
+    attn = B * (2 * q + 2 * kv_sdpa) / t + F * a / t
+    mlp = 4 * B * f / tf
+    rope = 4 * s * hd * B
+    full_block = tok * (2 * norm + attn + mlp) + rope
+    saved_block = tok * (B * h / ts + B * (2 * q + 2 * kv) / t + F * a / t + 2 * B * h + 2 * B * f / tf)
+    input_block = tok * B * h / ts
+    outside = tok * (norm + F * V / tv) + 4
+    if ac == "full":
+        per_block, mode = input_block, "full"
+    elif ac == "selective" or regather:
+        per_block, mode = saved_block, "selective"
+    else:
+        per_block, mode = full_block, "none"
+    held = per_block * L + outside
+    recompute = max(full_block - per_block, 0) if mode != "none" else 0
+    text = {"none": "per layer sb·(2·[(F+B)h/ts + F/ts + Bh] + B(2q+2k')/t + F·a/t + 4B·f/t) + 4s·hd·B",
+            "selective": "per layer sb·(Bh/ts + B(2q+2kv)/t + F·a/t + 2Bh + 2B·f/t) (matmul/SDPA outputs)",
+            "full": "per layer sb·B·h/ts (block input)"}[mode]
+    # Korthikanti et al. (GPT block, 16-bit, bytes per layer) for the same regime, for scale.
+    sbh = s * b * h
+    if mode == "full":
+        korthikanti = 2 * sbh / ts
+    elif mode == "selective":
+        korthikanti = 34 * sbh / ts if (t == 1 or ts > 1) else sbh * (10 + 24 / t)
+    else:
+        korthikanti = sbh * (34 + 5 * a * s / h) if t == 1 else (
+            sbh * (10 + 24 / t + 5 * a * s / (h * t)) if ts == 1 else sbh * (34 / t + 5 * a * s / (h * t)))
+    return {"held": int(held), "recompute": int(recompute), "layers": L, "per_layer": per_block, "outside_blocks": outside,
+            "checkpointing": mode, "text": text + f", q={q}, kv={kv}, f={f}, t={t}, ts={ts}",
+            "korthikanti_gpt_16bit_per_layer": korthikanti}
+
+# --------------------------------------------------------------------------- communication
+def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> list[CommEntry]:
+    out: dict[tuple, CommEntry] = {}
+
+    def add(kind, axis, phase, nbytes, what, count=1):
+        n = sizes[axis]
+        key = (kind, (axis,), phase, what)
+        e = out.get(key)
+        if e is None:
+            e = out[key] = CommEntry(kind, (axis,), phase, 0, 0, 0.0, what)
+        e.count += count
+        e.bytes += int(nbytes) * count
+        e.wire_bytes += nbytes * ring_factor(kind, n) * count
+
+    data_batch = [a for a in batch_axes if a in DATA_AXES]
+    seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
+    for prm in params_:
+        pp, k = prm.plan, prm.count
+        # at-use gather: storage axes that compute drops, inner axis first
+        cur = _local_numel(pp, pp.storage, sizes)
+        gathers = []
+        for st_axes, cp_axes in zip(pp.storage, pp.compute):
+            for ax in reversed(st_axes):
+                if ax not in cp_axes and sizes.get(ax, 1) > 1:
+                    cur *= sizes[ax]
+                    gathers.append((ax, cur))
+        regather = prm.in_block and any(a in DATA_AXES for a, _ in gathers)
+        for ax, nb in gathers:
+            add("all_gather", ax, "forward", nb * B, "param gather at use", accum * k)
+            if regather:
+                add("all_gather", ax, "backward", nb * B, "param re-gather in backward (ZeRO-3)", accum * k)
+        # Gradient reduction (lower.py _AtUse.backward): the gradient is Partial over each
+        # data axis that splits the batch but not the parameter, and, under sequence
+        # parallelism, over the seq axes for the norm weights (the only parameters used on
+        # the seq-sharded residual stream).  It is reduce-scattered first over the axes its
+        # grads placement shards (mesh order), then all-reduced over the rest, on the shard.
+        gplan = pp.grads
+        target = gplan if gplan is not None else pp.optimizer
+        phase = "backward" if gplan is not None else "optimizer"
+        cnt = (accum if gplan is not None else 1) * k
+        gaxes, caxes = _dimplan_axes(target), _dimplan_axes(pp.compute)
+        partial = [ax for ax in data_batch if ax not in caxes]
+        if pp.axes == ("embed",):
+            partial += [ax for ax in seq_axes if ax not in caxes]
+        cur = _local_numel(pp, pp.compute, sizes)
+        for ax in partial:
+            if ax in gaxes:
+                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt)
+                cur //= sizes[ax]
+        for ax in partial:
+            if ax not in gaxes:
+                what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
+                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt)
+        # optimizer: refresh the stored parameter from its (sharded) master
+        direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
+        if not direct:
+            cur = _local_numel(pp, pp.optimizer, sizes)
+            for o_axes, s_axes in zip(pp.optimizer, pp.storage):
+                for ax in reversed(o_axes):
+                    if ax not in s_axes and sizes.get(ax, 1) > 1:
+                        cur *= sizes[ax]
+                        add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k)
+    # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim
+    for ax in data_batch:
+        add("all_reduce", ax, "forward", 4, "scalar loss", accum)
+    _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt)
+    return list(out.values())
+
+
+def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:
+    """Megatron TP / TP+SP activation collectives over the tensor axis (tests/dist/test_budget.py
+    derives the same counts)."""
+    tp_axes = [a for a in lay.compute.get("heads", ()) if sizes.get(a, 1) > 1]
+    if not tp_axes:
+        return
+    ax = tp_axes[0]
+    L = cfg.layers
+    bsh = b * s * cfg.embed * B
+    sp = any(sizes.get(a, 1) > 1 for a in lay.compute.get("seq", ()))
+    vocab_par = any(sizes.get(a, 1) > 1 for a in lay.compute.get("vocab", ()))
+    n = accum
+    if not sp:
+        add("all_reduce", ax, "forward", bsh, "Megatron TP: attention and MLP outputs", 2 * L * n)
+        add("all_reduce", ax, "backward", bsh, "Megatron TP: attention and MLP input grads", 2 * L * n)
+        if vocab_par:
+            add("all_reduce", ax, "forward", bsh, "vocab-parallel embedding output", n)
+            add("all_reduce", ax, "backward", bsh, "vocab-parallel head: input grad", n)
+        if ckpt:
+            add("all_reduce", ax, "backward", bsh, "recompute: attention output (checkpointed block)", L * n)
+    else:
+        add("all_gather", ax, "forward", bsh, "TP+SP: block inputs gathered", 2 * L * n)
+        add("reduce_scatter", ax, "forward", bsh, "TP+SP: block outputs reduce-scattered", 2 * L * n)
+        add("all_gather", ax, "backward", bsh, "TP+SP: output grads gathered", 2 * L * n)
+        add("reduce_scatter", ax, "backward", bsh, "TP+SP: input grads reduce-scattered", 2 * L * n)
+        add("all_gather", ax, "forward", bsh, "TP+SP: output head input gathered", n)
+        add("all_gather", ax, "backward", bsh, "TP+SP: embedding output grad gathered", n)
+        if vocab_par:
+            add("reduce_scatter", ax, "forward", bsh, "vocab-parallel embedding output", n)
+            add("reduce_scatter", ax, "backward", bsh, "vocab-parallel head: input grad", n)
+        if ckpt:
+            add("all_gather", ax, "backward", bsh, "recompute: attention and MLP inputs (checkpointed block)",
+                2 * L * n)
+            add("reduce_scatter", ax, "backward", bsh, "recompute: attention output (checkpointed block)", L * n)
+
+
 
 def _comm_formula(lay, cfg, psi, sizes, b, s, B, batch_axes) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -334,26 +510,34 @@ def _gib(x: float) -> str:
 
 
 def format_plan(p: Plan) -> str:
-    z = p.formulas["zero"]
+    """The human-readable report (docs/plan.md, "Reading the report")."""
+    z, a = p.formulas["zero"], p.formulas["activations"]
+    m = p.memory
+    gpt = a["korthikanti_gpt_16bit_per_layer"] * a["layers"]
     lines = [
-        f"meshlm plan: {p.model}, layout {p.layout}, mesh {p.mesh} ({p.world_size} ranks), "
+        f"meshlm plan: {p.model}, layout {p.layout}, mesh {_mesh_str(p.mesh)} ({p.world_size} ranks), "
         f"global batch {p.global_batch} x seq {p.seq}, {p.param_dtype} (master {p.master_dtype}), "
-        f"activation checkpointing {p.activation_checkpointing}",
+        f"activation checkpointing {p.activation_checkpointing} (blocks: {a['checkpointing']})",
         "",
-        f"{'memory per rank':<18}{'predicted':>14}{'formula':>16}",
-        f"{'params':<18}{_gib(p.memory['params']):>14}{_gib(z['params']):>16}",
-        f"{'grads':<18}{_gib(p.memory['grads']):>14}{_gib(z['grads']):>16}",
-        f"{'optimizer':<18}{_gib(p.memory['optimizer']):>14}{_gib(z['optimizer']):>16}",
-        f"{'activations':<18}{_gib(p.memory['activations']):>14}   {p.formulas['activations']['text']}",
-        f"{'total':<18}{_gib(p.memory['total']):>14}",
+        f"{'memory per rank':<20}{'predicted':>14}{'formula':>16}",
+        f"{'params':<20}{_gib(m['params']):>14}{_gib(z['params']):>16}",
+        f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
+        f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
         f"  ({z['text']})",
+        f"{'activations':<20}{_gib(m['activations']):>14}{_gib(gpt):>16}   (formula: Korthikanti GPT block, 16-bit)",
+        f"  ({a['text']}; held from forward to backward)",
+        f"{'gathered weights':<20}{_gib(m['gathered']):>14}   (at-use copies kept for backward: output head, final norm)",
+        f"{'recompute (peak)':<20}{_gib(m['recompute']):>14}   (one checkpointed block recomputed in backward)",
+        f"{'total':<20}{_gib(m['total']):>14}",
         "",
-        f"{'communication per step':<24}{'axes':<8}{'phase':<11}{'count':>6}{'logical':>14}{'on wire':>14}  what",
+        "",
+        "communication per rank per step",
+        f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}  what",
     ]
-    for c in sorted(p.comm, key=lambda c: (c.axes, c.phase, c.kind)):
-        lines.append(f"{c.kind:<24}{','.join(c.axes):<8}{c.phase:<11}{c.count:>6}{_gib(c.bytes):>14}"
+    for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
+        lines.append(f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
                      f"{_gib(c.wire_bytes):>14}  {c.what}")
-    lines.append(f"{'total on wire':<49}{_gib(p.comm_bytes()):>28}")
+    lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
     for k, v in p.formulas["comm"].items():
         lines.append(f"  formula {k}: {_gib(v['wire_bytes'])}  ({v['text']})")
     return "\n".join(lines)
@@ -372,116 +556,214 @@ def factorisations(world: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
     return out
 
 
-def step_time(p: Plan, hw: Hardware, overlap: bool = True) -> dict[str, float]:
-    """Cost model (docs/plan.md): compute = 6·Ψ_non-emb·tokens + 12·L·h·s·tokens FLOPs over
-    the per-device share at peak·MFU; communication = wire bytes over the link the axis
-    crosses (tp and fsdp inside a node when the inner axes fit, dp across)."""
-    _, cfg = model_config(p.model) if p.model != "custom" else (None, None)
+def step_time(p: Plan, cfg: LlamaConfig, hw: Hardware, overlap: bool = True) -> dict[str, float]:
+    """Cost model (docs/plan.md): compute = (6·Ψ_non-emb + 12·L·h·s)·tokens FLOPs (x4/3 for
+    the blocks under full activation checkpointing: one more forward) over the per-device
+    share at peak·MFU; communication = each collective's ring wire bytes over the
+    bandwidth of the link its axis crosses (the innermost axes that fit in a node use the
+    intra-node link, the rest the inter-node one); step = max of the two when they overlap,
+    else their sum."""
     tokens = p.global_batch * p.seq
-    psi_ne = cfg.num_params(embedding=False)
-    flops = (6 * psi_ne + 12 * cfg.layers * cfg.embed * p.seq) * tokens / p.world_size
+    block = 6 * (cfg.num_params(embedding=False) - cfg.embed) + 12 * cfg.layers * cfg.embed * p.seq
+    if p.activation_checkpointing == "full":
+        block *= 4 / 3
+    flops = (block + 6 * cfg.embed) * tokens / p.world_size
     t_comp = flops / (hw.peak_flops * hw.mfu)
-    # which axes stay inside a node: innermost first
     inner, acc = set(), 1
     for ax in reversed(list(p.mesh)):
-        if acc * p.mesh[ax] <= hw.node_size:
-            inner.add(ax)
-            acc *= p.mesh[ax]
+        if acc * p.mesh[ax] > hw.node_size:
+            break
+        inner.add(ax)
+        acc *= p.mesh[ax]
     t_comm = 0.0
     for c in p.comm:
-        bw = hw.intra_bw if all(a in inner for a in c.axes) else hw.inter_bw
-        t_comm += c.wire_bytes / bw
+        t_comm += c.wire_bytes / (hw.intra_bw if all(a in inner for a in c.axes) else hw.inter_bw)
     total = max(t_comp, t_comm) if overlap else t_comp + t_comm
-    return {"compute_s": t_comp, "comm_s": t_comm, "step_s": total}
+    return {"compute_s": t_comp, "comm_s": t_comm, "step_s": total, "tokens_per_s": tokens / total if total else 0.0}
+
+
+# The order candidates are tried in: of two that plan identically (hsdp with dp=1 is fsdp,
+# fsdp_tp with tp=1 is fsdp), the earlier name is kept.
+PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
+
+
+class NothingFits(ConfigError):
+    """No candidate layout fits the memory limit (the message says what to grow)."""
+
+
+def parse_memory(v: Any) -> Optional[float]:
+    """Bytes from ``"80GiB"``, ``"80GB"``, ``"512MiB"`` or a number of GiB; None stays None."""
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v) * GiB
+    text = str(v).strip().lower().replace(" ", "")
+    units = {"tib": 1024**4, "gib": GiB, "mib": 1024**2, "tb": 1e12, "gb": 1e9, "mb": 1e6, "b": 1}
+    for u, k in units.items():
+        if text.endswith(u):
+            try:
+                return float(text[: -len(u)]) * k
+            except ValueError:
+                break
+    try:
+        return float(text) * GiB
+    except ValueError:
+        raise ConfigError(f"plan.max_memory_per_device={v!r}: write a size like 80GiB, 141GB or 512MiB "
+                          "(a bare number is GiB)") from None
+
+
+def _hardware(name: str) -> Hardware:
+    if name == "auto":
+        name = "h100_nvlink_ib" if torch.cuda.is_available() else "cpu"
+    if name not in HARDWARE:
+        raise ConfigError(f"plan.profile={name!r}: unknown hardware profile; choose one of {', '.join(HARDWARE)} or auto")
+    return HARDWARE[name]
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    time: dict[str, float]
+
+
+def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, seq: int,
+               activation_checkpointing: str = "none", param_dtype: str = "float32",
+               master_dtype: Optional[str] = None, grad_accum: int = 1,
+               hardware: "str | Hardware" = "h100_nvlink_ib", overlap: bool = True,
+               layouts: Optional[list[str]] = None) -> list[Candidate]:
+    """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp) that
+    applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
+    planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order."""
+    hw = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
+    name, mcfg = model_config(model)
+    names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
+    out, seen = [], set()
+    for lay in names:
+        used = load_layout(lay).mesh_axes_used()
+        # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
+        # plain data-parallel one is kept
+        for m in sorted(factorisations(devices, ("dp", "fsdp", "tp")), key=lambda m: -m["dp"]):
+            if any(sz > 1 and a not in used for a, sz in m.items()):
+                continue  # every rank would repeat the same work on that axis
+            if devices > 1 and not any(sz > 1 for sz in m.values()):
+                continue
+            try:
+                p = plan(mcfg, lay, m, global_batch=global_batch, seq=seq, grad_accum=grad_accum,
+                         activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
+                         master_dtype=master_dtype)
+            except MeshlmError:  # a dim does not divide, or the batch does not split
+                continue
+            p.model = name
+            t = step_time(p, mcfg, hw, overlap)
+            sig = (tuple(sorted(p.memory.items())), round(t["step_s"], 12), round(t["comm_s"], 12), tuple(sorted(
+                (k[0], p.mesh[k[1][0]], k[2], v["count"], v["bytes"]) for k, v in p.comm_summary(by_phase=True).items())))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            out.append(Candidate(p, t))
+    return out
 
 
 def choose_layout(cfg=None, *, model: "str | LlamaConfig" = "llama_small", devices: int = 1,
-                  max_memory: Optional[float] = None, global_batch: int = 16, seq: int = 128,
-                  activation_checkpointing: str = "none", hardware: str = "h100_nvlink_ib", overlap: bool = True,
-                  param_dtype: str = "float32", png: Optional[str] = None, out=sys.stdout, top: int = 10
-                  ) -> tuple[str, dict[str, int]]:
-    """Enumerate shipped layouts x factorisations of ``devices`` into (dp, fsdp, tp), drop
-    what does not fit ``max_memory`` bytes per device, rank by :func:`step_time`, print a
-    ranked table (and a PNG of each candidate's memory), and return the winner.
+                  max_memory: "float | str | None" = None, global_batch: int = 16, seq: int = 128,
+                  activation_checkpointing: str = "none", param_dtype: str = "float32",
+                  master_dtype: Optional[str] = None, grad_accum: int = 1, hardware: str = "auto",
+                  overlap: bool = True, png: Optional[str] = None, out=None,
+                  top: int = 5) -> tuple[str, dict[str, int]]:
+    """``layout=auto``: plan every candidate (:func:`candidates`), drop what does not fit
+    ``max_memory`` per device (default: the hardware profile's memory), rank the rest by
+    :func:`step_time`, print a ranked table (and write a PNG of the memory of the shown
+    candidates to ``png``), and return the winner's (layout name, mesh sizes).
 
-    ``cfg`` may be a RunConfig (meshlm.config); its fields override the keywords."""
+    ``cfg`` may be a :class:`meshlm.config.RunConfig`; its model, train and plan sections
+    then replace the keywords.  Raises :class:`NothingFits` when nothing fits."""
     if cfg is not None:
-        model, devices, global_batch, seq, activation_checkpointing, param_dtype, max_memory, top = _from_run_config(
-            cfg, model, devices, global_batch, seq, activation_checkpointing, param_dtype, max_memory, top)
-    hw = HARDWARE[hardware]
-    cap = max_memory if max_memory is not None else hw.memory
-    name, mcfg = model_config(model)
-    rows = []
-    for lay in shipped_layouts():
-        if lay == "single" and devices > 1:
-            continue
-        for m in factorisations(devices, ("dp", "fsdp", "tp")):
-            try:
-                p = plan(mcfg, lay, m, global_batch=global_batch, seq=seq,
-                         activation_checkpointing=activation_checkpointing, param_dtype=param_dtype)
-            except Exception:  # does not divide, or an axis the layout cannot use
-                continue
-            if not _uses_all_axes(lay, m):
-                continue
-            p.model = name
-            rows.append((p, step_time(p, hw, overlap)))
-    fits = [r for r in rows if r[0].memory["total"] <= cap]
-    fits.sort(key=lambda r: (r[1]["step_s"], r[0].memory["total"]))
+        kw = _from_run_config(cfg)
+        model, devices, global_batch, seq = kw["model"], kw["devices"], kw["global_batch"], kw["seq"]
+        activation_checkpointing, param_dtype, grad_accum = kw["ac"], kw["param_dtype"], kw["grad_accum"]
+        master_dtype = kw["master_dtype"]
+        max_memory, hardware, overlap, png, top = kw["max_memory"], kw["profile"], kw["overlap"], kw["png"], kw["top"]
+    out = out or sys.stdout
+    hw = _hardware(hardware)
+    cap = parse_memory(max_memory) if max_memory is not None else hw.memory
+    rows = candidates(model, devices, global_batch=global_batch, seq=seq, activation_checkpointing=activation_checkpointing,
+                      param_dtype=param_dtype, master_dtype=master_dtype, grad_accum=grad_accum, hardware=hw,
+                      overlap=overlap)
+    fits = sorted((r for r in rows if r.plan.memory["total"] <= cap),
+                  key=lambda r: (r.time["step_s"], r.time["comm_s"], r.plan.memory["total"]))
     if png:
-        _plot([r[0] for r in (fits or sorted(rows, key=lambda r: r[0].memory["total"]))[:top]], png)
+        shown = fits[:top] or sorted(rows, key=lambda r: r.plan.memory["total"])[:top]
+        _plot([r.plan for r in shown], png, cap)
     if not fits:
-        out.write(nothing_fits(rows, cap) + "\n")
-        raise SystemExit(2)
-    out.write(f"{'rank':<5}{'layout':<12}{'mesh':<22}{'memory':>13}{'compute s':>11}{'comm s':>10}{'step s':>10}\n")
-    for i, (p, t) in enumerate(fits[:top], 1):
-        ms = ",".join(f"{k}={v}" for k, v in p.mesh.items() if v > 1) or "1"
-        out.write(f"{i:<5}{p.layout:<12}{ms:<22}{_gib(p.memory['total']):>13}{t['compute_s']:>11.4f}"
-                  f"{t['comm_s']:>10.4f}{t['step_s']:>10.4f}\n")
-    best = fits[0][0]
+        raise NothingFits(nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing))
+    out.write(format_candidates(fits[:top], hw, cap, overlap, len(rows), len(fits)) + "\n")
+    best = fits[0].plan
     return best.layout, {k: v for k, v in best.mesh.items() if v > 1} or {"dp": 1}
 
 
-def _uses_all_axes(lay: str, mesh: Mapping[str, int]) -> bool:
-    """Skip meshes with an axis of size > 1 the layout never uses (every rank would repeat
-    the same work on it)."""
-    used = load_layout(lay).mesh_axes_used()
-    return all(s == 1 or a in used for a, s in mesh.items())
+def _mesh_str(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "1 device"
 
 
-def nothing_fits(rows, cap: float) -> str:
-    if not rows:
-        return "no layout applies to this model and device count (no factorisation divides its dims)"
-    p = min((r[0] for r in rows), key=lambda p: p.memory["total"])
+def format_candidates(rows: list[Candidate], hw: Hardware, cap: float, overlap: bool, n_all: int, n_fit: int) -> str:
+    p0 = rows[0].plan
+    lines = [f"meshlm plan: layout=auto for {p0.model} on {p0.world_size} devices ({hw.name}, "
+             f"{cap / GiB:.1f} GiB each), global batch {p0.global_batch} x seq {p0.seq}: "
+             f"{n_fit} of {n_all} candidates fit; step = {'max' if overlap else 'sum'}(compute, comm)",
+             f"{'rank':<5}{'layout':<12}{'mesh':<20}{'state GiB':>10}{'act GiB':>9}{'total GiB':>10}"
+             f"{'compute s':>11}{'comm s':>10}{'step s':>10}{'tok/s/dev':>11}"]
+    for i, r in enumerate(rows, 1):
+        p, t, m = r.plan, r.time, r.plan.memory
+        state = m["params"] + m["grads"] + m["optimizer"]
+        act = m["activations"] + m["gathered"] + m["recompute"]
+        lines.append(f"{i:<5}{p.layout:<12}{_mesh_str(p.mesh):<20}{state / GiB:>10.2f}{act / GiB:>9.2f}"
+                     f"{m['total'] / GiB:>10.2f}{t['compute_s']:>11.4f}{t['comm_s']:>10.4f}{t['step_s']:>10.4f}"
+                     f"{t['tokens_per_s'] / p.world_size:>11.0f}")
+    return "\n".join(lines)
+
+
+def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "none") -> str:
+    if not plans:
+        return (f"no layout applies to this model on {devices} devices: no factorisation into (dp, fsdp, tp) divides "
+                "its dims and the batch; change the device count or train.batch_size")
+    p = min(plans, key=lambda p: p.memory["total"])
     parts = {k: v for k, v in p.memory.items() if k != "total"}
     dom = max(parts, key=parts.get)
     advice = {
-        "activations": "turn on activation checkpointing (train.activation_checkpointing=full), use a smaller "
-                       "micro-batch (train.grad_accum) or grow tp with sequence parallelism (tp_sp, fsdp_tp_sp)",
-        "optimizer": "shard the optimizer state over more ranks (grow fsdp; zero1/zero2/fsdp layouts) or add devices",
+        "activations": ("use smaller micro-batches (train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
+                        if ac == "full" else
+                        f"turn on activation checkpointing (train.activation_checkpointing="
+                        f"{'full' if ac == 'selective' else 'selective or full'}), use smaller micro-batches "
+                        "(train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"),
+        "recompute": "use smaller micro-batches (train.grad_accum) or grow tp",
+        "gathered": "grow tp (shards the output head) or add devices",
+        "optimizer": "shard the optimizer state over more ranks (more fsdp: zero1/zero2/fsdp layouts) or add devices",
         "params": "shard the parameters (fsdp or tp) over more ranks, or add devices",
         "grads": "shard the gradients (zero2/fsdp) over more ranks, or add devices",
     }[dom]
-    ms = ",".join(f"{k}={v}" for k, v in p.mesh.items() if v > 1)
     return (f"nothing fits in {cap / GiB:.1f} GiB per device. The smallest any candidate reaches is "
-            f"{p.memory['total'] / GiB:.2f} GiB ({p.layout}, {ms}), dominated by {dom} "
+            f"{p.memory['total'] / GiB:.2f} GiB ({p.layout}, {_mesh_str(p.mesh)}), dominated by {dom} "
             f"({parts[dom] / GiB:.2f} GiB): {advice}.")
 
 
-def _plot(plans: list[Plan], path: str) -> None:
+def _plot(plans: list[Plan], path: str, cap: Optional[float] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(plans)), 4))
-    labels = [f"{p.layout}\n" + ",".join(f"{k}{v}" for k, v in p.mesh.items() if v > 1) for p in plans]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(plans)), 4))
+    labels = [f"{p.layout}\n" + _mesh_str(p.mesh).replace(",", "\n") for p in plans]
     bottom = [0.0] * len(plans)
-    for key in ("params", "grads", "optimizer", "activations"):
+    for key in ("params", "grads", "optimizer", "activations", "gathered", "recompute"):
         vals = [p.memory[key] / GiB for p in plans]
         ax.bar(labels, vals, bottom=bottom, label=key)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    if cap:
+        ax.axhline(cap / GiB, color="k", linestyle="--", linewidth=1, label="limit")
     ax.set_ylabel("GiB per device")
-    ax.legend()
+    ax.set_title(f"{plans[0].model}: memory per device of each candidate" if plans else "")
+    ax.legend(fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -489,38 +771,46 @@ def _plot(plans: list[Plan], path: str) -> None:
 
 
 # --------------------------------------------------------------------------- entry point
-def _from_run_config(cfg, model, devices, global_batch, seq, ac, param_dtype, max_memory, top):
-    m = getattr(cfg, "model", None)
-    model = getattr(m, "name", model) if m is not None else model
-    t = getattr(cfg, "train", None)
-    if t is not None:
-        global_batch = getattr(t, "batch_size", global_batch) // max(getattr(t, "grad_accum", 1), 1) * max(
-            getattr(t, "grad_accum", 1), 1)
-        seq = getattr(t, "seq_len", seq)
-        ac = getattr(t, "activation_checkpointing", ac)
-        param_dtype = getattr(t, "param_dtype", param_dtype)
-    pc = getattr(cfg, "plan", None)
-    if pc is not None:
-        devices = getattr(pc, "devices", None) or devices
-        gib = getattr(pc, "max_memory_per_device", None) or getattr(pc, "device_memory_gib", None)
-        if isinstance(gib, str):
-            gib = float(gib.lower().removesuffix("gib"))
-        max_memory = gib * GiB if gib else max_memory
-        top = getattr(pc, "top", top)
-    return model, devices, global_batch, seq, ac, param_dtype, max_memory, top
+def _from_run_config(cfg) -> dict[str, Any]:
+    """What the planner needs from a :class:`meshlm.config.RunConfig`."""
+    t, pc = cfg.train, cfg.plan
+    devices = pc.devices
+    if devices is None:
+        d = cfg.mesh.as_dict()
+        if -1 in d.values():
+            raise ConfigError(f"mesh {cfg.mesh} has an axis of -1: set plan.devices to the number of devices")
+        devices = math.prod(d.values())
+    return {"model": (cfg.model.name, cfg.model.llama()), "devices": devices, "global_batch": t.batch_size,
+            "seq": t.seq_len, "ac": t.activation_checkpointing, "param_dtype": t.param_dtype, "grad_accum": t.grad_accum,
+            # as meshlm.train: float32 masters under lower-precision parameters
+            "master_dtype": "float32" if t.param_dtype != "float32" else None,
+            "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
+            "top": pc.top, "format": pc.format}
 
 
 def plan_main(cfg) -> int:
-    """``meshlm plan``: print (or ``plan.format=json``) the plan for a RunConfig."""
-    mesh = getattr(cfg.mesh, "shape", None) or {k: v for k, v in vars(cfg.mesh).items() if isinstance(v, int)}
-    layout = getattr(cfg.layout, "name", cfg.layout)
-    model, _d, gb, seq, ac, pdt, _mm, _top = _from_run_config(cfg, "llama_small", 1, 16, 128, "none", "float32", None, 5)
+    """``meshlm plan``: the plan of ``model`` under ``layout`` on ``mesh`` (text, or JSON
+    with ``plan.format=json``); with ``layout=auto``, the ranked candidates and the
+    winner's plan (and a PNG, ``plan.png`` unless ``plan.png`` says where)."""
+    kw = _from_run_config(cfg)
+    name, mcfg = kw["model"]
+    layout = cfg.layout.name
+    mesh = cfg.mesh.as_dict()
     if layout == "auto":
-        choose_layout(cfg)
-        return 0
-    p = plan(model, layout, mesh, global_batch=gb, seq=seq, activation_checkpointing=ac, param_dtype=pdt,
-             grad_accum=getattr(cfg.train, "grad_accum", 1))
-    if getattr(getattr(cfg, "plan", None), "format", "text") == "json":
+        png = kw["png"] or "plan.png"
+        layout, mesh = choose_layout(model=kw["model"], devices=kw["devices"], max_memory=kw["max_memory"],
+                                     global_batch=kw["global_batch"], seq=kw["seq"], activation_checkpointing=kw["ac"],
+                                     param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+                                     grad_accum=kw["grad_accum"], hardware=kw["profile"],
+                                     overlap=kw["overlap"], png=png, top=kw["top"],
+                                     out=sys.stdout if kw["format"] == "text" else io.StringIO())
+        if kw["format"] == "text":
+            print(f"(memory breakdown of these candidates: {png})\n")
+    p = plan(mcfg, layout, MeshSpec.parse(mesh, kw["devices"]), global_batch=kw["global_batch"], seq=kw["seq"],
+             activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+             grad_accum=kw["grad_accum"])
+    p.model = name
+    if kw["format"] == "json":
         print(json.dumps(p.to_json(), indent=1))
     else:
         print(format_plan(p))

@@ -97,6 +97,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from meshlm.annotate import is_block
+    from meshlm.lower import keep_constraints
 
     if mode == "none":
         return 0
@@ -109,7 +110,9 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
             inner = m.forward
 
             def fwd(*args, _inner=inner, **kwargs):
-                return checkpoint(_inner, *args, **kw, **kwargs)
+                # keep_constraints: the recompute in backward runs outside the sharded
+                # forward; without it constrain() would be the identity there.
+                return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
 
             m.forward = fwd
             n += 1
@@ -232,8 +235,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             start = int(extra["step"])
             loader.load_state_dict(extra["loader"])
 
-    n_params = mcfg.num_params()
-    header = (f"meshlm train: {cfg.model.name} ({n_params / 1e6:.1f}M params), layout {layout.name}, mesh {cfg.mesh} "
+    n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
+    model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
+    header = (f"meshlm train: {model_name} ({n_params / 1e6:.1f}M params), layout {layout.name}, mesh {cfg.mesh} "
               f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
               f"tokens; run dir {run_dir}")
     log.info(header)

@@ -72,9 +72,14 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
                                    msg=lambda m, n=n: f"grad of {n}: {m}")
         worst = max(worst, float((full - r).abs().max()) / max(scale, 1e-30))
 
-    # The step: the reference optimizer gets the sharded run's gradients.
+    # The step: the reference optimizer gets the gradients the sharded optimizer steps with
+    # (for ZeRO-1 those are reduced at the step, possibly in another summation order than
+    # full_tensor() used above), gathered whole: gathering moves bits without arithmetic.
+    opt.reduce_grads()
+    stepped = {n: m.grad for n, m in opt.masters().items()}
     for n, p in ref_params.items():
-        p.grad = full_grads[n].clone()
+        g = stepped[n]
+        p.grad = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     ref_opt.step()
     opt.step()

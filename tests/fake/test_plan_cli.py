@@ -1,0 +1,52 @@
+"""`meshlm plan` and `layout=auto` end to end in one process (no process group: the planner is
+analytic), on RunConfigs composed from conf/ as the CLI does."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+
+def test_plan_text_and_json(capsys):
+    from meshlm.config import load_config
+    from meshlm.plan import plan_main
+
+    over = ["model=llama3_70b", "mesh.dp=4", "mesh.fsdp=8", "mesh.tp=8", "layout=fsdp_tp",
+            "train.batch_size=256", "train.seq_len=8192", "train.param_dtype=bfloat16"]
+    assert plan_main(load_config(over)) == 0
+    text = capsys.readouterr().out
+    assert "layout fsdp_tp, mesh dp=4,fsdp=8,tp=8 (256 ranks)" in text and "param re-gather in backward" in text
+    assert plan_main(load_config(over + ["plan.format=json"])) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == 1 and d["mesh"] == {"dp": 4, "fsdp": 8, "tp": 8} and d["master_dtype"] == "float32"
+    assert d["memory"]["total"] == sum(v for k, v in d["memory"].items() if k != "total")
+
+
+def test_choose_layout_from_run_config(tmp_path):
+    from meshlm.config import load_config
+    from meshlm.plan import choose_layout
+
+    cfg = load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8", "train.seq_len=16",
+                       "plan.profile=cpu", f"plan.png={tmp_path / 'c.png'}"])
+    out = io.StringIO()
+    layout, mesh = choose_layout(cfg, out=out)
+    assert layout in out.getvalue().splitlines()[2] and (tmp_path / "c.png").exists()
+    assert mesh and all(v > 1 for v in mesh.values())
+
+
+def test_nothing_fits_names_what_to_grow():
+    from meshlm.plan import NothingFits, choose_layout
+
+    with pytest.raises(NothingFits, match=r"smallest any candidate reaches is .* dominated by activations"):
+        choose_layout(model="llama3_70b", devices=8, max_memory="80GiB", global_batch=8, seq=8192,
+                      param_dtype="bfloat16", hardware="h100_nvlink_ib", out=io.StringIO())
+
+
+def test_405b_on_16384_ranks_plans():
+    from meshlm.plan import plan
+
+    p = plan("llama3_405b", "fsdp_tp_sp", {"dp": 16, "fsdp": 128, "tp": 8}, global_batch=2048, seq=8192,
+             activation_checkpointing="full", param_dtype="bfloat16", master_dtype="float32")
+    assert p.world_size == 16384 and 0 < p.memory["total"] < 80 * 2**30

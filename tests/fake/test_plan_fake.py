@@ -1,0 +1,51 @@
+"""meshlm.plan against a counted training step on 3-D fake meshes (8 ranks, one process):
+the fake process group runs every collective as a no-op with the right shapes, so the
+collectives DTensor issues, their mesh axes and their bytes are real while the numbers in
+the tensors are not (STYLE.md: the fake process group checks layout and shapes, never
+numerics).  Extends tests/dist/test_plan_exact.py (2 and 4 gloo ranks) to meshes with dp,
+fsdp and tp all present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+B, S = 8, 8
+MESHES = {  # 8 ranks each, every axis a layout uses of size > 1
+    "zero1": {"dp": 4, "fsdp": 2}, "hsdp": {"dp": 4, "fsdp": 2},
+    "fsdp_tp_sp": {"dp": 2, "fsdp": 2, "tp": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def fake8():
+    import torch.distributed as dist
+
+    from meshlm.mesh import init_fake
+
+    init_fake(8)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_plan_comm_matches_fake_step(fake8, layout):
+    import meshlm
+    from meshlm.comm import count_step
+    from meshlm.models import Llama, llama_config
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.plan import plan
+
+    mesh_shape = MESHES[layout]
+    mesh = meshlm.make_mesh(mesh_shape, fake=True)
+    cfg = llama_config("llama_tiny")
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    toks = torch.randint(0, cfg.vocab, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
+    y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+    cc = count_step(model, opt, x, y, mesh)
+    measured = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+    p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S)
+    predicted = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
+    assert predicted == measured, f"{layout} {mesh_shape}: predicted {predicted}\nmeasured {measured}"
