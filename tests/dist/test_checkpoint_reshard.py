@@ -95,11 +95,16 @@ def _assert_same_state(got: dict, want: dict, what: str) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m: f"{what}: {k}: {m}")
 
 
-def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path):
+@pytest.fixture(scope="module")
+def pool4():
+    with DistPool(4, timeout_s=60) as p:
+        yield p
+
+
+def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path, pool4):
     d = str(tmp_path)
-    with DistPool(4, timeout_s=60) as pool:
-        a = pool.run(_job, "fsdp", "fsdp=4", None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
-        b = pool.run(_job, "fsdp_tp", "fsdp=2,tp=2", a["path"], f"{d}/b", 0, STEPS_AFTER)[0]
+    a = pool4.run(_job, "fsdp", "fsdp=4", None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
+    b = pool4.run(_job, "fsdp_tp", "fsdp=2,tp=2", a["path"], f"{d}/b", 0, STEPS_AFTER)[0]
     _assert_same_state(b["state"], a["state"], "fsdp=4 -> fsdp_tp 2x2")
     torch.testing.assert_close(torch.tensor(b["after"]), torch.tensor(a["after"]), **LOSS_TOL)
     with DistPool(2, timeout_s=60) as pool:
@@ -113,10 +118,9 @@ def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path):
 
 
 @pytest.mark.parametrize("src,dst", [(("zero1", "dp=4"), ("fsdp", "fsdp=4")), (("fsdp", "fsdp=4"), ("zero2", "dp=4"))])
-def test_reshard_zero(tmp_path, src, dst):
+def test_reshard_zero(tmp_path, src, dst, pool4):
     d = str(tmp_path)
-    with DistPool(4, timeout_s=60) as pool:
-        a = pool.run(_job, src[0], src[1], None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
-        b = pool.run(_job, dst[0], dst[1], a["path"], None, 0, STEPS_AFTER)[0]
+    a = pool4.run(_job, src[0], src[1], None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
+    b = pool4.run(_job, dst[0], dst[1], a["path"], None, 0, STEPS_AFTER)[0]
     _assert_same_state(b["state"], a["state"], f"{src} -> {dst}")
     torch.testing.assert_close(torch.tensor(b["after"]), torch.tensor(a["after"]), **LOSS_TOL)
