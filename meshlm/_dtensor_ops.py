@@ -27,6 +27,7 @@ import threading
 import weakref
 
 import torch
+from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 aten = torch.ops.aten

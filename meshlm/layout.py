@@ -33,14 +33,14 @@ NOTE [sequence yields]
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import yaml
 
-from meshlm.axes import LOGICAL_AXES, MESH_AXES, Axes, check_logical, check_mesh
-from meshlm.errors import AxisError, LayoutError
+from meshlm.axes import MESH_AXES, Axes, check_logical, check_mesh
+from meshlm.errors import LayoutError
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 YIELDING_AXES = ("seq", "kv_seq")

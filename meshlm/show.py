@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.layout import describe, load_layout
-from meshlm.lower import ParamPlan, plan_params
+from meshlm.layout import load_layout
+from meshlm.lower import plan_params
 from meshlm.mesh import MeshSpec
 
 

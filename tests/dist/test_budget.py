@@ -12,7 +12,6 @@ bsh = local batch x seq x embed x 4 bytes (one activation of the residual stream
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshlm.testing import dist_pool_fixture
 
@@ -21,20 +20,10 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
 def _count_step(layout: str, mesh_shape: dict):
-    import torch.distributed as dist
-
-    import meshlm
     from meshlm.comm import count_step
-    from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.testing.setup import tiny_sharded
 
-    mesh = meshlm.make_mesh(mesh_shape)
-    cfg = llama_config("llama_tiny")
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    toks = torch.randint(0, cfg.vocab, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
-    y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
     cc = count_step(model, opt, x, y, mesh)
     return {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
 

@@ -82,18 +82,10 @@ def _count_at_use() -> None:
 
 
 def _measure(layout: str, mesh_shape: dict):
-    import meshlm
     from meshlm.comm import CommCounter
-    from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.testing.setup import tiny_sharded
 
-    mesh = meshlm.make_mesh(mesh_shape)
-    cfg = llama_config("llama_tiny")
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    toks = torch.randint(0, cfg.vocab, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
-    y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
     _count_at_use()
     cc = CommCounter(mesh)
     held = _HeldAfterForward()

@@ -8,7 +8,6 @@ fsdp and tp all present."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 B, S = 8, 8
 MESHES = {  # 8 ranks each, every axis a layout uses of size > 1
@@ -30,20 +29,12 @@ def fake8():
 
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_plan_comm_matches_fake_step(fake8, layout):
-    import meshlm
     from meshlm.comm import count_step
-    from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
     from meshlm.plan import plan
+    from meshlm.testing.setup import tiny_sharded
 
     mesh_shape = MESHES[layout]
-    mesh = meshlm.make_mesh(mesh_shape, fake=True)
-    cfg = llama_config("llama_tiny")
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    toks = torch.randint(0, cfg.vocab, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
-    y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, fake=True)
     cc = count_step(model, opt, x, y, mesh)
     measured = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
     p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S)

@@ -1,7 +1,6 @@
 """Big meshes with the fake process group: placements and local shapes, never numerics."""
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 

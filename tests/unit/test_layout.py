@@ -1,7 +1,5 @@
 """The resolver as tables, the YAML schema, and every layout error in logical terms."""
 
-import textwrap
-
 import pytest
 import torch
 from torch import nn

@@ -1,0 +1,22 @@
+"""The sharded llama_tiny + AdamW + one batch that budget, plan and fake tests step."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_sharded(layout: str, mesh_shape, *, batch: int, seq: int, fake: bool = False):
+    """(mesh, model, optimizer, inputs, labels): llama_tiny sharded under ``layout`` from
+    seed 0 and this rank's slices of a fixed global batch of ``batch`` x ``seq`` tokens."""
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.optim import ShardedOptimizer
+
+    mesh = meshlm.make_mesh(mesh_shape, fake=fake)
+    cfg = llama_config("llama_tiny")
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    toks = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
+    y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+    return mesh, model, opt, x, y
