@@ -548,20 +548,18 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
             dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
                                     stride=torch.empty(plans[fqn].shape, device="meta").stride())
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
-        # shared parameters (tied weights) point at the same new Parameter
-    _retie(model)
+    _check_no_shared_params(model)
 
 
-def _retie(model: nn.Module) -> None:
-    """Re-point modules that shared a Parameter object at the new DTensor parameter."""
-    # iter_params visits each parameter once; a second owner kept the old meta/plain one.
-    first: dict[int, nn.Parameter] = {}
+def _check_no_shared_params(model: nn.Module) -> None:
+    """A Parameter object registered in two modules was replaced in its first owner only:
+    say so instead of leaving the second owner with the old tensor."""
     for _mname, m in model.named_modules(remove_duplicate=False):
-        for n, p in list(m._parameters.items()):
+        for n, p in m._parameters.items():
             if isinstance(p, nn.Parameter) and not isinstance(p.data, DTensor):
-                raise AnnotationError(f"parameter {n!r} of {type(m).__name__} was shared with another module; "
-                                      "meshlm supports tied weights only as one parameter used twice")
-    del first
+                raise AnnotationError(f"parameter {n!r} of {type(m).__name__} is registered in two modules; "
+                                      "meshlm supports tied weights as one parameter used twice (see "
+                                      "Llama.tie_embeddings), not as one Parameter object in two modules")
 
 
 # --------------------------------------------------------------------------- helpers
