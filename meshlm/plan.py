@@ -212,8 +212,9 @@ def plan(
     batch_axes = _batch_axes(lay, sizes)
     n_batch = _prod(batch_axes, sizes) * grad_accum
     if global_batch % n_batch:
-        raise ConfigError(f"global batch {global_batch} does not split into {grad_accum} micro-batch(es) over "
-                          f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards)")
+        raise ConfigError(f"train.batch_size={global_batch} does not split into {grad_accum} micro-batch(es) over "
+                          f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards): "
+                          f"use a train.batch_size that is a multiple of {n_batch}")
 
     # ---------------------------------------------------------------- model state
     params = grads = optim = 0
