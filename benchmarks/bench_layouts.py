@@ -168,7 +168,6 @@ def _build_meshlm(cfg, layout, mesh_sizes, X, Y, backend):
 
 
 def _build_torch(cfg, layout, mesh_sizes, X, Y, backend):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor.parallel import loss_parallel
@@ -210,7 +209,6 @@ def _build_torch(cfg, layout, mesh_sizes, X, Y, backend):
     b = X.shape[0] // n_dp
     x, y = X[dp_rank * b:(dp_rank + 1) * b], Y[dp_rank * b:(dp_rank + 1) * b]
     ctx = loss_parallel if tp else nullcontext
-    del dist
 
     def step():
         with ctx():

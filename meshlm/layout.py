@@ -237,8 +237,3 @@ def resolve(
                     f"or map {axes[i]!r} to another mesh axis (or to nothing) in that layout."
                 )
     return tuple(want)
-
-
-def describe(plan: DimPlan) -> str:
-    """``(fsdp, -, tp)``-style short form of a DimPlan."""
-    return "(" + ", ".join("+".join(w) if w else "-" for w in plan) + ")"

@@ -336,10 +336,11 @@ class ShardState:
                        what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout)
         return placements(plan, self.names)
 
-    def input_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
-        plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
-                       what=f"input {tuple(axes)} of global shape {tuple(shape)}", layout=self.layout,
-                       allow_mesh=INPUT_MESH_AXES)
+    def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
+        """Placements of an input given as each rank's local slice (any local size works:
+        the global size is the local one times the mesh axes splitting it)."""
+        plan = resolve(tuple(axes), self.layout.compute, self.sizes, what=f"input {tuple(axes)}",
+                       layout=self.layout, allow_mesh=INPUT_MESH_AXES)
         return placements(plan, self.names)
 
     def constrain(self, x: Tensor, axes: Axes) -> Tensor:
@@ -391,13 +392,11 @@ def _root_forward(self, *args, **kwargs):
 
 def _wrap_input(st: ShardState, local: Tensor, axes: Axes) -> DTensor:
     mesh = st.mesh
-    # global shape: local * the mesh sizes of the input's sharding
+    pl = st.input_placements(axes)
     gshape = list(local.shape)
-    probe = st.input_placements(axes, [n * 10**6 for n in local.shape])  # divisibility-free probe
-    for i, p in enumerate(probe):
+    for i, p in enumerate(pl):
         if isinstance(p, Shard):
             gshape[p.dim] *= mesh.size(i)
-    pl = st.input_placements(axes, gshape)
     return DTensor.from_local(local.to(mesh.device_type).contiguous(), mesh, pl, run_check=False,
                               shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride())
 
