@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate
+from meshlm import _dtensor_ops, annotate, bucket
 from meshlm.annotate import is_block, param_axes_of
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
@@ -225,8 +225,10 @@ def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
 #     data axis runs under selective activation checkpointing: every op's output is saved as
 #     usual except the ops of those gathers (counted in ``_GATHERING`` while ``_AtUse``
 #     gathers), which are recomputed, i.e. re-gathered, in backward.  It works the same in
-#     eager mode and under torch.compile (SimpleFSDP's approach).
-_GATHERING = [0]
+#     eager mode and under torch.compile (SimpleFSDP's approach).  A block whose parameters
+#     are bucketed (NOTE [block buckets] in bucket.py) gathers them all in one op at its
+#     entry, which the recompute re-runs: one flat all-gather per block in backward too.
+_GATHERING = bucket._GATHERING
 
 
 def _regather_policy(ctx, op, *args, **kwargs):
@@ -258,18 +260,73 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
         _SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
 
 
+def _regather_policy_local(ctx, op, *args, **kwargs):
+    """The policy for a block running on plain local tensors (NOTE [local blocks]): there is
+    one dispatch level, so matmul and attention outputs are saved as plain tensors."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if not _GATHERING[0] and op in _SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
 def _regather_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_regather_policy)
 
 
-def _checkpointed_forward(self, *args, **kwargs):
+def _regather_context_local():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_regather_policy_local)
+
+
+@dataclass(frozen=True)
+class _BlockSpec:
+    """What a lowered block does at its entry (NOTE [block buckets] in bucket.py)."""
+
+    key: Optional[int]  # bucket index, None: no bucket (parameters go through _AtUse)
+    entries: tuple  # (module, attribute name) per bucket member
+    regather: bool  # runs under selective checkpointing (ZeRO-3)
+    local: bool  # may run on plain local tensors (NOTE [local blocks])
+    mesh_dims: int
+
+
+def _block_forward(self, *args, **kwargs):
+    spec: _BlockSpec = self._meshlm_block
+    local = spec.local and all(bucket.batch_sharded(a, spec.mesh_dims) for a in (*args, *kwargs.values())
+                               if isinstance(a, Tensor))
+    if not spec.regather:
+        return _run_block(self, local, *args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
-    base = type(self).__mro__[1].forward
-    return checkpoint(keep_constraints(base), self, *args, use_reentrant=False, context_fn=_regather_context,
+    ctx = _regather_context_local if local else _regather_context
+    return checkpoint(keep_constraints(_run_block), self, local, *args, use_reentrant=False, context_fn=ctx,
                       **kwargs)
+
+
+def _run_block(self, local: bool, *args, **kwargs):
+    spec: _BlockSpec = self._meshlm_block
+    base = type(self).__mro__[1].forward
+    if spec.key is None:
+        return base(self, *args, **kwargs)
+    gathered = bucket.gather(spec.key, local, *[m._parameters[n] for m, n in spec.entries])
+    for (m, n), t in zip(spec.entries, gathered):
+        m._meshlm_now[n] = t
+    try:
+        if not local:
+            return base(self, *args, **kwargs)
+        b = bucket._BUCKETS[spec.key]
+        args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+        kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+        out = base(self, *args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(bucket.wrap_local(o, b) for o in out)
+        return bucket.wrap_local(out, b)
+    finally:
+        for m, n in spec.entries:
+            m._meshlm_now.pop(n, None)
 
 
 def keep_constraints(fn):
@@ -301,6 +358,9 @@ class _UseSpec:
 
 def _make_getter(name: str):
     def get(self):
+        now = self._meshlm_now
+        if name in now:  # gathered by the enclosing block's bucket
+            return now[name]
         p = self._parameters[name]
         spec = self._meshlm_use[name]
         st = self._meshlm_state
@@ -451,13 +511,18 @@ def shard(
     for m, uses in by_module.values():
         m.__class__ = _sharded_class(type(m), tuple(uses), False)
         m._meshlm_use = uses
+        m._meshlm_now = {}
         m._meshlm_state = st
-    for m in model.modules():
-        if is_block(m) and any(u.regather for sub in m.modules() for u in getattr(sub, "_meshlm_use", {}).values()):
-            cls = type(m)
-            base = cls.__mro__[1] if cls in _CLASSES.values() else cls
-            names = tuple(getattr(m, "_meshlm_use", {}))
-            m.__class__ = _sharded_class(base, names, True)
+    for m in _outer_blocks(model):
+        spec = _block_spec(m, st)
+        if spec.key is None and not spec.regather:
+            continue
+        cls = type(m)
+        base = cls.__mro__[1] if cls in _CLASSES.values() else cls
+        m.__class__ = _sharded_class(base, tuple(getattr(m, "_meshlm_use", {})), True)
+        m._meshlm_block = spec
+        if spec.regather and spec.key is not None:
+            _allow_conduit_under_checkpoint()
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
     model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})
@@ -466,6 +531,69 @@ def shard(
 
 
 _CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+
+
+def _outer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks not nested in another block, in module order."""
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside or not is_block(m):
+            continue
+        out.append(m)
+        inside.update(id(s) for s in m.modules())
+    return out
+
+
+def _block_spec(blk: nn.Module, st: ShardState) -> _BlockSpec:
+    """Bucket every parameter of ``blk`` whose move to compute is a gather over data axes
+    (NOTE [block buckets]); decide whether the block may run on local tensors."""
+    names = st.names
+    data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
+    entries, members, regather = [], [], False
+    for sub in blk.modules():
+        for name, use in getattr(sub, "_meshlm_use", {}).items():
+            regather |= use.regather
+            p = sub._parameters[name]
+            mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
+            if mem is not None and data_dims:
+                entries.append((sub, name))
+                members.append(mem)
+    if not entries:
+        return _BlockSpec(None, (), regather, False, len(names))
+    local = _pure_data_parallel(st) and all(isinstance(pl, Replicate) for mem in members for pl in mem.compute)
+    mesh = st.mesh
+    b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
+                      tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
+                      st.reduce_dtype, local)
+    return _BlockSpec(bucket.register(b), tuple(entries), regather, local, len(names))
+
+
+def _allow_conduit_under_checkpoint() -> None:
+    """A bucketed block hands its gathered parameters to the parameter getters through
+    ``module._meshlm_now``, a dict written and cleared inside the block's forward.  Under
+    torch.compile that write sits inside the checkpointed (re-gathering) region, which
+    Dynamo refuses by default because eager checkpointing would replay Python side effects
+    in backward.  Here the dict is only a conduit within one trace (written, read, cleared),
+    and the recompute is the traced graph's, so not replaying it is exactly right."""
+    cfg = torch._dynamo.config
+    if hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def _pure_data_parallel(st: ShardState) -> bool:
+    """Compute is data parallelism only on this mesh: every mesh axis splits ``batch`` and
+    no other logical axis (NOTE [local blocks] in bucket.py)."""
+    names = set(st.names)
+    if not names or not names <= set(DATA_AXES):
+        return False
+    for axis, mesh_axes in st.layout.compute.items():
+        present = {a for a in mesh_axes if a in names}
+        if axis == "batch" and present != names:
+            return False
+        if axis != "batch" and present:
+            return False
+    return True
 
 
 def _needs_regather(pp: ParamPlan) -> bool:
@@ -477,14 +605,14 @@ def _needs_regather(pp: ParamPlan) -> bool:
     return False
 
 
-def _sharded_class(cls: type, names: tuple[str, ...], checkpointed: bool) -> type:
+def _sharded_class(cls: type, names: tuple[str, ...], block: bool) -> type:
     """One subclass per (class, parameter names), shared by every instance, so that
     torch.compile sees the same type for every layer and compiles a block once."""
-    key = (cls, names, checkpointed)
+    key = (cls, names, block)
     if key not in _CLASSES:
         attrs = {n: _make_getter(n) for n in names}
-        if checkpointed:
-            attrs["forward"] = _checkpointed_forward
+        if block:
+            attrs["forward"] = _block_forward
         attrs["__module__"] = cls.__module__
         attrs["__qualname__"] = cls.__qualname__
         _CLASSES[key] = type(cls.__name__, (cls,), attrs)

@@ -5,8 +5,10 @@ with meshlm.comm.CommCounter, must equal a budget derived from REFERENCE.md's fo
 all-reduce or reduce-scatter anywhere fails the test.
 
 Notation (per rank): P = parameter bytes (fp32, whole model), Pb = bytes of the block
-parameters, n = number of parameter tensors, nb = of block parameter tensors, L layers,
-bsh = local batch x seq x embed x 4 bytes (one activation of the residual stream).
+parameters, n = number of parameter tensors, L layers (blocks), nk = L + 3 collectives of a
+bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket.py, plus
+one per parameter outside the blocks: tok_emb, the final norm, lm_head), bsh = local batch x
+seq x embed x 4 bytes (one activation of the residual stream).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def budget(layout: str, mesh: dict) -> dict:
     blk = [x // k for x in attn + mlp] + norms
     Pb = 4 * L * sum(blk)
     P = Pb + 4 * (sum(e // k for e in emb) + h)
-    nb, n = L * len(blk), L * len(blk) + 3
+    n = L * len(blk) + 3
+    nk = L + 3
     data = {a: s for a, s in mesh.items() if a in ("dp", "fsdp") and s > 1}
     b_local = B // (max(1, mesh.get("dp", 1)) * max(1, mesh.get("fsdp", 1)))
     bsh = b_local * S * h * 4
@@ -68,12 +71,13 @@ def budget(layout: str, mesh: dict) -> dict:
         for a in data:
             add("all_reduce", a, "forward", 1, 4)
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
-        add("all_reduce", "dp", "backward", n, P)
+        add("all_reduce", "dp", "backward", nk, P)
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update
+        # (the optimizer's collectives are per parameter; only backward is bucketed)
         add("reduce_scatter", "dp", "optimizer", n, P)
         add("all_gather", "dp", "optimizer", n, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
-        add("reduce_scatter", "dp", "backward", n, P)
+        add("reduce_scatter", "dp", "backward", nk, P)
         add("all_gather", "dp", "optimizer", n, P)
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
@@ -81,12 +85,12 @@ def budget(layout: str, mesh: dict) -> dict:
         # (NOTE [re-gather in backward] in lower.py); the embedding's backward needs no
         # weight, and the final norm and lm_head, used last in forward and first in
         # backward, stay gathered between the two (3 tensors, P - Pb bytes, saved).
-        add("all_gather", "fsdp", "forward", n, P)
-        add("all_gather", "fsdp", "backward", nb, Pb)
-        add("reduce_scatter", "fsdp", "backward", n, P)
+        add("all_gather", "fsdp", "forward", nk, P)
+        add("all_gather", "fsdp", "backward", L, Pb)
+        add("reduce_scatter", "fsdp", "backward", nk, P)
         if layout == "hsdp":
             # HSDP: the reduce-scattered shard (P / fsdp) is all-reduced over dp.
-            add("all_reduce", "dp", "backward", n, P // mesh["fsdp"])
+            add("all_reduce", "dp", "backward", nk, P // mesh["fsdp"])
     if layout in ("tp", "fsdp_tp"):
         # Megatron TP: 2 all-reduces of bsh per block forward, 2 backward; plus the
         # vocab-parallel embedding, whose Partial output is all-reduced (1 x bsh forward;
@@ -106,8 +110,14 @@ def budget(layout: str, mesh: dict) -> dict:
         add("all_gather", "tp", "backward", 2 * L + 1, (2 * L + 1) * bsh)
         add("reduce_scatter", "tp", "backward", 2 * L + 1, (2 * L + 1) * bsh)
         # The norm weights' gradients are reduce-scattered over fsdp first, then all-reduced
-        # over tp on the 1/fsdp shard (lower.py _AtUse.backward).
-        add("all_reduce", "tp", "backward", 2 * L + 1, (2 * L + 1) * h * 4 // mesh.get("fsdp", 1))
+        # over tp on the 1/fsdp shard.  With a bucket (fsdp > 1) a block's two norms take one
+        # flat reduce-scatter and one flat all-reduce of their own (their own route, so that
+        # their buffers die together; bucket.py), the final norm its own per-parameter ones.
+        bucketed = mesh.get("fsdp", 1) > 1
+        add("all_reduce", "tp", "backward", L + 1 if bucketed else 2 * L + 1,
+            (2 * L + 1) * h * 4 // mesh.get("fsdp", 1))
+        if bucketed:
+            add("reduce_scatter", "fsdp", "backward", L, 0)
     if layout in ("fsdp_tp", "fsdp_tp_sp"):
         # Recomputed activation collectives (NOTE [re-gather in backward] in lower.py): a
         # re-gathering block runs under selective checkpointing that saves only matmul and

@@ -1,0 +1,302 @@
+"""Per-block flat collectives: one all-gather and one reduce per block, not per parameter.
+
+NOTE [block buckets]
+    A block's parameters are gathered at the block's entry in one flat collective per data
+    mesh axis (the local shards concatenated into one buffer, all-gathered, and cut back into
+    tensors), and their gradients are reduced the same way in backward: one flat
+    reduce-scatter (or all-reduce) per data mesh axis for the whole block.  The bytes are
+    those of the per-parameter collectives; the count drops from one per parameter to one per
+    block and axis (FSDP2's and DDP's bucketing, at block granularity).
+
+    Only the data axes (``dp``, ``fsdp``) are bucketed.  Other mesh axes (``tp``, ...) must
+    be placed the same in storage and compute; a gradient that arrives Partial over them (the
+    norm weights under sequence parallelism) is reduced per parameter after the data-axis
+    reduce-scatter, so on the scattered shard.  A parameter whose storage -> compute move is
+    anything else is left to the per-parameter path (``lower._AtUse``).
+
+    Several data axes on one tensor dim (``embed: [dp, fsdp]``) are gathered inner axis
+    first and reduce-scattered outer axis first, which keeps NOTE [shard order].
+
+NOTE [local blocks]
+    When the layout's compute is pure data parallelism on this mesh (every mesh axis splits
+    the batch and nothing else, so every parameter is replicated in compute), a block's
+    math on each rank is exactly the one-device block on that rank's rows.  Such a block runs
+    on plain local tensors (FSDP2's and DDP's way): its batch-sharded DTensor inputs are
+    unwrapped, the gathered parameters are plain tensors, and the outputs are wrapped back as
+    batch-sharded.  That removes DTensor's per-op dispatch from the block (the bulk of the
+    step's CPU overhead) while the collectives stay the same.  The gradient of a parameter
+    used on local rows is this rank's share of a sum over all ranks, i.e. Partial over every
+    mesh axis, which is what the bucket's backward reduces.  A block whose inputs are not all
+    batch-sharded at run time falls back to DTensor compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter of a bucket: its placements, shapes and which data axes move it."""
+
+    storage: tuple[Placement, ...]
+    compute: tuple[Placement, ...]
+    grads: Optional[tuple[Placement, ...]]  # None: left Partial (ZeRO-1)
+    shape: tuple[int, ...]  # global
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    gather: tuple[tuple[int, int], ...]  # (mesh dim, tensor dim), inner mesh dim first
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Everything a block's gather and reduce need, fixed at lowering time."""
+
+    mesh: DeviceMesh
+    groups: tuple[str, ...]  # process-group name per mesh dim
+    sizes: tuple[int, ...]
+    data_dims: tuple[int, ...]  # mesh dims that are data axes, outer -> inner
+    members: tuple[Member, ...]
+    compute_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+    local: bool  # NOTE [local blocks]: may run on plain local tensors
+
+
+# Buckets are referred to by index from traced code (an int is a constant to torch.compile).
+_BUCKETS: list[Bucket] = []
+
+
+def register(bucket: Bucket) -> int:
+    _BUCKETS.append(bucket)
+    return len(_BUCKETS) - 1
+
+
+def member(storage: Sequence[Placement], compute: Sequence[Placement], grads: Optional[Sequence[Placement]],
+           shape: Sequence[int], dtype: torch.dtype, data_dims: Sequence[int]) -> Optional[Member]:
+    """The bucket member for one parameter, or None if its storage -> compute move is not a
+    pure gather over data axes (then the per-parameter path handles it)."""
+    gather = []
+    for i, (s, c) in enumerate(zip(storage, compute)):
+        if s == c:
+            continue
+        if i in data_dims and isinstance(s, Shard) and isinstance(c, Replicate):
+            gather.append((i, s.dim))
+            continue
+        return None
+    stride = tuple(torch.empty(tuple(shape), device="meta").stride())
+    return Member(tuple(storage), tuple(compute), None if grads is None else tuple(grads), tuple(shape), stride,
+                  dtype, tuple(sorted(gather, key=lambda t: -t[0])))
+
+
+# --------------------------------------------------------------------------- flat collectives
+# torch 2.13 renamed all_gather_tensor to all_gather_single (2.11 has only the old name).
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _wait(t: Tensor) -> Tensor:
+    """Wait for an eager functional collective now (a no-op in traced code, where the wait
+    is already in the graph): inside the gather, so that re-gathering recomputes the wait
+    too, and before gradients are stored, so that ``.grad`` holds a plain tensor."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int) -> list[Tensor]:
+    """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
+    collective: every rank's block lands at its rank's offset along that dim."""
+    flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
+    out = _wait(_all_gather(flat, 0, group)).view(n, -1)
+    res, off = [], 0
+    for x, d in zip(xs, dims):
+        k = x.numel()
+        piece = out[:, off:off + k].reshape((n,) + tuple(x.shape))
+        if d:
+            piece = piece.movedim(0, d)
+        res.append(piece.reshape(tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1:])))
+        off += k
+    return res
+
+
+def _reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int) -> list[Tensor]:
+    """Sum over ``group`` and keep this rank's 1/n block of each tensor along its dim, in one
+    collective (the inverse layout of ``_gather_flat``)."""
+    rows, shapes = [], []
+    for g, d in zip(gs, dims):
+        s = tuple(g.shape)
+        m = s[d] // n
+        shapes.append(s[:d] + (m,) + s[d + 1:])
+        rows.append(g.reshape(s[:d] + (n, m) + s[d + 1:]).movedim(d, 0).reshape(n, -1))
+    flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+    out = _wait(funcol.reduce_scatter_tensor(flat, "sum", 0, group))
+    return _split(out, shapes)
+
+
+def _all_reduce_flat(gs: list[Tensor], group: str) -> list[Tensor]:
+    flat = torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)
+    out = _wait(funcol.all_reduce(flat, "sum", group))
+    return _split(out, [tuple(g.shape) for g in gs])
+
+
+def _split(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    res, off = [], 0
+    for s in shapes:
+        k = 1
+        for v in s:
+            k *= v
+        res.append(flat[off:off + k].view(s))
+        off += k
+    return res
+
+
+def _by_dtype(idx: list[int], xs: list[Tensor]) -> list[list[int]]:
+    """Indices grouped by dtype (one flat buffer has one dtype)."""
+    return _groups(idx, xs, {})
+
+
+def _groups(idx: list[int], xs: list[Tensor], key: dict) -> list[list[int]]:
+    """Indices grouped by dtype and ``key[j]``."""
+    out: dict[tuple, list[int]] = {}
+    for j in idx:
+        out.setdefault((xs[j].dtype, key.get(j)), []).append(j)
+    return list(out.values())
+
+
+def _target(m: Member, pls: list) -> tuple[Placement, ...]:
+    """Where a gradient ends: the layout's ``grads``, or for local grads (ZeRO-1) Partial
+    where it is Partial and the storage placement elsewhere."""
+    if m.grads is not None:
+        return m.grads
+    return tuple(pl if pl.is_partial() else sp for pl, sp in zip(pls, m.storage))
+
+
+# --------------------------------------------------------------------------- the autograd op
+_GATHERING = [0]  # > 0 while a bucket gathers (lower._regather_policy recomputes those ops)
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: the block's stored parameters -> compute (plain local tensors for a local
+    block).  Backward: their gradients -> the layout's ``grads`` placements."""
+
+    @staticmethod
+    def forward(ctx, key: int, local: bool, *params):  # type: ignore[override]
+        b = _BUCKETS[key]
+        ctx.key, ctx.local = key, local
+        _GATHERING[0] += 1
+        try:
+            xs = [p._local_tensor for p in params]
+            if b.compute_dtype is not None:
+                xs = [x if x.dtype == b.compute_dtype else x.to(b.compute_dtype) for x in xs]
+            for i in sorted({i for m in b.members for i, _ in m.gather}, reverse=True):  # inner first
+                idx = [j for j, m in enumerate(b.members) if any(mi == i for mi, _ in m.gather)]
+                for grp in _by_dtype(idx, xs):
+                    dims = [dict(b.members[j].gather)[i] for j in grp]
+                    for j, y in zip(grp, _gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i])):
+                        xs[j] = y
+            out = []
+            for x, p, m in zip(xs, params, b.members):
+                if x is p._local_tensor:  # nothing moved: a fresh alias, not the stored tensor
+                    x = x.view_as(x)
+                out.append(x if local else DTensor.from_local(x, b.mesh, m.compute, run_check=False,
+                                                               shape=torch.Size(m.shape), stride=m.stride))
+            return tuple(out)
+        finally:
+            _GATHERING[0] -= 1
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        b = _BUCKETS[ctx.key]
+        n = len(b.members)
+        xs: list = [None] * n
+        pls: list = [None] * n
+        for j, g in enumerate(grads):
+            if g is None:
+                continue
+            if b.reduce_dtype is not None and g.dtype != b.reduce_dtype:
+                g = g.to(b.reduce_dtype)
+            if ctx.local:  # NOTE [local blocks]: this rank's share of a sum over every mesh axis
+                xs[j], pls[j] = g, [_SUM] * len(b.sizes)
+            else:
+                xs[j], pls[j] = g.to_local(), list(g.placements)
+        live = [j for j in range(n) if xs[j] is not None]
+        targets = {j: _target(b.members[j], pls[j]) for j in live}
+        # Which flat collectives each gradient goes through; gradients with the same route
+        # share their buffers, so a buffer is freed as a whole (none outlives its last use).
+        route = {j: tuple((i, type(targets[j][i]).__name__) for i in range(len(b.sizes))
+                          if _partial(pls[j][i]) and not targets[j][i].is_partial()) for j in live}
+        other = tuple(i for i in range(len(b.sizes)) if i not in b.data_dims)
+        # Reduce-scatters over data axes, outer axis first; then all-reduces on the scattered
+        # shards (HSDP all-reduces 1/fsdp of the gradient over dp); then the other axes (the
+        # norm weights' tp reduction under sequence parallelism), again on the shards.
+        for dims_, kind in ((b.data_dims, Shard), (b.data_dims, Replicate), (other, Shard), (other, Replicate)):
+            for i in dims_:
+                idx = [j for j in live if _partial(pls[j][i]) and isinstance(targets[j][i], kind)]
+                for grp in _groups(idx, xs, route):
+                    ys = (_reduce_scatter_flat([xs[j] for j in grp], [targets[j][i].dim for j in grp], b.groups[i],
+                                               b.sizes[i]) if kind is Shard else
+                          _all_reduce_flat([xs[j] for j in grp], b.groups[i]))
+                    for j, y in zip(grp, ys):
+                        xs[j], pls[j][i] = y, targets[j][i]
+        out: list = [None] * n
+        for j in live:
+            m = b.members[j]
+            gshape = list(xs[j].shape)
+            for i, pl in enumerate(pls[j]):
+                if isinstance(pl, Shard):
+                    gshape[pl.dim] *= b.sizes[i]
+            g = DTensor.from_local(xs[j], b.mesh, tuple(pls[j]), run_check=False, shape=torch.Size(gshape),
+                                   stride=m.stride)
+            if tuple(g.placements) != targets[j]:  # anything else: per parameter
+                g = g.redistribute(b.mesh, targets[j])
+            if g.dtype != m.dtype:
+                g = g.to(m.dtype)
+            out[j] = g
+        return (None, None, *out)
+
+
+def _partial(pl: Placement) -> bool:
+    return pl.is_partial() and getattr(pl, "reduce_op", "sum") == "sum"
+
+
+def _sum_partial():
+    from torch.distributed.tensor import Partial
+
+    return Partial("sum")
+
+
+_SUM = _sum_partial()
+
+
+@torch._dynamo.allow_in_graph
+def gather(key: int, local: bool, *params):
+    """``_Gather`` as one opaque node for Dynamo (NOTE [at-use under compile] in lower.py)."""
+    return _Gather.apply(key, local, *params)
+
+
+# --------------------------------------------------------------------------- local blocks
+def batch_sharded(x, n_mesh_dims: int) -> bool:
+    """A DTensor split along dim 0 over every mesh dim (NOTE [local blocks])."""
+    return isinstance(x, DTensor) and x.ndim >= 1 and all(
+        isinstance(p, Shard) and p.dim == 0 for p in x.placements) and len(x.placements) == n_mesh_dims
+
+
+def wrap_local(x, b: Bucket):
+    """A block output computed on local rows -> the batch-sharded DTensor it is."""
+    if not isinstance(x, Tensor) or isinstance(x, DTensor):
+        return x
+    if x.ndim == 0:
+        from meshlm.errors import AnnotationError
+
+        raise AnnotationError("a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
+                              "meshlm/bucket.py): blocks must return batch-first activations")
+    world = 1
+    for s in b.sizes:
+        world *= s
+    shape = (x.shape[0] * world,) + tuple(x.shape[1:])
+    return DTensor.from_local(x, b.mesh, (Shard(0),) * len(b.sizes), run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
