@@ -383,6 +383,7 @@ class ShardState:
     # the DeviceMesh (an opaque object to torch.compile).
     sizes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = ()
+    overlap: bool = False  # NOTE [overlapped reduction] in bucket.py
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
@@ -483,6 +484,7 @@ def shard(
     param_dtype: Optional[torch.dtype] = None,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    overlap: Optional[bool] = None,
 ) -> nn.Module:
     """Lower ``model`` in place onto ``mesh`` under ``layout`` and return it.
 
@@ -492,7 +494,9 @@ def shard(
     ``init=False`` the shards of a meta model are left uninitialised (to be loaded into).
     ``param_dtype`` is the storage dtype of the shards (initialised in fp32, then cast).
     ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
-    dtype gradients are reduced in.
+    dtype gradients are reduced in.  ``overlap`` leaves each block's gradient reduction in
+    flight while backward goes on (NOTE [overlapped reduction] in bucket.py; default: on
+    for a CUDA mesh, off on CPU).
     """
     _dtensor_ops.install()
     layout = load_layout(layout)
@@ -502,6 +506,7 @@ def shard(
     _check_layout_axes(layout, mesh)
     _materialize(model, plans, mesh, seed if init else None, param_dtype)
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
+    st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]
@@ -565,7 +570,7 @@ def _block_spec(blk: nn.Module, st: ShardState) -> _BlockSpec:
     mesh = st.mesh
     b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
                       tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
-                      st.reduce_dtype, local)
+                      st.reduce_dtype, local, st.overlap)
     return _BlockSpec(bucket.register(b), tuple(entries), regather, local, len(names))
 
 

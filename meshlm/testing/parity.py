@@ -22,12 +22,14 @@ from meshlm.testing import tolerances as tol
 
 
 def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, model: str = "llama_tiny",
-               batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, **overrides) -> dict:
+               batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, overlap: Optional[bool] = None,
+               **overrides) -> dict:
     import meshlm
     from meshlm.compile import compile_blocks
     from meshlm.lower import placements, shard_state
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     torch._dynamo.reset()
     cfg = llama_config(model, **overrides)
@@ -41,7 +43,7 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     ref_params = dict(ref.named_parameters())
 
     mesh = meshlm.make_mesh(mesh_shape)
-    model_ = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=seed)
+    model_ = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=seed, overlap=overlap)
     for n, p in model_.named_parameters():
         torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=tol.INIT_ATOL,
                                    msg=lambda m, n=n: f"init of {n}: {m}")
@@ -64,6 +66,7 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
             assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
         else:  # ZeRO-1: unreduced over the data axes until the step
             assert any(pl.is_partial() for pl in g.placements) or mesh.size() == 1, f"grad of {n}: {g.placements}"
+        assert not isinstance(g._local_tensor, AsyncCollectiveTensor), f"grad of {n} is still in flight after backward"
         full = g.full_tensor()
         full_grads[n] = full
         r = ref_params[n].grad

@@ -54,6 +54,13 @@ def test_parity_compiled_inductor(pool2):
     _ok(pool2.run(check_step, "tp_sp", "tp=2", compile="inductor"))
 
 
+@pytest.mark.parametrize("layout,mesh", [("ddp", "dp=4"), ("hsdp", "dp=2,fsdp=2"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
+def test_parity_overlapped_reduction(pool4, layout, mesh):
+    """Gradient reductions left in flight through backward (NOTE [overlapped reduction] in
+    meshlm/bucket.py; the default on CUDA) give the same gradients, settled as plain tensors."""
+    _ok(pool4.run(check_step, layout, mesh, overlap=True))
+
+
 @pytest.mark.parametrize("layout,mesh", [("tp", "tp=4"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
 def test_parity_tied_embeddings(pool4, layout, mesh):
     """A vocab-sharded table used by both F.embedding and the output F.linear."""
