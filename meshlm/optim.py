@@ -6,6 +6,14 @@ updates the parameter in place.  Otherwise (ZeRO-1/2, or fp32 master weights und
 precision) it keeps a *master* copy in the optimizer placements: at the step the gradient is
 reduced into them (a reduce-scatter for ZeRO-1's local gradients, nothing for ZeRO-2's), the
 master is updated, and the parameter is refreshed from it (an all-gather for ZeRO-1/2).
+
+NOTE [local step]
+    The update of an elementwise optimizer (SGD, Adam, AdamW, ...) on a shard depends on
+    that shard alone, so ``step`` runs the torch optimizer on each master's *local* tensor
+    and state (aliases of the DTensors' storage), not through DTensor dispatch, which costs
+    more than the arithmetic.  ``inner.state`` stays keyed by the DTensor masters with
+    DTensor values (checkpoints see no difference).  Optimizers not known to be elementwise
+    (factored or matrix ones, such as Adafactor) step on the DTensors.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ class ShardedOptimizer:
             masters.append(master)
         self.inner = optim_cls(masters, **kwargs)
         self._ready = False
+        self._local_step = type(self.inner) in _ELEMENTWISE
+        self._locals: dict[int, nn.Parameter] = {}
+        self._wrapped: dict[tuple[int, str], Tensor] = {}  # (id(master), state key) -> DTensor state
 
     @property
     def param_groups(self):
@@ -89,7 +100,10 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         self.reduce_grads()
-        self.inner.step()
+        if self._local_step:
+            self._step_local()
+        else:
+            self.inner.step()
         with torch.no_grad():
             for _fqn, p, m in self._pairs:
                 if m is p:
@@ -99,6 +113,47 @@ class ShardedOptimizer:
                     new = new.redistribute(self.mesh, p.placements)
                 p.copy_(new)
         self._ready = False
+
+    def _step_local(self) -> None:
+        """``inner.step()`` on local tensors (NOTE [local step])."""
+        inner = self.inner
+        swapped = []
+        for group in inner.param_groups:
+            swapped.append(group["params"])
+            local_params = []
+            for m in group["params"]:
+                lp = self._locals.get(id(m))
+                if lp is None or lp.data.data_ptr() != m._local_tensor.data_ptr():
+                    lp = self._locals[id(m)] = nn.Parameter(m._local_tensor, requires_grad=m.requires_grad)
+                g = m.grad
+                lp.grad = None if g is None else (g._local_tensor if isinstance(g, DTensor) else g)
+                st = inner.state.pop(m, None)
+                if st:
+                    inner.state[lp] = {k: (v._local_tensor if isinstance(v, DTensor) else v) for k, v in st.items()}
+                local_params.append(lp)
+            group["params"] = local_params
+        try:
+            inner.step()
+        finally:
+            for group, masters in zip(inner.param_groups, swapped):
+                for lp, m in zip(group["params"], masters):
+                    lp.grad = None
+                    st = inner.state.pop(lp, None)
+                    if st:
+                        inner.state[m] = {k: self._like(v, m, k) for k, v in st.items()}
+                group["params"] = masters
+
+    def _like(self, v: Tensor, m: Tensor, key: str) -> Tensor:
+        """A local optimizer-state tensor shaped like master ``m``'s shard, as a DTensor
+        placed like ``m`` (sharing storage; built once per state tensor); anything else
+        (the step count) as it is."""
+        if not (isinstance(m, DTensor) and not isinstance(v, DTensor) and v.shape == m._local_tensor.shape):
+            return v
+        d = self._wrapped.get((id(m), key))
+        if d is None or d._local_tensor.data_ptr() != v.data_ptr() or d._local_tensor.shape != v.shape:
+            d = self._wrapped[(id(m), key)] = DTensor.from_local(v, m.device_mesh, m.placements, run_check=False,
+                                                          shape=m.shape, stride=m.stride())
+        return d
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _fqn, p, m in self._pairs:
@@ -112,6 +167,12 @@ class ShardedOptimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.inner.load_state_dict(sd)
+
+
+# Optimizers whose update of each element depends only on that element's parameter,
+# gradient and state (NOTE [local step]).
+_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam}
 
 
 def grad_norm(grads: list[Tensor], mesh) -> Tensor:
