@@ -144,14 +144,14 @@ def _global_batch(cfg, batch, seq):
     return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
 
-def _build_meshlm(cfg, layout, mesh_sizes, X, Y, backend):
+def _build_meshlm(cfg, layout, mesh_sizes, X, Y, backend, bucket=True):
     import meshlm
     from meshlm.compile import compile_blocks
     from meshlm.models import Llama
     from meshlm.optim import ShardedOptimizer
 
     mesh = meshlm.make_mesh(mesh_sizes)
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, bucket=bucket)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
     if backend is not None:
         compile_blocks(model, backend=backend)
@@ -292,6 +292,16 @@ def _bench_layout(layout, mesh_sizes, opts):
             out[name]["state_bytes"] = mem.base
             out[name]["peak_bytes"] = mem.peak
             dist.barrier()
+    if "meshlm/eager" in out:
+        # the same step with bucketing off: the per-parameter collective count (untimed)
+        v = _build_meshlm(cfg, layout, mesh_sizes, X, Y, None, bucket=False)
+        cc = CommCounter(v["mesh"])
+        with cc:
+            v["step"]()
+        out["meshlm/eager"]["collectives_unbucketed"] = len(cc.records)
+        out["meshlm/eager"]["bytes_unbucketed"] = sum(r.bytes for r in cc.records)
+        del v
+        dist.barrier()
     for name, gc in graph_counters.items():
         if name in out:
             out[name]["graphs"] = gc.graphs
@@ -385,8 +395,9 @@ def render(results: dict, meta: dict) -> str:
     lines += ["", "Collectives per step, eager vs compiled (compiled: collectives in the compiled block graphs, "
               "forward + backward, counted once per graph and multiplied by the blocks; the embedding, head and "
               "loss stay eager).", "",
-              "| layout | impl | eager, whole step | compiled, inside the block graphs |",
-              "|---|---|---|---|"]
+              "| layout | impl | eager, whole step | eager, bucketing off (per parameter) "
+              "| compiled, inside the block graphs |",
+              "|---|---|---|---|---|"]
     for layout, res in results.items():
         for impl in ("meshlm", "torch", "titan"):
             e, c = res.get(f"{impl}/eager"), res.get(f"{impl}/compiled")
@@ -396,7 +407,8 @@ def render(results: dict, meta: dict) -> str:
             per_graph = _block_graph_collectives(c)
             n_graphs = len(g)
             blocks = f"{per_graph} in {n_graphs} graphs" + (f" -> {per_graph * L} per step" if n_graphs == 2 else "")
-            lines.append(f"| {layout} | {impl} | {e['collectives']} | {blocks} |")
+            off = e.get("collectives_unbucketed", "")
+            lines.append(f"| {layout} | {impl} | {e['collectives']} | {off} | {blocks} |")
     if meta.get("notes"):
         lines += [""] + [f"- {n}" for n in meta["notes"]]
     return "\n".join(lines) + "\n"

@@ -114,6 +114,7 @@ class TrainConfig:
     reduce_dtype: Optional[str] = None  #: dtype gradients are reduced in; None = float32
     compile: str = "none"  #: torch.compile per block: none | aot_eager | inductor
     activation_checkpointing: str = "none"  #: none | full | selective (per block)
+    overlap: Optional[bool] = None  #: gradient reduction in flight during backward; None = on for CUDA only
     device: str = "auto"  #: auto (cuda if available) | cpu | cuda
     log_every: int = 1
     val_every: int = 25  #: validation every N steps and at the end; 0 = only at the end

@@ -30,8 +30,55 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+# Messages of a worker that failed only because another one did (its peer's sockets closed
+# or the agent stopped it): never the root cause while a worker failed for its own reason.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+              "communicator was aborted", "Broken pipe")
+
+
+def _first_failure(err: Any) -> tuple[int, Any]:
+    """The root-cause failure: the earliest one that is not a consequence of another
+    (error-file timestamps have one-second resolution, so a peer that saw the connection
+    close in the same second would otherwise win the tie by its lower rank)."""
+    failures = getattr(err, "failures", None)
+    if not failures:
+        return err.get_first_failure()
+    failures = {**_sibling_failures(failures), **failures}
+
+    def key(item):
+        rank, f = item
+        text = json.dumps(f.message) if isinstance(f.message, dict) else str(f.message or "")
+        has_message = bool(text) and not text.startswith("To enable traceback")
+        # a worker with its own error message first (a worker stopped by a signal after
+        # writing it still counts), then ones without, secondary symptoms last
+        return (any(s in text for s in _SECONDARY), not has_message, f.timestamp, rank)
+
+    return min(failures.items(), key=key)
+
+
+def _sibling_failures(failures: dict) -> dict:
+    """Failures recorded in the error files of ranks the agent stopped before it saw them
+    fail: the agent reports only the workers it found failed, which under a race can be
+    the peer that saw the connection close and not the worker that closed it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    out: dict = {}
+    for f in failures.values():
+        ef = Path(f.error_file or "")
+        if not ef.name or not ef.parent.parent.is_dir():
+            continue
+        for d in ef.parent.parent.iterdir():
+            other = d / ef.name
+            if d.name.isdigit() and int(d.name) not in failures and other.is_file():
+                try:
+                    out[int(d.name)] = ProcessFailure(local_rank=int(d.name), pid=0, exitcode=1, error_file=str(other))
+                except Exception:  # noqa: BLE001 - a half-written file: not a root cause
+                    continue
+    return out
+
+
 def _root_cause(err: Any) -> str:
-    rank, failure = err.get_first_failure()
+    rank, failure = _first_failure(err)
     msg = failure.message
     detail = ""
     if isinstance(msg, dict):
@@ -45,7 +92,7 @@ def _root_cause(err: Any) -> str:
         detail, tb = str(msg or ""), ""
     if not detail or detail.startswith("To enable traceback"):
         detail = f"exit code {failure.exitcode}" + (f" (signal {failure.signal_name()})" if failure.exitcode < 0 else "")
-    out = f"worker rank {rank} (pid {failure.pid}) failed: {detail}"
+    out = f"worker rank {rank}" + (f" (pid {failure.pid})" if failure.pid else "") + f" failed: {detail}"
     is_user_error = any(detail.startswith(n) for n in ("ConfigError", "MeshError", "LayoutError", "NonFiniteLossError",
                                                         "AxisError", "AnnotationError", "CheckpointError"))
     if tb and not is_user_error:

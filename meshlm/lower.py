@@ -261,8 +261,9 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 
 
 def _regather_policy_local(ctx, op, *args, **kwargs):
-    """The policy for a block running on plain local tensors (NOTE [local blocks]): there is
-    one dispatch level, so matmul and attention outputs are saved as plain tensors."""
+    """The selective policy of a compiled local block (NOTE [local blocks] in bucket.py):
+    plain tensors only, one dispatch level, so matmul and attention outputs are saved as
+    they are."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if not _GATHERING[0] and op in _SAVED_OPS:
@@ -270,16 +271,16 @@ def _regather_policy_local(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _regather_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_regather_policy)
-
-
 def _regather_context_local():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_regather_policy_local)
+
+
+def _regather_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_regather_policy)
 
 
 @dataclass(frozen=True)
@@ -297,13 +298,38 @@ def _block_forward(self, *args, **kwargs):
     spec: _BlockSpec = self._meshlm_block
     local = spec.local and all(bucket.batch_sharded(a, spec.mesh_dims) for a in (*args, *kwargs.values())
                                if isinstance(a, Tensor))
-    if not spec.regather:
-        return _run_block(self, local, *args, **kwargs)
-    from torch.utils.checkpoint import checkpoint
+    if not local:
+        if not spec.regather:
+            return _run_block(self, False, *args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
 
-    ctx = _regather_context_local if local else _regather_context
-    return checkpoint(keep_constraints(_run_block), self, local, *args, use_reentrant=False, context_fn=ctx,
-                      **kwargs)
+        return checkpoint(keep_constraints(_run_block), self, False, *args, use_reentrant=False,
+                          context_fn=_regather_context, **kwargs)
+    # NOTE [local blocks] in bucket.py: unwrap and wrap outside any checkpoint, so that the
+    # checkpointed region holds plain tensors only.
+    b = bucket._BUCKETS[spec.key]
+    args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+    kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+    if spec.regather:
+        from torch.utils.checkpoint import checkpoint
+
+        # A local block re-gathers by recomputing all of its forward (it keeps only its
+        # input): selective checkpointing's per-op dispatch mode cost more on CPU than the
+        # recompute (measured, fsdp on 4 ranks, llama_small: step 0.41 s against 0.50 s),
+        # and the block holds less memory.  torchtitan's FSDP default is the same (full AC).
+        # Under torch.compile a full recompute fails in the partitioner (it would save the
+        # DTensor parameters' mesh for backward), so compiled local blocks keep their matmul
+        # and attention outputs (selective), whose policy costs only at trace time there.
+        if torch.compiler.is_compiling():
+            out = checkpoint(_run_block, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
+                             **kwargs)
+        else:
+            out = checkpoint(_run_block, self, True, *args, use_reentrant=False, **kwargs)
+    else:
+        out = _run_block(self, True, *args, **kwargs)
+    if isinstance(out, (tuple, list)):
+        return type(out)(bucket.wrap_local(o, b) for o in out)
+    return bucket.wrap_local(out, b)
 
 
 def _run_block(self, local: bool, *args, **kwargs):
@@ -315,15 +341,7 @@ def _run_block(self, local: bool, *args, **kwargs):
     for (m, n), t in zip(spec.entries, gathered):
         m._meshlm_now[n] = t
     try:
-        if not local:
-            return base(self, *args, **kwargs)
-        b = bucket._BUCKETS[spec.key]
-        args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
-        kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
-        out = base(self, *args, **kwargs)
-        if isinstance(out, (tuple, list)):
-            return type(out)(bucket.wrap_local(o, b) for o in out)
-        return bucket.wrap_local(out, b)
+        return base(self, *args, **kwargs)
     finally:
         for m, n in spec.entries:
             m._meshlm_now.pop(n, None)
@@ -485,6 +503,7 @@ def shard(
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
     overlap: Optional[bool] = None,
+    bucket: bool = True,
 ) -> nn.Module:
     """Lower ``model`` in place onto ``mesh`` under ``layout`` and return it.
 
@@ -496,7 +515,9 @@ def shard(
     ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
     dtype gradients are reduced in.  ``overlap`` leaves each block's gradient reduction in
     flight while backward goes on (NOTE [overlapped reduction] in bucket.py; default: on
-    for a CUDA mesh, off on CPU).
+    for a CUDA mesh, off on CPU).  ``bucket=False`` turns off per-block flat collectives
+    (NOTE [block buckets]): every parameter then moves on its own, a reference for the
+    benchmarks.
     """
     _dtensor_ops.install()
     layout = load_layout(layout)
@@ -519,7 +540,7 @@ def shard(
         m._meshlm_now = {}
         m._meshlm_state = st
     for m in _outer_blocks(model):
-        spec = _block_spec(m, st)
+        spec = _block_spec(m, st, bucket)
         if spec.key is None and not spec.regather:
             continue
         cls = type(m)
@@ -550,7 +571,7 @@ def _outer_blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _block_spec(blk: nn.Module, st: ShardState) -> _BlockSpec:
+def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _BlockSpec:
     """Bucket every parameter of ``blk`` whose move to compute is a gather over data axes
     (NOTE [block buckets]); decide whether the block may run on local tensors."""
     names = st.names
@@ -561,7 +582,7 @@ def _block_spec(blk: nn.Module, st: ShardState) -> _BlockSpec:
             regather |= use.regather
             p = sub._parameters[name]
             mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
-            if mem is not None and data_dims:
+            if mem is not None and data_dims and use_bucket:
                 entries.append((sub, name))
                 members.append(mem)
     if not entries:
@@ -587,12 +608,16 @@ def _allow_conduit_under_checkpoint() -> None:
 
 
 def _pure_data_parallel(st: ShardState) -> bool:
-    """Compute is data parallelism only on this mesh: every mesh axis splits ``batch`` and
-    no other logical axis (NOTE [local blocks] in bucket.py)."""
-    names = set(st.names)
+    return pure_data_parallel(st.layout, st.sizes)
+
+
+def pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
+    """Compute is data parallelism only on this mesh: every mesh axis (of size > 1) splits
+    ``batch`` and no other logical axis (NOTE [local blocks] in bucket.py)."""
+    names = {a for a, n in sizes.items() if n > 1}
     if not names or not names <= set(DATA_AXES):
         return False
-    for axis, mesh_axes in st.layout.compute.items():
+    for axis, mesh_axes in layout.compute.items():
         present = {a for a in mesh_axes if a in names}
         if axis == "batch" and present != names:
             return False

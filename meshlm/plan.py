@@ -33,7 +33,7 @@ from meshlm.axes import DATA_AXES
 from meshlm.comm import ring_factor
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.layout import Layout, load_layout, shipped_layouts
-from meshlm.lower import ParamPlan, plan_params
+from meshlm.lower import ParamPlan, plan_params, pure_data_parallel
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
 
@@ -245,7 +245,8 @@ def plan(
     # ---------------------------------------------------------------- activations
     b_local = global_batch // n_batch
     regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
-    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather)
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather,
+                           local=pure_data_parallel(lay, sizes))
     gathered = _held_gathered(params_, sizes, regather, B)
     formulas["activations"] = act
     memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
@@ -317,7 +318,7 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
 
 # --------------------------------------------------------------------------- activations
 def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
-                     ac: str, dtype: torch.dtype, *, regather: bool = False) -> dict[str, Any]:
+                     ac: str, dtype: torch.dtype, *, regather: bool = False, local: bool = False) -> dict[str, Any]:
     """Activation bytes per rank per micro-batch (docs/plan.md, "Activations").
 
     ``held``: what stays allocated from the end of forward to the start of backward (what
@@ -341,7 +342,9 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     NOTE [re-gather in backward] in lower.py) keep only the block input (B·h/ts) and the
     matmul and attention outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole
     seq, before its reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).
-    ``full`` keeps the block input only."""
+    ``full`` keeps the block input only, and so does a re-gathering block of a pure
+    data-parallel layout (``local``: it recomputes all of its forward, lower.py
+    ``_block_forward``)."""
     h, hd = cfg.embed, cfg.hd
     q, kv, f, a, V, L = cfg.heads * hd, cfg.kv_heads * hd, cfg.mlp, cfg.heads, cfg.vocab, cfg.layers
     t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
@@ -359,7 +362,7 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     saved_block = tok * (B * h / ts + B * (2 * q + 2 * kv) / t + F * a / t + 2 * B * h + 2 * B * f / tf)
     input_block = tok * B * h / ts
     outside = tok * (norm + F * V / tv) + 4
-    if ac == "full":
+    if ac == "full" or (regather and local):
         per_block, mode = input_block, "full"
     elif ac == "selective" or regather:
         per_block, mode = saved_block, "selective"
@@ -386,18 +389,26 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
 # --------------------------------------------------------------------------- communication
 def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> list[CommEntry]:
     out: dict[tuple, CommEntry] = {}
+    flat: set[tuple] = set()
 
-    def add(kind, axis, phase, nbytes, what, count=1):
+    def add(kind, axis, phase, nbytes, what, count=1, bucket=None):
+        """``bucket``: the parameter is in a block's bucket (NOTE [block buckets] in
+        bucket.py), and ``bucket`` names its flat collective: every parameter with the same
+        one shares a single collective per block, so only the first counts it."""
         n = sizes[axis]
         key = (kind, (axis,), phase, what)
         e = out.get(key)
         if e is None:
             e = out[key] = CommEntry(kind, (axis,), phase, 0, 0, 0.0, what)
-        e.count += count
+        if bucket is None or (key, bucket) not in flat:
+            e.count += count
+            if bucket is not None:
+                flat.add((key, bucket))
         e.bytes += int(nbytes) * count
         e.wire_bytes += nbytes * ring_factor(kind, n) * count
 
     data_batch = [a for a in batch_axes if a in DATA_AXES]
+    data_active = [a for a in DATA_AXES if sizes.get(a, 1) > 1]
     seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
     for prm in params_:
         pp, k = prm.plan, prm.count
@@ -410,10 +421,15 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
                     cur *= sizes[ax]
                     gathers.append((ax, cur))
         regather = prm.in_block and any(a in DATA_AXES for a, _ in gathers)
+        # bucketed: a block parameter moved to compute by gathers over data axes only, on a
+        # mesh with a data axis (lower.py _block_spec)
+        member = prm.in_block and bool(data_active) and all(a in DATA_AXES for a, _ in gathers)
         for ax, nb in gathers:
-            add("all_gather", ax, "forward", nb * B, "param gather at use", accum * k)
+            add("all_gather", ax, "forward", nb * B, "param gather at use", accum * k,
+                bucket="gather" if member else None)
             if regather:
-                add("all_gather", ax, "backward", nb * B, "param re-gather in backward (ZeRO-3)", accum * k)
+                add("all_gather", ax, "backward", nb * B, "param re-gather in backward (ZeRO-3)", accum * k,
+                    bucket="gather" if member else None)
         # Gradient reduction (lower.py _AtUse.backward): the gradient is Partial over each
         # data axis that splits the batch but not the parameter, and, under sequence
         # parallelism, over the seq axes for the norm weights (the only parameters used on
@@ -427,15 +443,18 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
         partial = [ax for ax in data_batch if ax not in caxes]
         if pp.axes == ("embed",):
             partial += [ax for ax in seq_axes if ax not in caxes]
+        # In a bucket, gradients that go through the same reductions share them (bucket.py).
+        route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
+        rb = route if member and phase == "backward" else None
         cur = _local_numel(pp, pp.compute, sizes)
         for ax in partial:
             if ax in gaxes:
-                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt)
+                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb)
                 cur //= sizes[ax]
         for ax in partial:
             if ax not in gaxes:
                 what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
-                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt)
+                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb)
         # optimizer: refresh the stored parameter from its (sharded) master
         direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
         if not direct:
@@ -730,6 +749,8 @@ def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "non
     p = min(plans, key=lambda p: p.memory["total"])
     parts = {k: v for k, v in p.memory.items() if k != "total"}
     dom = max(parts, key=parts.get)
+    if p.formulas.get("activations", {}).get("checkpointing") == "full":
+        ac = "full"  # its blocks already keep only their inputs (a re-gathering local block)
     advice = {
         "activations": ("use smaller micro-batches (train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
                         if ac == "full" else

@@ -192,7 +192,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     pdt = _DTYPES[t.param_dtype]
     cdt = _DTYPES[t.compute_dtype] if t.compute_dtype else (pdt if pdt != torch.float32 else None)
     rdt = _DTYPES[t.reduce_dtype] if t.reduce_dtype else None
-    shard_kw = dict(param_dtype=pdt if pdt != torch.float32 else None, compute_dtype=cdt, reduce_dtype=rdt)
+    shard_kw = dict(param_dtype=pdt if pdt != torch.float32 else None, compute_dtype=cdt, reduce_dtype=rdt,
+                    overlap=t.overlap)
     if cfg.model.init_from:
         from meshlm.hf import load_hf
 
