@@ -195,7 +195,7 @@ class _Gather(torch.autograd.Function):
             xs = [p._local_tensor for p in params]
             if b.compute_dtype is not None:
                 xs = [x if x.dtype == b.compute_dtype else x.to(b.compute_dtype) for x in xs]
-            for i in sorted({i for m in b.members for i, _ in m.gather}, reverse=True):  # inner first
+            for i in sorted({i for m in b.members for i, _ in m.gather if b.sizes[i] > 1}, reverse=True):  # inner first
                 idx = [j for j, m in enumerate(b.members) if any(mi == i for mi, _ in m.gather)]
                 for grp in _by_dtype(idx, xs):
                     dims = [dict(b.members[j].gather)[i] for j in grp]
@@ -223,7 +223,8 @@ class _Gather(torch.autograd.Function):
             if b.reduce_dtype is not None and g.dtype != b.reduce_dtype:
                 g = g.to(b.reduce_dtype)
             if ctx.local:  # NOTE [local blocks]: this rank's share of a sum over every mesh axis
-                xs[j], pls[j] = g, [_SUM] * len(b.sizes)
+                m = b.members[j]
+                xs[j], pls[j] = g, [_SUM if n > 1 else (m.grads or m.storage)[i] for i, n in enumerate(b.sizes)]
             else:
                 xs[j], pls[j] = g.to_local(), list(g.placements)
         live = [j for j in range(n) if xs[j] is not None]
@@ -312,14 +313,15 @@ def gather(key: int, local: bool, *params):
 
 
 # --------------------------------------------------------------------------- local blocks
-def batch_sharded(x, n_mesh_dims: int) -> bool:
-    """A DTensor split along dim 0 over every mesh dim (NOTE [local blocks])."""
-    return isinstance(x, DTensor) and x.ndim >= 1 and all(
-        isinstance(p, Shard) and p.dim == 0 for p in x.placements) and len(x.placements) == n_mesh_dims
+def batch_sharded(x, sizes: Sequence[int]) -> bool:
+    """A DTensor split along dim 0 over every mesh dim of size > 1 (NOTE [local blocks])."""
+    return isinstance(x, DTensor) and x.ndim >= 1 and len(x.placements) == len(sizes) and all(
+        (isinstance(p, Shard) and p.dim == 0) if n > 1 else not p.is_partial() for p, n in zip(x.placements, sizes))
 
 
-def wrap_local(x, b: Bucket):
-    """A block output computed on local rows -> the batch-sharded DTensor it is."""
+def wrap_local(x, b: Bucket, placements: Sequence[Placement]):
+    """A block output computed on local rows -> the batch-sharded DTensor it is (placed as
+    the block's input)."""
     if not isinstance(x, Tensor) or isinstance(x, DTensor):
         return x
     if x.ndim == 0:
@@ -328,8 +330,8 @@ def wrap_local(x, b: Bucket):
         raise AnnotationError("a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
                               "meshlm/bucket.py): blocks must return batch-first activations")
     world = 1
-    for s in b.sizes:
-        world *= s
+    for s, p in zip(b.sizes, placements):
+        world *= s if isinstance(p, Shard) else 1
     shape = (x.shape[0] * world,) + tuple(x.shape[1:])
-    return DTensor.from_local(x, b.mesh, (Shard(0),) * len(b.sizes), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(x, b.mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())

@@ -296,8 +296,9 @@ class _BlockSpec:
 
 def _block_forward(self, *args, **kwargs):
     spec: _BlockSpec = self._meshlm_block
-    local = spec.local and all(bucket.batch_sharded(a, spec.mesh_dims) for a in (*args, *kwargs.values())
-                               if isinstance(a, Tensor))
+    b = bucket._BUCKETS[spec.key] if spec.key is not None else None
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    local = spec.local and bool(tensors) and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
     if not local:
         if not spec.regather:
             return _run_block(self, False, *args, **kwargs)
@@ -307,7 +308,7 @@ def _block_forward(self, *args, **kwargs):
                           context_fn=_regather_context, **kwargs)
     # NOTE [local blocks] in bucket.py: unwrap and wrap outside any checkpoint, so that the
     # checkpointed region holds plain tensors only.
-    b = bucket._BUCKETS[spec.key]
+    pl = tensors[0].placements
     args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
     kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
     if spec.regather:
@@ -328,8 +329,8 @@ def _block_forward(self, *args, **kwargs):
     else:
         out = _run_block(self, True, *args, **kwargs)
     if isinstance(out, (tuple, list)):
-        return type(out)(bucket.wrap_local(o, b) for o in out)
-    return bucket.wrap_local(out, b)
+        return type(out)(bucket.wrap_local(o, b, pl) for o in out)
+    return bucket.wrap_local(out, b, pl)
 
 
 def _run_block(self, local: bool, *args, **kwargs):
@@ -577,17 +578,19 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
     names = st.names
     data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
     entries, members, regather = [], [], False
+    pure = _pure_data_parallel(st)
     for sub in blk.modules():
         for name, use in getattr(sub, "_meshlm_use", {}).items():
             regather |= use.regather
             p = sub._parameters[name]
             mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
-            if mem is not None and data_dims and use_bucket:
+            if mem is not None and (data_dims or pure) and use_bucket:
                 entries.append((sub, name))
                 members.append(mem)
     if not entries:
         return _BlockSpec(None, (), regather, False, len(names))
-    local = _pure_data_parallel(st) and all(isinstance(pl, Replicate) for mem in members for pl in mem.compute)
+    local = pure and all(isinstance(pl, Replicate) or n == 1 for mem in members
+                         for pl, n in zip(mem.compute, (st.sizes[a] for a in names)))
     mesh = st.mesh
     b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
                       tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
@@ -615,7 +618,9 @@ def pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
     """Compute is data parallelism only on this mesh: every mesh axis (of size > 1) splits
     ``batch`` and no other logical axis (NOTE [local blocks] in bucket.py)."""
     names = {a for a, n in sizes.items() if n > 1}
-    if not names or not names <= set(DATA_AXES):
+    if not names:
+        return True  # one device: every block's math is the one-device math
+    if not names <= set(DATA_AXES):
         return False
     for axis, mesh_axes in layout.compute.items():
         present = {a for a in mesh_axes if a in names}

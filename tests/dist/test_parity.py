@@ -11,6 +11,7 @@ import pytest
 from meshlm.testing import dist_pool_fixture
 from meshlm.testing.parity import check_step
 
+pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
@@ -33,6 +34,14 @@ def _ok(res):
     for r in res:
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
     assert len({r["loss"] for r in res}) == 1, "ranks disagree on the loss"
+
+
+@pytest.mark.parametrize("compile", [None, "aot_eager"])
+@pytest.mark.parametrize("layout", ["single", "fsdp", "tp_sp"])
+def test_parity_one_device(pool1, layout, compile):
+    """On a one-device mesh every layout's blocks run on local tensors (NOTE [local blocks]
+    in meshlm/bucket.py), eager and compiled."""
+    _ok(pool1.run(check_step, layout, "dp=1", compile=compile))
 
 
 @pytest.mark.parametrize("layout,mesh", EAGER_2, ids=[f"{l}-{m}" for l, m in EAGER_2])
