@@ -45,10 +45,26 @@ def install() -> None:
         from torch.distributed.tensor.parallel import loss as _loss
 
         for op, torch_handler in _loss.customized_loss_ops.items():
-            handlers[op] = _class_sharded_or_default(op, torch_handler)
-        handlers[aten.embedding.default] = _embedding_handler
-        handlers[aten.embedding_dense_backward.default] = _embedding_backward_handler
+            _MINE[op] = _class_sharded_or_default(op, torch_handler)
+        _MINE[aten.embedding.default] = _embedding_handler
+        _MINE[aten.embedding_dense_backward.default] = _embedding_backward_handler
+        handlers.update(_MINE)
         _installed = True
+
+
+_MINE: dict = {}
+
+
+def ensure_installed() -> None:
+    """Put our handlers back if something replaced or removed them: torch's own
+    ``loss_parallel()`` context overwrites the loss handlers on entry and deletes them on
+    exit (and leaves its own in place when its body raises).  Called at every sharded
+    forward; a few dict lookups."""
+    install()
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op, h in _MINE.items():
+        if handlers.get(op) is not h:
+            handlers[op] = h
 
 
 def allow_implicit_replication() -> None:

@@ -33,7 +33,7 @@ NOTE [local blocks]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -75,6 +75,11 @@ _BUCKETS: list[Bucket] = []
 
 
 def register(bucket: Bucket) -> int:
+    """The index of ``bucket``; equal buckets (every layer of a block class) share one, so
+    that a compiled block graph does not specialise on the layer."""
+    for k, b in enumerate(_BUCKETS):
+        if b == bucket:
+            return k
     _BUCKETS.append(bucket)
     return len(_BUCKETS) - 1
 
@@ -108,11 +113,16 @@ def _wait(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int) -> list[Tensor]:
-    """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
-    collective: every rank's block lands at its rank's offset along that dim."""
+def _issue_gather(xs: list[Tensor], group: str) -> Tensor:
     flat = torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
-    out = _wait(_all_gather(flat, 0, group)).view(n, -1)
+    return _all_gather(flat, 0, group)
+
+
+def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: Optional[Tensor] = None) -> list[Tensor]:
+    """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
+    collective: every rank's block lands at its rank's offset along that dim.  ``issued``:
+    that collective, already in flight (NOTE [prefetch])."""
+    out = _wait(issued if issued is not None else _issue_gather(xs, group)).view(n, -1)
     res, off = [], 0
     for x, d in zip(xs, dims):
         k = x.numel()
@@ -178,6 +188,91 @@ def _target(m: Member, pls: list) -> tuple[Placement, ...]:
     return tuple(pl if pl.is_partial() else sp for pl, sp in zip(pls, m.storage))
 
 
+# --------------------------------------------------------------------------- prefetch
+# NOTE [prefetch]
+#     With ``overlap`` in eager mode, a bucket that has issued its own gather issues the
+#     first gather of the block that runs next (the next block in forward, the previous one
+#     when backward recomputes blocks), so that it is in flight during this block's compute;
+#     that block then consumes it instead of gathering.  Only the first (innermost) gather
+#     step is prefetched; a prefetch is used only if the shards it read are unchanged
+#     (same storage and version), and a stale one is waited for and dropped.  Every rank
+#     runs the same code, so the collectives keep one order on every rank.  Local blocks only
+#     (NOTE [local blocks]): they re-gather by a plain recompute, which matches what it
+#     recomputes by saved tensors, whereas the selective checkpointing of DTensor blocks
+#     matches ops by their count, and a prefetch issued inside one block's region (forward:
+#     the next block's; recompute: the previous one's) would shift it.
+# Blocks are named by the id of their first stored parameter (buckets are shared by layers).
+_ORDER: dict[int, tuple] = {}  # block -> ((key, params) of the next block or None, of the previous or None)
+_PREFETCHED: dict[int, tuple[tuple, list[Tensor]]] = {}  # block -> (stamp of the shards, flats in flight)
+PREFETCH_STATS = {"issued": 0, "used": 0, "stale": 0}
+
+
+def link(keys: Sequence[int], params: Sequence[Callable[[], list]]) -> None:
+    """Record the blocks' order (forward order) for prefetching: ``keys[n]`` is block n's
+    bucket, ``params[n]()`` its stored parameters in member order."""
+    blocks = list(zip(keys, params))
+    for n, (_k, get) in enumerate(blocks):
+        _ORDER[id(get()[0])] = (blocks[n + 1] if n + 1 < len(blocks) else None, blocks[n - 1] if n else None)
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling() and torch._guards.detect_fake_mode() is None
+
+
+def _stamp(params) -> tuple:
+    return tuple((p._local_tensor.data_ptr(), p._local_tensor._version) for p in params)
+
+
+def _compute_locals(b: Bucket, params) -> list[Tensor]:
+    xs = [p._local_tensor for p in params]
+    if b.compute_dtype is not None:
+        xs = [x if x.dtype == b.compute_dtype else x.to(b.compute_dtype) for x in xs]
+    return xs
+
+
+def _gather_steps(b: Bucket, xs: list[Tensor]) -> list[tuple[int, list[list[int]]]]:
+    """(mesh dim, member groups of one flat buffer each) per gather step, inner dim first."""
+    out = []
+    for i in sorted({i for m in b.members for i, _ in m.gather if b.sizes[i] > 1}, reverse=True):
+        idx = [j for j, m in enumerate(b.members) if any(mi == i for mi, _ in m.gather)]
+        out.append((i, _by_dtype(idx, xs)))
+    return out
+
+
+def _take_prefetched(params) -> Optional[list[Tensor]]:
+    got = _PREFETCHED.pop(id(params[0]), None)
+    if got is None:
+        return None
+    stamp, flats = got
+    if stamp != _stamp(params):
+        for f in flats:
+            _wait(f)
+        PREFETCH_STATS["stale"] += 1
+        return None
+    PREFETCH_STATS["used"] += 1
+    return flats
+
+
+def _prefetch_neighbour(params) -> None:
+    in_backward = torch._C._current_graph_task_id() != -1
+    nxt = _ORDER.get(id(params[0]), (None, None))[1 if in_backward else 0]
+    if nxt is None:
+        return
+    key, get = nxt
+    params = get()
+    if id(params[0]) in _PREFETCHED:
+        return
+    b = _BUCKETS[key]
+    with torch.no_grad():
+        xs = _compute_locals(b, params)
+        steps = _gather_steps(b, xs)
+        if steps:
+            i, groups = steps[0]
+            _PREFETCHED[id(params[0])] = (_stamp(params), [_issue_gather([xs[j] for j in grp], b.groups[i])
+                                                           for grp in groups])
+            PREFETCH_STATS["issued"] += 1
+
+
 # --------------------------------------------------------------------------- the autograd op
 _GATHERING = [0]  # > 0 while a bucket gathers (lower._regather_policy recomputes those ops)
 
@@ -192,15 +287,17 @@ class _Gather(torch.autograd.Function):
         ctx.key, ctx.local, ctx.params = key, local, params
         _GATHERING[0] += 1
         try:
-            xs = [p._local_tensor for p in params]
-            if b.compute_dtype is not None:
-                xs = [x if x.dtype == b.compute_dtype else x.to(b.compute_dtype) for x in xs]
-            for i in sorted({i for m in b.members for i, _ in m.gather if b.sizes[i] > 1}, reverse=True):  # inner first
-                idx = [j for j, m in enumerate(b.members) if any(mi == i for mi, _ in m.gather)]
-                for grp in _by_dtype(idx, xs):
+            eager = b.overlap and local and _eager()  # NOTE [prefetch]: local blocks only
+            pre = _take_prefetched(params) if eager else None
+            xs = _compute_locals(b, params)
+            for n_step, (i, groups) in enumerate(_gather_steps(b, xs)):
+                for g, grp in enumerate(groups):
                     dims = [dict(b.members[j].gather)[i] for j in grp]
-                    for j, y in zip(grp, _gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i])):
+                    issued = pre[g] if pre is not None and n_step == 0 else None
+                    for j, y in zip(grp, _gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i], issued)):
                         xs[j] = y
+                if n_step == 0 and eager:
+                    _prefetch_neighbour(params)
             out = []
             for x, p, m in zip(xs, params, b.members):
                 if x is p._local_tensor:  # nothing moved: a fresh alias, not the stored tensor
@@ -335,3 +432,50 @@ def wrap_local(x, b: Bucket, placements: Sequence[Placement]):
     shape = (x.shape[0] * world,) + tuple(x.shape[1:])
     return DTensor.from_local(x, b.mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
+
+
+# --------------------------------------------------------------------------- many tensors at once
+def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placement]]) -> list[DTensor]:
+    """``t.redistribute(mesh, target)`` for many DTensors on one mesh, with one flat
+    collective per mesh dim, kind and dtype instead of one per tensor (the optimizer's
+    ZeRO-1 reduce-scatter and ZeRO-1/2 all-gather of the update).  Reduce-scatters go outer
+    mesh dim first, then all-reduces, then all-gathers inner dim first (NOTE [shard order]);
+    any other move is done per tensor at the end."""
+    if not ts:
+        return []
+    mesh = ts[0].device_mesh
+    sizes = tuple(mesh.size(i) for i in range(mesh.ndim))
+    groups = tuple(mesh.get_group(i).group_name if sizes[i] > 1 else "" for i in range(mesh.ndim))
+    xs = [t._local_tensor for t in ts]
+    pls = [list(t.placements) for t in ts]
+    tg = [tuple(x) for x in targets]
+    live = [j for j in range(len(ts)) if tuple(pls[j]) != tg[j]]
+    phases = (("rs", range(mesh.ndim)), ("ar", range(mesh.ndim)), ("ag", reversed(range(mesh.ndim))))
+    for kind, dims in phases:
+        for i in dims:
+            if sizes[i] == 1:
+                continue
+            if kind == "rs":
+                idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], Shard)]
+            elif kind == "ar":
+                idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], Replicate)]
+            else:
+                idx = [j for j in live if isinstance(pls[j][i], Shard) and isinstance(tg[j][i], Replicate)]
+            for grp in _by_dtype(idx, xs):
+                part = [xs[j] for j in grp]
+                if kind == "rs":
+                    ys = _reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i])
+                elif kind == "ar":
+                    ys = _all_reduce_flat(part, groups[i])
+                else:
+                    ys = _gather_flat(part, [pls[j][i].dim for j in grp], groups[i], sizes[i])
+                for j, y in zip(grp, ys):
+                    xs[j], pls[j][i] = y, tg[j][i]
+    out = []
+    for j, t in enumerate(ts):
+        if j not in live:
+            out.append(t)
+            continue
+        d = DTensor.from_local(xs[j], mesh, tuple(pls[j]), run_check=False, shape=t.shape, stride=t.stride())
+        out.append(d if tuple(pls[j]) == tg[j] else d.redistribute(mesh, tg[j]))
+    return out

@@ -288,7 +288,7 @@ class _BlockSpec:
     """What a lowered block does at its entry (NOTE [block buckets] in bucket.py)."""
 
     key: Optional[int]  # bucket index, None: no bucket (parameters go through _AtUse)
-    entries: tuple  # (module, attribute name) per bucket member
+    entries: tuple  # (submodule path within the block, attribute name) per bucket member
     regather: bool  # runs under selective checkpointing (ZeRO-3)
     local: bool  # may run on plain local tensors (NOTE [local blocks])
     mesh_dims: int
@@ -338,13 +338,14 @@ def _run_block(self, local: bool, *args, **kwargs):
     base = type(self).__mro__[1].forward
     if spec.key is None:
         return base(self, *args, **kwargs)
-    gathered = bucket.gather(spec.key, local, *[m._parameters[n] for m, n in spec.entries])
-    for (m, n), t in zip(spec.entries, gathered):
+    mods = [_submodule(self, path) for path, _n in spec.entries]
+    gathered = bucket.gather(spec.key, local, *[m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)])
+    for m, (_p, n), t in zip(mods, spec.entries, gathered):
         m._meshlm_now[n] = t
     try:
         return base(self, *args, **kwargs)
     finally:
-        for m, n in spec.entries:
+        for m, (_p, n) in zip(mods, spec.entries):
             m._meshlm_now.pop(n, None)
 
 
@@ -460,6 +461,7 @@ def _root_forward(self, *args, **kwargs):
             bound.arguments[name] = _wrap_input(st, val, _input_axes(self, name, val.ndim))
     prev = annotate._handler
     annotate._handler = st.constrain
+    _dtensor_ops.ensure_installed()
     _dtensor_ops.allow_implicit_replication()
     try:
         out = orig(*bound.args, **bound.kwargs)
@@ -550,6 +552,7 @@ def shard(
         m._meshlm_block = spec
         if spec.regather and spec.key is not None:
             _allow_conduit_under_checkpoint()
+    _link_blocks(model)
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
     model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})
@@ -558,6 +561,32 @@ def shard(
 
 
 _CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+
+
+def _link_blocks(model: nn.Module) -> None:
+    """Tell the buckets the blocks' forward order (NOTE [prefetch] in bucket.py)."""
+    keyed = [blk for blk in _outer_blocks(model) if getattr(blk, "_meshlm_block", None) is not None
+             and blk._meshlm_block.key is not None]
+    bucket.link([blk._meshlm_block.key for blk in keyed], [_stored_params(blk) for blk in keyed])
+
+
+def _stored_params(blk: nn.Module):
+    spec: _BlockSpec = blk._meshlm_block
+    return lambda: [_submodule(blk, path)._parameters[n] for path, n in spec.entries]
+
+
+def _submodule(m: nn.Module, path: str) -> nn.Module:
+    """``m.get_submodule(path)`` by plain attribute access (what torch.compile traces best:
+    every layer of a block class then shares one compiled graph)."""
+    if path:
+        for part in path.split("."):
+            m = getattr(m, part)
+    return m
+
+
+# One _BlockSpec object per distinct content, shared by every layer of a block class, so the
+# compiled graph of a block does not specialise on which layer it runs.
+_SPECS: dict[_BlockSpec, _BlockSpec] = {}
 
 
 def _outer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -579,23 +608,25 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
     data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
     entries, members, regather = [], [], False
     pure = _pure_data_parallel(st)
-    for sub in blk.modules():
+    for path, sub in blk.named_modules():
         for name, use in getattr(sub, "_meshlm_use", {}).items():
             regather |= use.regather
             p = sub._parameters[name]
             mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
             if mem is not None and (data_dims or pure) and use_bucket:
-                entries.append((sub, name))
+                entries.append((path, name))
                 members.append(mem)
     if not entries:
-        return _BlockSpec(None, (), regather, False, len(names))
+        spec = _BlockSpec(None, (), regather, False, len(names))
+        return _SPECS.setdefault(spec, spec)
     local = pure and all(isinstance(pl, Replicate) or n == 1 for mem in members
                          for pl, n in zip(mem.compute, (st.sizes[a] for a in names)))
     mesh = st.mesh
     b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
                       tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
                       st.reduce_dtype, local, st.overlap)
-    return _BlockSpec(bucket.register(b), tuple(entries), regather, local, len(names))
+    spec = _BlockSpec(bucket.register(b), tuple(entries), regather, local, len(names))
+    return _SPECS.setdefault(spec, spec)
 
 
 def _allow_conduit_under_checkpoint() -> None:

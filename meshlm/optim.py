@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
 
 
@@ -73,6 +74,7 @@ class ShardedOptimizer:
         """Bring every gradient into optimizer placements and dtype (once per step)."""
         if self._ready:
             return
+        moving, targets = [], []
         for _fqn, p, m in self._pairs:
             if m is p:
                 continue
@@ -82,7 +84,12 @@ class ShardedOptimizer:
                 continue
             g = g.to(m.dtype)
             if tuple(g.placements) != tuple(m.placements):
-                g = g.redistribute(self.mesh, m.placements)
+                moving.append((m, g))
+                targets.append(m.placements)
+            else:
+                m.grad = g
+        # one flat reduce-scatter per data axis for all of them (NOTE [block buckets])
+        for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets)):
             m.grad = g
         self._ready = True
 
@@ -105,12 +112,17 @@ class ShardedOptimizer:
         else:
             self.inner.step()
         with torch.no_grad():
+            pending = []
             for _fqn, p, m in self._pairs:
                 if m is p:
                     continue
                 new = m.detach().to(p.dtype)
                 if tuple(new.placements) != tuple(p.placements):
-                    new = new.redistribute(self.mesh, p.placements)
+                    pending.append((p, new))
+                else:
+                    p.copy_(new)
+            # the updated shards, all-gathered in one flat collective per data axis
+            for (p, _n), new in zip(pending, redistribute_flat([n for _p, n in pending], [p.placements for p, _n in pending])):
                 p.copy_(new)
         self._ready = False
 

@@ -391,17 +391,18 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
     out: dict[tuple, CommEntry] = {}
     flat: set[tuple] = set()
 
-    def add(kind, axis, phase, nbytes, what, count=1, bucket=None):
+    def add(kind, axis, phase, nbytes, what, count=1, bucket=None, flat_count=None):
         """``bucket``: the parameter is in a block's bucket (NOTE [block buckets] in
         bucket.py), and ``bucket`` names its flat collective: every parameter with the same
-        one shares a single collective per block, so only the first counts it."""
+        one shares a single collective per block, so only the first counts it (``count``
+        times, or ``flat_count`` times for one flat collective over the whole model)."""
         n = sizes[axis]
         key = (kind, (axis,), phase, what)
         e = out.get(key)
         if e is None:
             e = out[key] = CommEntry(kind, (axis,), phase, 0, 0, 0.0, what)
         if bucket is None or (key, bucket) not in flat:
-            e.count += count
+            e.count += count if flat_count is None else flat_count
             if bucket is not None:
                 flat.add((key, bucket))
         e.bytes += int(nbytes) * count
@@ -445,16 +446,19 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
             partial += [ax for ax in seq_axes if ax not in caxes]
         # In a bucket, gradients that go through the same reductions share them (bucket.py).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
-        rb = route if member and phase == "backward" else None
+        # the optimizer's collectives are flat over the whole model (ShardedOptimizer)
+        rb = route if member and phase == "backward" else ("optimizer" if phase == "optimizer" else None)
+        fc = 1 if phase == "optimizer" else None
         cur = _local_numel(pp, pp.compute, sizes)
         for ax in partial:
             if ax in gaxes:
-                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb)
+                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb, flat_count=fc)
                 cur //= sizes[ax]
         for ax in partial:
             if ax not in gaxes:
                 what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
-                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb)
+                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb,
+                    flat_count=fc if ax in DATA_AXES else None)
         # optimizer: refresh the stored parameter from its (sharded) master
         direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
         if not direct:
@@ -463,7 +467,8 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
                 for ax in reversed(o_axes):
                     if ax not in s_axes and sizes.get(ax, 1) > 1:
                         cur *= sizes[ax]
-                        add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k)
+                        add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k,
+                            bucket="optimizer", flat_count=1)
     # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim
     for ax in data_batch:
         add("all_reduce", ax, "forward", 4, "scalar loss", accum)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def tiny_sharded(layout: str, mesh_shape, *, batch: int, seq: int, fake: bool = False):
+def tiny_sharded(layout: str, mesh_shape, *, batch: int, seq: int, fake: bool = False, **shard_kw):
     """(mesh, model, optimizer, inputs, labels): llama_tiny sharded under ``layout`` from
     seed 0 and this rank's slices of a fixed global batch of ``batch`` x ``seq`` tokens."""
     import meshlm
@@ -14,7 +14,7 @@ def tiny_sharded(layout: str, mesh_shape, *, batch: int, seq: int, fake: bool = 
 
     mesh = meshlm.make_mesh(mesh_shape, fake=fake)
     cfg = llama_config("llama_tiny")
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh)
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, **shard_kw)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     toks = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     x = meshlm.shard_batch(toks[:, :-1], layout, mesh)

@@ -21,13 +21,21 @@ B, S = 4, 8  # global batch, sequence
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
-def _count_step(layout: str, mesh_shape: dict):
+def _count_step(layout: str, mesh_shape: dict, **shard_kw):
     from meshlm.comm import count_step
     from meshlm.testing.setup import tiny_sharded
 
-    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **shard_kw)
     cc = count_step(model, opt, x, y, mesh)
     return {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+
+
+def _count_step_prefetching(layout: str, mesh_shape: dict):
+    from meshlm import bucket
+
+    before = dict(bucket.PREFETCH_STATS)
+    counts = _count_step(layout, mesh_shape, overlap=True)
+    return counts, {k: bucket.PREFETCH_STATS[k] - before[k] for k in before}
 
 
 def _sizes():
@@ -72,13 +80,13 @@ def budget(layout: str, mesh: dict) -> dict:
             add("all_reduce", a, "forward", 1, 4)
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
         add("all_reduce", "dp", "backward", nk, P)
-    elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update
-        # (the optimizer's collectives are per parameter; only backward is bucketed)
-        add("reduce_scatter", "dp", "optimizer", n, P)
-        add("all_gather", "dp", "optimizer", n, P)
+    elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,
+        # each one flat collective for the whole model (ShardedOptimizer, bucket.redistribute_flat)
+        add("reduce_scatter", "dp", "optimizer", 1, P)
+        add("all_gather", "dp", "optimizer", 1, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
         add("reduce_scatter", "dp", "backward", nk, P)
-        add("all_gather", "dp", "optimizer", n, P)
+        add("all_gather", "dp", "optimizer", 1, P)
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
         # 3(N-1)/N·Ψ·B.  Saving: only block parameters are re-gathered in backward
@@ -152,6 +160,19 @@ def test_budget(pool4, layout, mesh):
     diff = {k: (measured[0].get(k), expected.get(k)) for k in set(measured[0]) | set(expected)
             if measured[0].get(k) != expected.get(k)}
     assert not diff, f"{layout} {mesh}: (kind, axes, phase): (measured, budget) (count, bytes): {diff}"
+
+
+@pytest.mark.parametrize("layout,mesh", [("fsdp", {"fsdp": 4}), ("hsdp", {"dp": 2, "fsdp": 2})], ids=["fsdp", "hsdp"])
+def test_budget_with_prefetch(pool4, layout, mesh):
+    """With overlap (NOTE [prefetch] in meshlm/bucket.py) each block's gather is issued one
+    block ahead, in forward and in the backward recompute, and the step's collectives are
+    still exactly the budget: every prefetched gather is the block's own, used once."""
+    res = pool4.run(_count_step_prefetching, layout, mesh)
+    L = 2  # llama_tiny layers
+    for counts, stats in res:
+        assert counts == budget(layout, mesh)
+        # forward: blocks 1..L-1 prefetched; backward recompute: blocks L-2..0
+        assert stats == {"issued": 2 * (L - 1), "used": 2 * (L - 1), "stale": 0}, stats
 
 
 def test_extra_all_gather_fails_budget(pool4):

@@ -74,3 +74,4 @@ def test_parity_overlapped_reduction(pool4, layout, mesh):
 def test_parity_tied_embeddings(pool4, layout, mesh):
     """A vocab-sharded table used by both F.embedding and the output F.linear."""
     _ok(pool4.run(check_step, layout, mesh, tie_embeddings=True))
+
