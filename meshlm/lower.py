@@ -291,7 +291,6 @@ class _BlockSpec:
     entries: tuple  # (submodule path within the block, attribute name) per bucket member
     regather: bool  # runs under selective checkpointing (ZeRO-3)
     local: bool  # may run on plain local tensors (NOTE [local blocks])
-    mesh_dims: int
 
 
 def _block_forward(self, *args, **kwargs):
@@ -617,7 +616,7 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
                 entries.append((path, name))
                 members.append(mem)
     if not entries:
-        spec = _BlockSpec(None, (), regather, False, len(names))
+        spec = _BlockSpec(None, (), regather, False)
         return _SPECS.setdefault(spec, spec)
     local = pure and all(isinstance(pl, Replicate) or n == 1 for mem in members
                          for pl, n in zip(mem.compute, (st.sizes[a] for a in names)))
@@ -625,7 +624,7 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
     b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
                       tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
                       st.reduce_dtype, local, st.overlap)
-    spec = _BlockSpec(bucket.register(b), tuple(entries), regather, local, len(names))
+    spec = _BlockSpec(bucket.register(b), tuple(entries), regather, local)
     return _SPECS.setdefault(spec, spec)
 
 

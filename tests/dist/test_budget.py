@@ -5,7 +5,7 @@ with meshlm.comm.CommCounter, must equal a budget derived from REFERENCE.md's fo
 all-reduce or reduce-scatter anywhere fails the test.
 
 Notation (per rank): P = parameter bytes (fp32, whole model), Pb = bytes of the block
-parameters, n = number of parameter tensors, L layers (blocks), nk = L + 3 collectives of a
+parameters, L layers (blocks), nk = L + 3 collectives of a
 bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket.py, plus
 one per parameter outside the blocks: tok_emb, the final norm, lm_head), bsh = local batch x
 seq x embed x 4 bytes (one activation of the residual stream).
@@ -61,7 +61,6 @@ def budget(layout: str, mesh: dict) -> dict:
     blk = [x // k for x in attn + mlp] + norms
     Pb = 4 * L * sum(blk)
     P = Pb + 4 * (sum(e // k for e in emb) + h)
-    n = L * len(blk) + 3
     nk = L + 3
     data = {a: s for a, s in mesh.items() if a in ("dp", "fsdp") and s > 1}
     b_local = B // (max(1, mesh.get("dp", 1)) * max(1, mesh.get("fsdp", 1)))

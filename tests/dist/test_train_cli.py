@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model=llama_tiny", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=2",
