@@ -228,13 +228,15 @@ def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
 #     eager mode and under torch.compile (SimpleFSDP's approach).  A block whose parameters
 #     are bucketed (NOTE [block buckets] in bucket.py) gathers them all in one op at its
 #     entry, which the recompute re-runs: one flat all-gather per block in backward too.
+#     The tp activation collectives' outputs are saved (``_SAVED_COLLECTIVES``), so the
+#     recompute re-runs only the gathers among the block's collectives.
 _GATHERING = bucket._GATHERING
 
 
 def _regather_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if not _GATHERING[0] and op in _SAVED_OPS and _has_dtensor(args):
+    if not _GATHERING[0] and ((op in _SAVED_OPS and _has_dtensor(args)) or op in _SAVED_COLLECTIVES):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -260,6 +262,17 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
         _SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
 
 
+# The activation collectives of tensor and sequence parallelism (the reductions of the
+# o-projection and down-projection outputs, the all-gathers of the SP block inputs) are
+# saved too, so that re-gathering the parameters does not re-run them: backward moves the
+# same bytes as without checkpointing (torchtitan's selective policy also keeps its
+# reduce-scatters).  These are plain-tensor ops that run nothing inside, so saving them
+# cannot shift the recompute's op counts (above).  The parameter gathers are not saved
+# (``_GATHERING``): re-running them is the point.
+_SAVED_COLLECTIVES = {getattr(torch.ops._c10d_functional, _name).default
+                      for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")}
+
+
 def _regather_policy_local(ctx, op, *args, **kwargs):
     """The selective policy of a compiled local block (NOTE [local blocks] in bucket.py):
     plain tensors only, one dispatch level, so matmul and attention outputs are saved as
@@ -281,6 +294,12 @@ def _regather_context():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_regather_policy)
+
+
+# How an eager local block re-gathers (see _block_forward): "full" recompute (the default)
+# or "selective" (the compiled policy).  A switch for benchmarks/step_phases.py, which
+# measures the one against the other; not a user setting.
+EAGER_LOCAL_REGATHER = "full"
 
 
 @dataclass(frozen=True)
@@ -315,12 +334,12 @@ def _block_forward(self, *args, **kwargs):
 
         # A local block re-gathers by recomputing all of its forward (it keeps only its
         # input): selective checkpointing's per-op dispatch mode cost more on CPU than the
-        # recompute (measured, fsdp on 4 ranks, llama_small: step 0.41 s against 0.50 s),
+        # recompute (measured by benchmarks/step_phases.py --regather both, fsdp),
         # and the block holds less memory.  torchtitan's FSDP default is the same (full AC).
         # Under torch.compile a full recompute fails in the partitioner (it would save the
         # DTensor parameters' mesh for backward), so compiled local blocks keep their matmul
         # and attention outputs (selective), whose policy costs only at trace time there.
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or EAGER_LOCAL_REGATHER == "selective":
             out = checkpoint(_run_block, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
                              **kwargs)
         else:

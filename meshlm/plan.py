@@ -253,7 +253,10 @@ def plan(
               "gathered": gathered, "recompute": act["recompute"]}
     memory["total"] = sum(memory.values())
 
-    ckpt = regather or activation_checkpointing != "none"
+    # Activation collectives re-run in backward: only under train.activation_checkpointing
+    # (whose recompute re-runs them); a re-gathering block saves their outputs (lower.py
+    # _SAVED_COLLECTIVES).
+    ckpt = activation_checkpointing != "none"
     comm = _comm(cfg, lay, sizes, params_, b_local, seq, B, mdt != pdt, batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, B, batch_axes)
     return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, str(pdt).removeprefix("torch."),
@@ -341,7 +344,10 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     Checkpointed blocks (``selective``, and every block whose parameters are re-gathered:
     NOTE [re-gather in backward] in lower.py) keep only the block input (B·h/ts) and the
     matmul and attention outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole
-    seq, before its reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).
+    seq, before its reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).  A
+    re-gathering block under tp also keeps its activation collectives' outputs (so backward
+    does not re-run them, lower.py ``_SAVED_COLLECTIVES``): the two reduced outputs,
+    2·B·h/ts, and under sequence parallelism the two gathered inputs, 2·B·h.
     ``full`` keeps the block input only, and so does a re-gathering block of a pure
     data-parallel layout (``local``: it recomputes all of its forward, lower.py
     ``_block_forward``)."""
@@ -366,6 +372,8 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
         per_block, mode = input_block, "full"
     elif ac == "selective" or regather:
         per_block, mode = saved_block, "selective"
+        if regather and t > 1:  # lower.py _SAVED_COLLECTIVES: the tp reductions' outputs, and under SP
+            per_block += tok * (2 * B * h / ts + (2 * B * h if ts > 1 else 0))  # the gathered inputs
     else:
         per_block, mode = full_block, "none"
     held = per_block * L + outside

@@ -125,22 +125,9 @@ def budget(layout: str, mesh: dict) -> dict:
             (2 * L + 1) * h * 4 // mesh.get("fsdp", 1))
         if bucketed:
             add("reduce_scatter", "fsdp", "backward", L, 0)
-    if layout in ("fsdp_tp", "fsdp_tp_sp"):
-        # Recomputed activation collectives (NOTE [re-gather in backward] in lower.py): a
-        # re-gathering block runs under selective checkpointing that saves only matmul and
-        # attention outputs, so backward re-runs the block's forward up to the last tensor
-        # its backward needs: the MLP matmuls' input.  That re-runs, per block, the
-        # attention-output reduction (which rebuilds the residual stream feeding mlp_norm):
-        # an all-reduce of bsh under TP, a reduce-scatter under SP; and under SP the two
-        # all-gathers of the block's inputs, whose outputs the q/k/v and gate/up matmuls
-        # need for their weight gradients (Megatron-SP likewise re-gathers the input in
-        # backward rather than store it).  The MLP-output reduction is not re-run: nothing
-        # after it is saved.
-        if layout == "fsdp_tp":
-            add("all_reduce", "tp", "backward", L, L * bsh)
-        else:
-            add("reduce_scatter", "tp", "backward", L, L * bsh)
-            add("all_gather", "tp", "backward", 2 * L, 2 * L * bsh)
+    # No recomputed activation collectives: a re-gathering block (fsdp_tp, fsdp_tp_sp) runs
+    # under selective checkpointing that keeps the outputs of its tp collectives
+    # (lower.py _SAVED_COLLECTIVES), so backward re-runs only the parameter gathers.
     return out
 
 

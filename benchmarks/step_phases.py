@@ -1,0 +1,271 @@
+"""The phases of a meshlm training step (forward, backward, optimizer), two variants of a knob
+side by side, on 4 CPU ranks.
+
+    python benchmarks/step_phases.py --layouts ddp --overlap both [--seq 32] [--steps 3] [--reps 3]
+    python benchmarks/step_phases.py --layouts fsdp --regather both
+                                     [--mesh fsdp=4] [--batch 8] [--warmup 1] [--out DIR]
+
+The knobs (one of them may be `both`, which compares its two values):
+  --overlap {off,on}            meshlm.shard(..., overlap=False/True): each block's gradient
+                                reduction left in flight while backward goes on
+                                (NOTE [overlapped reduction] in meshlm/bucket.py)
+  --regather {full,selective}   meshlm.lower.EAGER_LOCAL_REGATHER: how an eager local ZeRO-3
+                                block (fsdp, hsdp) re-gathers its parameters in backward: by
+                                recomputing its whole forward, or under the selective
+                                checkpointing policy of compiled blocks; no effect on layouts
+                                without re-gathering blocks (the table says how many there are)
+
+For each layout, on one 4-rank gloo pool (meshlm.testing.DistPool), every rank builds both
+variants of the small Llama (llama_small, fp32, `ShardedOptimizer` over AdamW, the same
+seeded global batch through `meshlm.shard_batch`), runs `--warmup` untimed steps of each,
+then `--reps` interleaved rounds (A's `--steps` steps, B's, A's, ...), so that load on the
+shared machine hits both alike.  Each timed step starts after a barrier and measures on each
+rank:
+  fwd   loss = model(x, y)
+  bwd   loss.backward(): with overlap, until the engine's end-of-backward callback has
+        waited for every gradient reduction still in flight
+  opt   opt.step() and opt.zero_grad()
+  step  the three together.
+Each is the slowest rank's time in that step (so step may exceed fwd + bwd + opt, whose
+slowest ranks may differ); the table gives medians over reps x steps.  Both variants take
+the same steps on the same batch, so their losses should agree: the largest difference is
+reported.  Gloo runs its communication on threads that compete with the compute for the
+cores: on a small shared CPU machine overlap can cost rather than save.
+
+Writes DIR/<knob>.json and DIR/<knob>.md (default DIR: benchmarks/results/step_phases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_layouts import LAYOUTS, _global_batch  # noqa: E402 - the 4-rank meshes and the batch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
+LR = 1e-3
+PHASES = ("fwd", "bwd", "opt", "step")
+KNOBS = {"overlap": ("off", "on"), "regather": ("full", "selective")}
+
+
+# --------------------------------------------------------------------------- on every rank
+def _regather_blocks(model) -> int:
+    """How many blocks of ``model`` re-gather on local tensors (those the regather knob
+    switches)."""
+    n = 0
+    for m in model.modules():
+        spec = getattr(m, "_meshlm_block", None)
+        if spec is not None and spec.regather and spec.local:
+            n += 1
+    return n
+
+
+def _bench_layout(layout, mesh_shape, variants, opts):
+    """Runs on every rank; returns the per-step phase times (slowest rank) per variant."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import meshlm
+    import meshlm.lower
+    from meshlm.models import Llama, llama_config
+    from meshlm.optim import ShardedOptimizer
+
+    torch.manual_seed(0)
+    cfg = llama_config(opts["model"])
+    X, Y = _global_batch(cfg, opts["batch"], opts["seq"])
+    mesh = meshlm.make_mesh(mesh_shape)
+    x, y = meshlm.shard_batch(X, layout, mesh), meshlm.shard_batch(Y, layout, mesh)
+    regather0 = meshlm.lower.EAGER_LOCAL_REGATHER
+    built = {}
+    for v in variants:
+        model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
+        built[v["name"]] = (model, opt, v["regather"])
+
+    def step(name):
+        model, opt, regather = built[name]
+        meshlm.lower.EAGER_LOCAL_REGATHER = regather
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        dt = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t3 - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        loss = loss.detach()
+        return dt.tolist(), float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+    out = {v["name"]: {"times": [], "losses": [], "regather_blocks": _regather_blocks(built[v["name"]][0])}
+           for v in variants}
+    try:
+        for name in built:  # warm-up, untimed; the losses still count for the comparison
+            for _ in range(opts["warmup"]):
+                out[name]["losses"].append(step(name)[1])
+        for _ in range(opts["reps"]):
+            for name in built:
+                for _ in range(opts["steps"]):
+                    ts, loss = step(name)
+                    out[name]["times"].append(ts)
+                    out[name]["losses"].append(loss)
+    finally:
+        meshlm.lower.EAGER_LOCAL_REGATHER = regather0
+    for r in out.values():
+        for i, ph in enumerate(PHASES):
+            r[f"{ph}_s"] = statistics.median(t[i] for t in r["times"])
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def _variants(args):
+    """(knob compared or None, [variant A, variant B] or [the one variant])."""
+    both = [k for k in KNOBS if getattr(args, k) == "both"]
+    knob = both[0] if both else None
+    names = KNOBS[knob] if knob else (None,)
+    out = []
+    for val in names:
+        ov = val if knob == "overlap" else args.overlap
+        rg = val if knob == "regather" else args.regather
+        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg}"
+        out.append(dict(name=name, overlap=ov == "on", regather=rg))
+    return knob, out
+
+
+def _fmt(x):
+    return f"{x:.3f}" if x is not None else "-"
+
+
+def render(results: dict, meta: dict) -> str:
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']}; torch {meta['torch']}.",
+        f"Command: `{meta['command']}`. Model {meta['model']} (fp32, AdamW), global batch {meta['batch']} x seq "
+        f"{meta['seq']}; {meta['warmup']} warm-up step(s) per variant, then median of {meta['reps']} interleaved "
+        f"rounds x {meta['steps']} steps; each phase is the slowest rank's time in that step "
+        f"({meta['knob_help']}).",
+        "",
+        "| layout | mesh | variant | fwd s | bwd s | opt s | step s | step B/A |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for layout, res in results.items():
+        if "error" in res:
+            lines.append(f"| {layout} | {res['mesh']} | n/a: {res['error']} ||||||")
+            continue
+        names = [n for n in res if n not in ("mesh", "loss_diff")]
+        a = res[names[0]]
+        for k, n in enumerate(names):
+            r = res[n]
+            ratio = f"{r['step_s'] / a['step_s']:.2f}" if k else ""
+            lines.append(f"| {layout} | {res['mesh']} | {n} | " + " | ".join(_fmt(r[f'{p}_s']) for p in PHASES)
+                         + f" | {ratio} |")
+        if len(names) > 1:
+            notes.append(f"{layout}: largest loss difference between the variants over the "
+                         f"{len(a['losses'])} steps: {res['loss_diff']:.2e}; "
+                         f"blocks that re-gather on local tensors: {a['regather_blocks']}")
+    lines += [""] + [f"- {n}" for n in notes + meta.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default="ddp", help="comma-separated names of layouts/*.yaml (default: ddp)")
+    ap.add_argument("--mesh", help="mesh for every layout, e.g. 'fsdp=4' (default: bench_layouts.py's 4-rank mesh)")
+    ap.add_argument("--overlap", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--regather", default="full", choices=["full", "selective", "both"])
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8, help="global batch")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    ap.add_argument("--model", default="llama_small")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.overlap == "both" and args.regather == "both":
+        ap.error("compare one knob at a time: --overlap both or --regather both, not both")
+    if min(args.steps, args.reps) < 1 or args.warmup < 0:
+        ap.error("--steps and --reps must be at least 1, --warmup at least 0")
+
+    from meshlm.layout import load_layout
+    from meshlm.mesh import MeshSpec
+    from meshlm.testing.dist import DistPool
+
+    layouts = [x for x in args.layouts.split(",") if x]
+    meshes = {}
+    for lay in layouts:
+        try:
+            load_layout(lay)
+        except Exception as e:  # noqa: BLE001 - the message names the shipped layouts
+            ap.error(str(e))
+        shape = args.mesh or LAYOUTS.get(lay)
+        if shape is None:
+            ap.error(f"no default 4-rank mesh for layout {lay!r} (have: {', '.join(LAYOUTS)}); pass --mesh")
+        spec = MeshSpec.parse(shape, 4)
+        if spec.size != 4:
+            ap.error(f"mesh {shape} has {spec.size} devices; this benchmark runs 4 ranks")
+        meshes[lay] = ",".join(f"{a}={s}" for a, s in spec.active())
+    knob, variants = _variants(args)
+    opts = dict(model=args.model, seq=args.seq, batch=args.batch, steps=args.steps, reps=args.reps,
+                warmup=args.warmup)
+
+    results = {}
+    t_start = time.time()
+    with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
+        for lay in layouts:
+            t0 = time.time()
+            try:
+                r = dict(pool.run(_bench_layout, lay, meshes[lay], variants, opts)[0])
+            except Exception as e:  # noqa: BLE001 - one failed layout must not sink the table
+                print(f"[{lay}] failed: {e}", file=sys.stderr, flush=True)
+                r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            if "error" not in r and len(variants) > 1:
+                la, lb = (r[v["name"]]["losses"] for v in variants)
+                r["loss_diff"] = max(abs(p - q) for p, q in zip(la, lb))
+            r["mesh"] = meshes[lay]
+            results[lay] = r
+            summary = "  ".join(f"{v['name']} " + "/".join(_fmt(r[v['name']][f'{p}_s']) for p in PHASES)
+                                for v in variants if v["name"] in r)
+            print(f"[{lay} {meshes[lay]}] {time.time() - t0:.0f}s  fwd/bwd/opt/step s: {summary}", flush=True)
+
+    knob_help = {"overlap": "overlap = shard(..., overlap=...)",
+                 "regather": "regather = meshlm.lower.EAGER_LOCAL_REGATHER",
+                 None: "one variant"}[knob]
+    notes = []
+    if knob == "regather":
+        notes.append("regather only changes blocks that re-gather on local tensors (fsdp, hsdp); "
+                     f"overlap {args.overlap} in both variants")
+    elif knob == "overlap":
+        notes.append(f"regather {args.regather} in both variants")
+    meta = dict(date=datetime.date.today().isoformat(),
+                command="python benchmarks/step_phases.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+                torch=torch.__version__, model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
+                reps=args.reps, warmup=args.warmup, knob=knob, knob_help=knob_help, variants=variants,
+                wall_s=round(time.time() - t_start), notes=notes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = knob or "phases"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    md = render(results, meta)
+    (out / f"{stem}.md").write_text(md)
+    print()
+    print(md)
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({meta['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
