@@ -118,18 +118,24 @@ def _issue_gather(xs: list[Tensor], group: str) -> Tensor:
     return _all_gather(flat, 0, group)
 
 
-def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: Optional[Tensor] = None) -> list[Tensor]:
+def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: Optional[Tensor] = None,
+                 into: Optional[list[Optional[Tensor]]] = None) -> list[Tensor]:
     """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
     collective: every rank's block lands at its rank's offset along that dim.  ``issued``:
-    that collective, already in flight (NOTE [prefetch])."""
+    that collective, already in flight (NOTE [prefetch]).  ``into[j]``: a contiguous tensor
+    of the gathered shape to write result j into (no intermediate copy), or None."""
     out = _wait(issued if issued is not None else _issue_gather(xs, group)).view(n, -1)
     res, off = [], 0
-    for x, d in zip(xs, dims):
+    for j, (x, d) in enumerate(zip(xs, dims)):
         k = x.numel()
-        piece = out[:, off:off + k].reshape((n,) + tuple(x.shape))
-        if d:
-            piece = piece.movedim(0, d)
-        res.append(piece.reshape(tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1:])))
+        shape = tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1:])
+        piece = out[:, off:off + k].view((n,) + tuple(x.shape))  # rank r's block at [r]
+        dst = into[j] if into is not None else None
+        if dst is not None:
+            dst.view(tuple(x.shape[:d]) + (n, x.shape[d]) + tuple(x.shape[d + 1:])).movedim(d, 0).copy_(piece)
+            res.append(dst)
+        else:
+            res.append((piece.movedim(0, d) if d else piece).reshape(shape))
         off += k
     return res
 
@@ -178,6 +184,38 @@ def _groups(idx: list[int], xs: list[Tensor], key: dict) -> list[list[int]]:
     for j in idx:
         out.setdefault((xs[j].dtype, key.get(j)), []).append(j)
     return list(out.values())
+
+
+def _flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequence[str],
+                order: Sequence[tuple[str, int]], key: Optional[dict] = None, wait: bool = True,
+                into: Optional[dict] = None) -> None:
+    """Move local tensors ``xs[j]`` (None: skipped), placed ``pls[j]``, toward ``tg[j]`` with
+    flat collectives, in place on ``xs`` and ``pls``.  For each (kind, mesh dim) of
+    ``order``, kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard ->
+    Replicate): one collective for each group of the tensors that make that move and share
+    their dtype and ``key[j]``.  ``into[j]``: where tensor j's last move, an all-gather, is
+    written (``_gather_flat``).  Moves not in ``order`` are left to the caller."""
+    key = key or {}
+    live = [j for j in range(len(xs)) if xs[j] is not None]
+    for kind, i in order:
+        if kind == "ag":
+            idx = [j for j in live if isinstance(pls[j][i], Shard) and isinstance(tg[j][i], Replicate)]
+        else:
+            want = Shard if kind == "rs" else Replicate
+            idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], want)]
+        for grp in _groups(idx, xs, key):
+            part = [xs[j] for j in grp]
+            if kind == "rs":
+                ys = _reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i], wait)
+            elif kind == "ar":
+                ys = _all_reduce_flat(part, groups[i], wait)
+            else:
+                last = [into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
+                        for j in grp]
+                ys = _gather_flat(part, [pls[j][i].dim for j in grp], groups[i], sizes[i],
+                                  into=[into[j] if ok else None for j, ok in zip(grp, last)])
+            for j, y in zip(grp, ys):
+                xs[j], pls[j][i] = y, tg[j][i]
 
 
 def _target(m: Member, pls: list) -> tuple[Placement, ...]:
@@ -334,15 +372,9 @@ class _Gather(torch.autograd.Function):
         # Reduce-scatters over data axes, outer axis first; then all-reduces on the scattered
         # shards (HSDP all-reduces 1/fsdp of the gradient over dp); then the other axes (the
         # norm weights' tp reduction under sequence parallelism), again on the shards.
-        for dims_, kind in ((b.data_dims, Shard), (b.data_dims, Replicate), (other, Shard), (other, Replicate)):
-            for i in dims_:
-                idx = [j for j in live if _partial(pls[j][i]) and isinstance(targets[j][i], kind)]
-                for grp in _groups(idx, xs, route):
-                    ys = (_reduce_scatter_flat([xs[j] for j in grp], [targets[j][i].dim for j in grp], b.groups[i],
-                                               b.sizes[i], wait=not b.overlap) if kind is Shard else
-                          _all_reduce_flat([xs[j] for j in grp], b.groups[i], wait=not b.overlap))
-                    for j, y in zip(grp, ys):
-                        xs[j], pls[j][i] = y, targets[j][i]
+        order = [(k, i) for dims_ in (b.data_dims, other) for k in ("rs", "ar") for i in dims_]
+        tg = [targets.get(j) for j in range(n)]
+        _flat_moves(xs, pls, tg, b.sizes, b.groups, order, key=route, wait=not b.overlap)
         out: list = [None] * n
         for j in live:
             m = b.members[j]
@@ -435,47 +467,38 @@ def wrap_local(x, b: Bucket, placements: Sequence[Placement]):
 
 
 # --------------------------------------------------------------------------- many tensors at once
-def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placement]]) -> list[DTensor]:
+def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placement]], keys: Optional[Sequence] = None,
+                      into: Optional[Sequence[Optional[DTensor]]] = None) -> list[DTensor]:
     """``t.redistribute(mesh, target)`` for many DTensors on one mesh, with one flat
-    collective per mesh dim, kind and dtype instead of one per tensor (the optimizer's
-    ZeRO-1 reduce-scatter and ZeRO-1/2 all-gather of the update).  Reduce-scatters go outer
-    mesh dim first, then all-reduces, then all-gathers inner dim first (NOTE [shard order]);
-    any other move is done per tensor at the end."""
+    collective per mesh dim, kind, dtype and ``keys[j]`` (a chunk: the optimizer passes the
+    block of each parameter, so no buffer is larger than a block) instead of one per tensor
+    (the optimizer's ZeRO-1 reduce-scatter and ZeRO-1/2 all-gather of the update).
+    Reduce-scatters go outer mesh dim first, then all-reduces, then all-gathers inner dim
+    first (NOTE [shard order]); any other move is done per tensor at the end.  ``into[j]``:
+    a DTensor placed as ``targets[j]`` whose local tensor receives result j in place when
+    its last move is an all-gather (then it is what is returned for j)."""
     if not ts:
         return []
     mesh = ts[0].device_mesh
     sizes = tuple(mesh.size(i) for i in range(mesh.ndim))
     groups = tuple(mesh.get_group(i).group_name if sizes[i] > 1 else "" for i in range(mesh.ndim))
-    xs = [t._local_tensor for t in ts]
-    pls = [list(t.placements) for t in ts]
     tg = [tuple(x) for x in targets]
-    live = [j for j in range(len(ts)) if tuple(pls[j]) != tg[j]]
-    phases = (("rs", range(mesh.ndim)), ("ar", range(mesh.ndim)), ("ag", reversed(range(mesh.ndim))))
-    for kind, dims in phases:
-        for i in dims:
-            if sizes[i] == 1:
-                continue
-            if kind == "rs":
-                idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], Shard)]
-            elif kind == "ar":
-                idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], Replicate)]
-            else:
-                idx = [j for j in live if isinstance(pls[j][i], Shard) and isinstance(tg[j][i], Replicate)]
-            for grp in _by_dtype(idx, xs):
-                part = [xs[j] for j in grp]
-                if kind == "rs":
-                    ys = _reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i])
-                elif kind == "ar":
-                    ys = _all_reduce_flat(part, groups[i])
-                else:
-                    ys = _gather_flat(part, [pls[j][i].dim for j in grp], groups[i], sizes[i])
-                for j, y in zip(grp, ys):
-                    xs[j], pls[j][i] = y, tg[j][i]
+    live = [j for j in range(len(ts)) if tuple(ts[j].placements) != tg[j]]
+    xs: list = [ts[j]._local_tensor if j in live else None for j in range(len(ts))]
+    pls = [list(t.placements) for t in ts]
+    dims = [i for i in range(mesh.ndim) if sizes[i] > 1]
+    order = [("rs", i) for i in dims] + [("ar", i) for i in dims] + [("ag", i) for i in reversed(dims)]
+    dst = {j: d._local_tensor for j, d in enumerate(into) if d is not None and d._local_tensor.is_contiguous()} \
+        if into is not None else None
+    _flat_moves(xs, pls, tg, sizes, groups, order, key=dict(enumerate(keys)) if keys is not None else None,
+                into=dst)
     out = []
     for j, t in enumerate(ts):
         if j not in live:
             out.append(t)
-            continue
-        d = DTensor.from_local(xs[j], mesh, tuple(pls[j]), run_check=False, shape=t.shape, stride=t.stride())
-        out.append(d if tuple(pls[j]) == tg[j] else d.redistribute(mesh, tg[j]))
+        elif dst is not None and j in dst and xs[j] is dst[j]:
+            out.append(into[j])
+        else:
+            d = DTensor.from_local(xs[j], mesh, tuple(pls[j]), run_check=False, shape=t.shape, stride=t.stride())
+            out.append(d if tuple(pls[j]) == tg[j] else d.redistribute(mesh, tg[j]))
     return out

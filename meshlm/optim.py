@@ -14,6 +14,17 @@ NOTE [local step]
     more than the arithmetic.  ``inner.state`` stays keyed by the DTensor masters with
     DTensor values (checkpoints see no difference).  Optimizers not known to be elementwise
     (factored or matrix ones, such as Adafactor) step on the DTensors.
+
+NOTE [optimizer chunks]
+    ZeRO-1/2 move the whole model at each step: the gradients' reduce-scatter (ZeRO-1) and
+    the updated shards' all-gather.  They are flat collectives (``bucket.redistribute_flat``)
+    chunked by block, the granularity of the block buckets: one collective per data axis
+    for each block and for each parameter outside blocks, so no temporary buffer is larger
+    than a block (DDP's 25 MB buckets and DeepSpeed's bucket sizes bound theirs the same
+    way).  The all-gather writes into the parameters directly.  A same-dtype master of a
+    parameter stored whole (ZeRO-1/2) is a view of this rank's block of the parameter, not a
+    copy: the optimizer updates that block in place and the all-gather brings the others
+    (ZeroRedundancyOptimizer's memory).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
@@ -51,10 +62,13 @@ class ShardedOptimizer:
             if direct:
                 master = p
             else:
+                view = _shard_view(p, opt_pl) if mdt == p.dtype else None
                 with torch.no_grad():
-                    master = nn.Parameter(p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
+                    master = nn.Parameter(view if view is not None else
+                                          p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
             self._pairs.append((fqn, p, master))
             masters.append(master)
+        self._keys = _chunk_keys(model, [p for _f, p, _m in self._pairs])
         self.inner = optim_cls(masters, **kwargs)
         self._ready = False
         self._local_step = type(self.inner) in _ELEMENTWISE
@@ -74,8 +88,8 @@ class ShardedOptimizer:
         """Bring every gradient into optimizer placements and dtype (once per step)."""
         if self._ready:
             return
-        moving, targets = [], []
-        for _fqn, p, m in self._pairs:
+        moving, targets, keys = [], [], []
+        for (_fqn, p, m), key in zip(self._pairs, self._keys):
             if m is p:
                 continue
             g = p.grad
@@ -86,10 +100,11 @@ class ShardedOptimizer:
             if tuple(g.placements) != tuple(m.placements):
                 moving.append((m, g))
                 targets.append(m.placements)
+                keys.append(key)
             else:
                 m.grad = g
-        # one flat reduce-scatter per data axis for all of them (NOTE [block buckets])
-        for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets)):
+        # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks])
+        for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets, keys)):
             m.grad = g
         self._ready = True
 
@@ -112,18 +127,23 @@ class ShardedOptimizer:
         else:
             self.inner.step()
         with torch.no_grad():
-            pending = []
-            for _fqn, p, m in self._pairs:
+            pending, keys = [], []
+            for (_fqn, p, m), key in zip(self._pairs, self._keys):
                 if m is p:
                     continue
                 new = m.detach().to(p.dtype)
                 if tuple(new.placements) != tuple(p.placements):
                     pending.append((p, new))
+                    keys.append(key)
                 else:
                     p.copy_(new)
-            # the updated shards, all-gathered in one flat collective per data axis
-            for (p, _n), new in zip(pending, redistribute_flat([n for _p, n in pending], [p.placements for p, _n in pending])):
-                p.copy_(new)
+            # the updated shards, all-gathered in one flat collective per data axis and block,
+            # written straight into the parameters (NOTE [optimizer chunks])
+            ps = [p for p, _n in pending]
+            for p, new in zip(ps, redistribute_flat([n for _p, n in pending], [p.placements for p in ps], keys,
+                                                    into=ps)):
+                if new is not p:
+                    p.copy_(new)
         self._ready = False
 
     def _step_local(self) -> None:
@@ -179,6 +199,40 @@ class ShardedOptimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.inner.load_state_dict(sd)
+
+
+def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
+    """The master of ``p`` under optimizer placements ``opt_pl`` as a view of ``p``'s own
+    storage (NOTE [optimizer chunks]), or None when ``opt_pl`` does not only split
+    what ``p`` stores whole, or this rank's optimizer block is not inside its stored one."""
+    from meshlm.lower import local_box
+
+    mesh = p.device_mesh
+    for sp, op in zip(p.placements, opt_pl):
+        if sp != op and not (sp.is_replicate() and isinstance(op, Shard)):
+            return None
+    try:
+        sbox, obox = local_box(p.shape, mesh, p.placements), local_box(p.shape, mesh, opt_pl)
+    except Exception:  # noqa: BLE001 (uneven shards: the copy path reports it)
+        return None
+    local = p._local_tensor.detach()
+    for d, ((s0, _sn), (o0, on)) in enumerate(zip(sbox, obox)):
+        if o0 < s0 or o0 + on > s0 + local.shape[d]:
+            return None
+        local = local.narrow(d, o0 - s0, on)
+    return DTensor.from_local(local, mesh, opt_pl, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _chunk_keys(model: nn.Module, params: list) -> list:
+    """Per parameter, the chunk of the optimizer's flat collectives it goes in: its outer
+    block, or itself outside blocks (NOTE [optimizer chunks])."""
+    from meshlm.lower import _outer_blocks
+
+    where = {}
+    for n, blk in enumerate(_outer_blocks(model)):
+        for q in blk.parameters():
+            where.setdefault(id(q), n)
+    return [where.get(id(p), ("param", k)) for k, p in enumerate(params)]
 
 
 # Optimizers whose update of each element depends only on that element's parameter,

@@ -132,6 +132,20 @@ def _prod(axes, sizes) -> int:
     return math.prod(sizes.get(a, 1) for a in axes)
 
 
+def _master_is_view(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
+    """A same-dtype master is a view of the parameter (optim.py ``_shard_view``) when the
+    optimizer placements only split further what storage keeps: per tensor dim, the
+    storage's active axes are the leading ones of the optimizer's, and no axis moves to
+    another dim."""
+    def active(plan):
+        return [tuple(a for a in axes if sizes.get(a, 1) > 1) for axes in plan]
+
+    st, op = active(pp.storage), active(pp.optimizer)
+    dim_of = {a: d for d, axes in enumerate(op) for a in axes}
+    return all(s == o[:len(s)] for s, o in zip(st, op)) and all(dim_of.get(a, d) == d for d, axes in enumerate(st)
+                                                                 for a in axes)
+
+
 def _dimplan_axes(plan) -> set[str]:
     return {a for axes in plan for a in axes}
 
@@ -229,7 +243,8 @@ def plan(
         # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
         optim += k * (2 * n_opt * MB + 4)
         if not direct:
-            optim += k * n_opt * MB  # the master copy
+            if not (mdt == pdt and _master_is_view(pp, sizes)):
+                optim += k * n_opt * MB  # the master copy
             # the master's gradient is a new buffer unless the grad already is in optimizer
             # placements and dtype (ZeRO-2 in fp32: the same tensor)
             if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt):
@@ -399,18 +414,18 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
     out: dict[tuple, CommEntry] = {}
     flat: set[tuple] = set()
 
-    def add(kind, axis, phase, nbytes, what, count=1, bucket=None, flat_count=None):
+    def add(kind, axis, phase, nbytes, what, count=1, bucket=None):
         """``bucket``: the parameter is in a block's bucket (NOTE [block buckets] in
         bucket.py), and ``bucket`` names its flat collective: every parameter with the same
         one shares a single collective per block, so only the first counts it (``count``
-        times, or ``flat_count`` times for one flat collective over the whole model)."""
+        times, once per block)."""
         n = sizes[axis]
         key = (kind, (axis,), phase, what)
         e = out.get(key)
         if e is None:
             e = out[key] = CommEntry(kind, (axis,), phase, 0, 0, 0.0, what)
         if bucket is None or (key, bucket) not in flat:
-            e.count += count if flat_count is None else flat_count
+            e.count += count
             if bucket is not None:
                 flat.add((key, bucket))
         e.bytes += int(nbytes) * count
@@ -454,19 +469,19 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
             partial += [ax for ax in seq_axes if ax not in caxes]
         # In a bucket, gradients that go through the same reductions share them (bucket.py).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
-        # the optimizer's collectives are flat over the whole model (ShardedOptimizer)
-        rb = route if member and phase == "backward" else ("optimizer" if phase == "optimizer" else None)
-        fc = 1 if phase == "optimizer" else None
+        # the optimizer's collectives are flat per block, and per parameter outside blocks
+        # (NOTE [optimizer chunks] in optim.py)
+        rb = route if member and phase == "backward" else ("optimizer" if phase == "optimizer" and prm.in_block
+                                                           else None)
         cur = _local_numel(pp, pp.compute, sizes)
         for ax in partial:
             if ax in gaxes:
-                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb, flat_count=fc)
+                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb)
                 cur //= sizes[ax]
         for ax in partial:
             if ax not in gaxes:
                 what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
-                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb,
-                    flat_count=fc if ax in DATA_AXES else None)
+                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb)
         # optimizer: refresh the stored parameter from its (sharded) master
         direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
         if not direct:
@@ -476,7 +491,7 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
                     if ax not in s_axes and sizes.get(ax, 1) > 1:
                         cur *= sizes[ax]
                         add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k,
-                            bucket="optimizer", flat_count=1)
+                            bucket="optimizer" if prm.in_block else None)
     # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim
     for ax in data_batch:
         add("all_reduce", ax, "forward", 4, "scalar loss", accum)

@@ -80,12 +80,13 @@ def budget(layout: str, mesh: dict) -> dict:
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
         add("all_reduce", "dp", "backward", nk, P)
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,
-        # each one flat collective for the whole model (ShardedOptimizer, bucket.redistribute_flat)
-        add("reduce_scatter", "dp", "optimizer", 1, P)
-        add("all_gather", "dp", "optimizer", 1, P)
+        # each one flat collective per block and per parameter outside blocks
+        # (NOTE [optimizer chunks] in meshlm/optim.py)
+        add("reduce_scatter", "dp", "optimizer", nk, P)
+        add("all_gather", "dp", "optimizer", nk, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
         add("reduce_scatter", "dp", "backward", nk, P)
-        add("all_gather", "dp", "optimizer", 1, P)
+        add("all_gather", "dp", "optimizer", nk, P)
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
         # 3(N-1)/N·Ψ·B.  Saving: only block parameters are re-gathered in backward
