@@ -9,11 +9,14 @@ The knobs (one of them may be `both`, which compares its two values):
   --overlap {off,on}            meshlm.shard(..., overlap=False/True): each block's gradient
                                 reduction left in flight while backward goes on
                                 (NOTE [overlapped reduction] in meshlm/bucket.py)
-  --regather {full,selective}   meshlm.lower.EAGER_LOCAL_REGATHER: how an eager local ZeRO-3
-                                block (fsdp, hsdp) re-gathers its parameters in backward: by
-                                recomputing its whole forward, or under the selective
-                                checkpointing policy of compiled blocks; no effect on layouts
-                                without re-gathering blocks (the table says how many there are)
+  --regather {free,recompute}   meshlm.lower.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
+                                hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
+                                backward: "free" frees them after forward and gathers them
+                                again (NOTE [free and re-gather] in meshlm/bucket.py);
+                                "recompute" checkpoints the block (a local block recomputes its
+                                whole forward, a tensor-parallel one under the selective
+                                policy); no effect on layouts without re-gathering blocks (the
+                                table says how many there are)
 
 For each layout, on one 4-rank gloo pool (meshlm.testing.DistPool), every rank builds both
 variants of the small Llama (llama_small, fp32, `ShardedOptimizer` over AdamW, the same
@@ -56,17 +59,17 @@ from bench_layouts import LAYOUTS, _global_batch  # noqa: E402 - the 4-rank mesh
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
 PHASES = ("fwd", "bwd", "opt", "step")
-KNOBS = {"overlap": ("off", "on"), "regather": ("full", "selective")}
+KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute")}
 
 
 # --------------------------------------------------------------------------- on every rank
 def _regather_blocks(model) -> int:
-    """How many blocks of ``model`` re-gather on local tensors (those the regather knob
+    """How many blocks of ``model`` re-gather their parameters (those the regather knob
     switches)."""
     n = 0
     for m in model.modules():
         spec = getattr(m, "_meshlm_block", None)
-        if spec is not None and spec.regather and spec.local:
+        if spec is not None and spec.regather:
             n += 1
     return n
 
@@ -86,7 +89,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
     X, Y = _global_batch(cfg, opts["batch"], opts["seq"])
     mesh = meshlm.make_mesh(mesh_shape)
     x, y = meshlm.shard_batch(X, layout, mesh), meshlm.shard_batch(Y, layout, mesh)
-    regather0 = meshlm.lower.EAGER_LOCAL_REGATHER
+    regather0 = meshlm.lower.EAGER_REGATHER
     built = {}
     for v in variants:
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
@@ -95,7 +98,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
 
     def step(name):
         model, opt, regather = built[name]
-        meshlm.lower.EAGER_LOCAL_REGATHER = regather
+        meshlm.lower.EAGER_REGATHER = regather
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(x, y)
@@ -123,7 +126,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
                     out[name]["times"].append(ts)
                     out[name]["losses"].append(loss)
     finally:
-        meshlm.lower.EAGER_LOCAL_REGATHER = regather0
+        meshlm.lower.EAGER_REGATHER = regather0
     for r in out.values():
         for i, ph in enumerate(PHASES):
             r[f"{ph}_s"] = statistics.median(t[i] for t in r["times"])
@@ -175,7 +178,7 @@ def render(results: dict, meta: dict) -> str:
         if len(names) > 1:
             notes.append(f"{layout}: largest loss difference between the variants over the "
                          f"{len(a['losses'])} steps: {res['loss_diff']:.2e}; "
-                         f"blocks that re-gather on local tensors: {a['regather_blocks']}")
+                         f"blocks that re-gather: {a['regather_blocks']}")
     lines += [""] + [f"- {n}" for n in notes + meta.get("notes", [])]
     return "\n".join(lines) + "\n"
 
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="ddp", help="comma-separated names of layouts/*.yaml (default: ddp)")
     ap.add_argument("--mesh", help="mesh for every layout, e.g. 'fsdp=4' (default: bench_layouts.py's 4-rank mesh)")
     ap.add_argument("--overlap", default="off", choices=["off", "on", "both"])
-    ap.add_argument("--regather", default="full", choices=["full", "selective", "both"])
+    ap.add_argument("--regather", default="free", choices=["free", "recompute", "both"])
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
@@ -241,11 +244,11 @@ def main(argv=None) -> int:
             print(f"[{lay} {meshes[lay]}] {time.time() - t0:.0f}s  fwd/bwd/opt/step s: {summary}", flush=True)
 
     knob_help = {"overlap": "overlap = shard(..., overlap=...)",
-                 "regather": "regather = meshlm.lower.EAGER_LOCAL_REGATHER",
+                 "regather": "regather = meshlm.lower.EAGER_REGATHER",
                  None: "one variant"}[knob]
     notes = []
     if knob == "regather":
-        notes.append("regather only changes blocks that re-gather on local tensors (fsdp, hsdp); "
+        notes.append("regather only changes blocks that re-gather their parameters (fsdp-family layouts); "
                      f"overlap {args.overlap} in both variants")
     elif knob == "overlap":
         notes.append(f"regather {args.regather} in both variants")

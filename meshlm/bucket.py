@@ -76,9 +76,11 @@ _BUCKETS: list[Bucket] = []
 
 def register(bucket: Bucket) -> int:
     """The index of ``bucket``; equal buckets (every layer of a block class) share one, so
-    that a compiled block graph does not specialise on the layer."""
+    that a compiled block graph does not specialise on the layer.  Only on the very same
+    mesh object: an equal mesh built again (another model) has process groups of its own,
+    and DTensors on it must not be handed the other mesh."""
     for k, b in enumerate(_BUCKETS):
-        if b == bucket:
+        if b.mesh is bucket.mesh and b == bucket:
             return k
     _BUCKETS.append(bucket)
     return len(_BUCKETS) - 1
@@ -230,13 +232,13 @@ def _target(m: Member, pls: list) -> tuple[Placement, ...]:
 # NOTE [prefetch]
 #     With ``overlap`` in eager mode, a bucket that has issued its own gather issues the
 #     first gather of the block that runs next (the next block in forward, the previous one
-#     when backward recomputes blocks), so that it is in flight during this block's compute;
+#     when backward re-gathers blocks), so that it is in flight during this block's compute;
 #     that block then consumes it instead of gathering.  Only the first (innermost) gather
 #     step is prefetched; a prefetch is used only if the shards it read are unchanged
 #     (same storage and version), and a stale one is waited for and dropped.  Every rank
 #     runs the same code, so the collectives keep one order on every rank.  Local blocks only
-#     (NOTE [local blocks]): they re-gather by a plain recompute, which matches what it
-#     recomputes by saved tensors, whereas the selective checkpointing of DTensor blocks
+#     (NOTE [local blocks]): they re-gather by freeing (NOTE [free and re-gather]) or by a
+#     plain recompute, whereas the selective checkpointing that DTensor blocks may run under
 #     matches ops by their count, and a prefetch issued inside one block's region (forward:
 #     the next block's; recompute: the previous one's) would shift it.
 # Blocks are named by the id of their first stored parameter (buckets are shared by layers).
@@ -311,6 +313,100 @@ def _prefetch_neighbour(params) -> None:
             PREFETCH_STATS["issued"] += 1
 
 
+def _gather_locals(b: Bucket, params, prefetch: bool) -> list[Tensor]:
+    """The local tensors of the block's parameters in compute placements (gathered over the
+    data axes), using and issuing prefetches when ``prefetch`` (NOTE [prefetch])."""
+    pre = _take_prefetched(params) if prefetch else None
+    xs = _compute_locals(b, params)
+    for n_step, (i, groups) in enumerate(_gather_steps(b, xs)):
+        for g, grp in enumerate(groups):
+            dims = [dict(b.members[j].gather)[i] for j in grp]
+            issued = pre[g] if pre is not None and n_step == 0 else None
+            for j, y in zip(grp, _gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i], issued)):
+                xs[j] = y
+        if n_step == 0 and prefetch:
+            _prefetch_neighbour(params)
+    return xs
+
+
+# --------------------------------------------------------------------------- free and re-gather
+# NOTE [free and re-gather]
+#     ZeRO-3 must not keep a block's gathered parameters from forward to backward, yet
+#     autograd saves them (F.linear keeps its weight).  In eager mode a re-gathering block
+#     does what FSDP2 does: when the block's forward returns, the storage of every gathered
+#     tensor is freed (resized to 0 bytes; autograd's saved tensors are views of it and stay
+#     valid objects), and the block's outputs pass through an identity autograd node
+#     (``_Regather``) whose backward, which runs before any of the block's own backward
+#     nodes, re-allocates those storages and all-gathers the parameters into them again.
+#     Nothing is recomputed, and backward moves the same bytes as the re-gather by
+#     checkpointing did.  Under torch.compile (storage resizing does not trace) and under an
+#     enclosing activation checkpoint, blocks re-gather by selective checkpointing instead
+#     (NOTE [re-gather in backward] in lower.py).
+class Freed:
+    """The gathered tensors of one forward of one block, freed after it (NOTE [free and
+    re-gather])."""
+
+    def __init__(self, key: int, params, xs: Sequence[Tensor]):
+        self.key, self.params = key, tuple(params)
+        own = {p._local_tensor.untyped_storage().data_ptr() for p in params}
+        self.slots: dict[int, tuple[torch.UntypedStorage, int, list]] = {}
+        for j, x in enumerate(xs):
+            st = x.untyped_storage()
+            if st.data_ptr() in own or st.nbytes() == 0:  # a stored shard itself: never freed
+                continue
+            self.slots.setdefault(st.data_ptr(), (st, st.nbytes(), []))[2].append((j, x))
+        self.freed = False
+
+    def free(self) -> None:
+        for st, _n, _xs in self.slots.values():
+            st.resize_(0)
+        self.freed = True
+
+    def regather(self) -> None:
+        if not self.freed:
+            return
+        self.freed = False
+        b = _BUCKETS[self.key]
+        _GATHERING[0] += 1
+        try:
+            with torch.no_grad():
+                ys = _gather_locals(b, self.params, prefetch=b.overlap and b.local and _eager())
+                for st, n, xs in self.slots.values():
+                    st.resize_(n)
+                    for j, x in xs:
+                        with torch.autograd._unsafe_preserve_version_counter(x):
+                            x.copy_(ys[j])
+        finally:
+            _GATHERING[0] -= 1
+
+
+class _Regather(torch.autograd.Function):
+    """Identity on a block's outputs; its backward re-gathers the block's freed parameters."""
+
+    @staticmethod
+    def forward(ctx, freed: Freed, *outs):  # type: ignore[override]
+        ctx.freed = freed
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.freed.regather()
+        return (None, *grads)
+
+
+def free_after(freed: Freed, out):
+    """Free the block's gathered tensors and route ``out`` (a tensor or a tuple/list of
+    them) through ``_Regather``."""
+    flat = list(out) if isinstance(out, (tuple, list)) else [out]
+    idx = [k for k, o in enumerate(flat) if isinstance(o, Tensor) and o.requires_grad]
+    if not idx or not freed.slots:
+        return out
+    for k, o in zip(idx, _Regather.apply(freed, *[flat[k] for k in idx])):
+        flat[k] = o
+    freed.free()
+    return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
+
+
 # --------------------------------------------------------------------------- the autograd op
 _GATHERING = [0]  # > 0 while a bucket gathers (lower._regather_policy recomputes those ops)
 
@@ -325,17 +421,7 @@ class _Gather(torch.autograd.Function):
         ctx.key, ctx.local, ctx.params = key, local, params
         _GATHERING[0] += 1
         try:
-            eager = b.overlap and local and _eager()  # NOTE [prefetch]: local blocks only
-            pre = _take_prefetched(params) if eager else None
-            xs = _compute_locals(b, params)
-            for n_step, (i, groups) in enumerate(_gather_steps(b, xs)):
-                for g, grp in enumerate(groups):
-                    dims = [dict(b.members[j].gather)[i] for j in grp]
-                    issued = pre[g] if pre is not None and n_step == 0 else None
-                    for j, y in zip(grp, _gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i], issued)):
-                        xs[j] = y
-                if n_step == 0 and eager:
-                    _prefetch_neighbour(params)
+            xs = _gather_locals(b, params, prefetch=b.overlap and local and _eager())
             out = []
             for x, p, m in zip(xs, params, b.members):
                 if x is p._local_tensor:  # nothing moved: a fresh alias, not the stored tensor

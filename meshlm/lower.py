@@ -229,7 +229,11 @@ def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
 #     are bucketed (NOTE [block buckets] in bucket.py) gathers them all in one op at its
 #     entry, which the recompute re-runs: one flat all-gather per block in backward too.
 #     The tp activation collectives' outputs are saved (``_SAVED_COLLECTIVES``), so the
-#     recompute re-runs only the gathers among the block's collectives.
+#     recompute re-runs only the gathers among the block's collectives.  This is the path of
+#     compiled blocks, of blocks under train's activation checkpointing and of unbucketed
+#     blocks; an eager bucketed block frees its gathered parameters after forward and
+#     gathers them again in backward instead, recomputing nothing (NOTE [free and re-gather]
+#     in bucket.py; ``EAGER_REGATHER``).
 _GATHERING = bucket._GATHERING
 
 
@@ -296,10 +300,11 @@ def _regather_context():
     return create_selective_checkpoint_contexts(_regather_policy)
 
 
-# How an eager local block re-gathers (see _block_forward): "full" recompute (the default)
-# or "selective" (the compiled policy).  A switch for benchmarks/step_phases.py, which
-# measures the one against the other; not a user setting.
-EAGER_LOCAL_REGATHER = "full"
+# How an eager re-gathering block re-gathers (see _block_forward): "free" (the default:
+# NOTE [free and re-gather] in bucket.py) or "recompute" (checkpointing, as compiled
+# blocks do).  A switch for benchmarks/step_phases.py, which measures the one against the
+# other; not a user setting.
+EAGER_REGATHER = "free"
 
 
 @dataclass(frozen=True)
@@ -312,14 +317,27 @@ class _BlockSpec:
     local: bool  # may run on plain local tensors (NOTE [local blocks])
 
 
+def _frees(self, spec: _BlockSpec) -> bool:
+    """Whether this forward of a re-gathering block frees and re-gathers its parameters
+    (NOTE [free and re-gather] in bucket.py) instead of checkpointing: eager, recording
+    autograd, not a recompute inside backward, and not under train's activation
+    checkpointing (which recomputes the block, gathers included)."""
+    return (spec.regather and spec.key is not None and EAGER_REGATHER == "free" and torch.is_grad_enabled()
+            and bucket._eager() and torch._C._current_graph_task_id() == -1
+            and not getattr(self, "_meshlm_outer_checkpoint", False))
+
+
 def _block_forward(self, *args, **kwargs):
     spec: _BlockSpec = self._meshlm_block
     b = bucket._BUCKETS[spec.key] if spec.key is not None else None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     local = spec.local and bool(tensors) and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
+    frees = _frees(self, spec)
     if not local:
         if not spec.regather:
             return _run_block(self, False, *args, **kwargs)
+        if frees:
+            return _run_freeing(self, False, *args, **kwargs)
         from torch.utils.checkpoint import checkpoint
 
         return checkpoint(keep_constraints(_run_block), self, False, *args, use_reentrant=False,
@@ -329,17 +347,18 @@ def _block_forward(self, *args, **kwargs):
     pl = tensors[0].placements
     args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
     kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
-    if spec.regather:
+    if frees:
+        out = _run_freeing(self, True, *args, **kwargs)
+    elif spec.regather:
         from torch.utils.checkpoint import checkpoint
 
-        # A local block re-gathers by recomputing all of its forward (it keeps only its
-        # input): selective checkpointing's per-op dispatch mode cost more on CPU than the
-        # recompute (measured by benchmarks/step_phases.py --regather both, fsdp),
-        # and the block holds less memory.  torchtitan's FSDP default is the same (full AC).
-        # Under torch.compile a full recompute fails in the partitioner (it would save the
-        # DTensor parameters' mesh for backward), so compiled local blocks keep their matmul
-        # and attention outputs (selective), whose policy costs only at trace time there.
-        if torch.compiler.is_compiling() or EAGER_LOCAL_REGATHER == "selective":
+        # Without freeing, a local block re-gathers by recomputing all of its forward in
+        # eager mode (it keeps only its input; under train's activation checkpointing,
+        # which recomputes it anyway).  Under torch.compile a full recompute fails in the
+        # partitioner (it would save the DTensor parameters' mesh for backward), so
+        # compiled local blocks keep their matmul and attention outputs (selective), whose
+        # policy costs only at trace time there.
+        if torch.compiler.is_compiling():
             out = checkpoint(_run_block, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
                              **kwargs)
         else:
@@ -351,13 +370,17 @@ def _block_forward(self, *args, **kwargs):
     return bucket.wrap_local(out, b, pl)
 
 
-def _run_block(self, local: bool, *args, **kwargs):
+def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs):
     spec: _BlockSpec = self._meshlm_block
     base = type(self).__mro__[1].forward
     if spec.key is None:
         return base(self, *args, **kwargs)
     mods = [_submodule(self, path) for path, _n in spec.entries]
-    gathered = bucket.gather(spec.key, local, *[m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)])
+    params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
+    gathered = bucket.gather(spec.key, local, *params)
+    if _keep is not None:
+        _keep.append(bucket.Freed(spec.key, params, [t._local_tensor if isinstance(t, DTensor) else t
+                                                     for t in gathered]))
     for m, (_p, n), t in zip(mods, spec.entries, gathered):
         m._meshlm_now[n] = t
     try:
@@ -365,6 +388,14 @@ def _run_block(self, local: bool, *args, **kwargs):
     finally:
         for m, (_p, n) in zip(mods, spec.entries):
             m._meshlm_now.pop(n, None)
+
+
+def _run_freeing(self, local: bool, *args, **kwargs):
+    """The block's forward, then its gathered parameters freed until backward re-gathers
+    them (NOTE [free and re-gather] in bucket.py)."""
+    keep: list = []
+    out = _run_block(self, local, *args, _keep=keep, **kwargs)
+    return bucket.free_after(keep[0], out)
 
 
 def keep_constraints(fn):

@@ -33,7 +33,7 @@ from meshlm.axes import DATA_AXES
 from meshlm.comm import ring_factor
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.layout import Layout, load_layout, shipped_layouts
-from meshlm.lower import ParamPlan, plan_params, pure_data_parallel
+from meshlm.lower import ParamPlan, plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
 
@@ -260,8 +260,7 @@ def plan(
     # ---------------------------------------------------------------- activations
     b_local = global_batch // n_batch
     regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
-    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather,
-                           local=pure_data_parallel(lay, sizes))
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather)
     gathered = _held_gathered(params_, sizes, regather, B)
     formulas["activations"] = act
     memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
@@ -336,7 +335,7 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
 
 # --------------------------------------------------------------------------- activations
 def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
-                     ac: str, dtype: torch.dtype, *, regather: bool = False, local: bool = False) -> dict[str, Any]:
+                     ac: str, dtype: torch.dtype, *, regather: bool = False) -> dict[str, Any]:
     """Activation bytes per rank per micro-batch (docs/plan.md, "Activations").
 
     ``held``: what stays allocated from the end of forward to the start of backward (what
@@ -356,16 +355,15 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     Outside blocks: the final norm (as above) and the float32 log-softmax of the logits
     (F·V/tv per token), plus the loss's 4-byte total weight.
 
-    Checkpointed blocks (``selective``, and every block whose parameters are re-gathered:
-    NOTE [re-gather in backward] in lower.py) keep only the block input (B·h/ts) and the
-    matmul and attention outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole
-    seq, before its reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).  A
-    re-gathering block under tp also keeps its activation collectives' outputs (so backward
-    does not re-run them, lower.py ``_SAVED_COLLECTIVES``): the two reduced outputs,
-    2·B·h/ts, and under sequence parallelism the two gathered inputs, 2·B·h.
-    ``full`` keeps the block input only, and so does a re-gathering block of a pure
-    data-parallel layout (``local``: it recomputes all of its forward, lower.py
-    ``_block_forward``)."""
+    ``selective`` blocks keep only the block input (B·h/ts) and the matmul and attention
+    outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole seq, before its
+    reduction) + 2·B·f/t (gate, up) + B·h (down-projection output); a re-gathering block
+    under tp also keeps its activation collectives' outputs there (lower.py
+    ``_SAVED_COLLECTIVES``): the two reduced outputs, 2·B·h/ts, and under sequence
+    parallelism the two gathered inputs, 2·B·h.  ``full`` keeps the block input only.
+    Blocks whose parameters are re-gathered (ZeRO-3) are not checkpointed in eager mode:
+    they free their gathered parameters after forward and gather them again in backward
+    (NOTE [free and re-gather] in bucket.py), so they hold what an unchecked block holds."""
     h, hd = cfg.embed, cfg.hd
     q, kv, f, a, V, L = cfg.heads * hd, cfg.kv_heads * hd, cfg.mlp, cfg.heads, cfg.vocab, cfg.layers
     t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
@@ -383,9 +381,9 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     saved_block = tok * (B * h / ts + B * (2 * q + 2 * kv) / t + F * a / t + 2 * B * h + 2 * B * f / tf)
     input_block = tok * B * h / ts
     outside = tok * (norm + F * V / tv) + 4
-    if ac == "full" or (regather and local):
+    if ac == "full":
         per_block, mode = input_block, "full"
-    elif ac == "selective" or regather:
+    elif ac == "selective":
         per_block, mode = saved_block, "selective"
         if regather and t > 1:  # lower.py _SAVED_COLLECTIVES: the tp reductions' outputs, and under SP
             per_block += tok * (2 * B * h / ts + (2 * B * h if ts > 1 else 0))  # the gathered inputs
@@ -778,7 +776,7 @@ def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "non
     parts = {k: v for k, v in p.memory.items() if k != "total"}
     dom = max(parts, key=parts.get)
     if p.formulas.get("activations", {}).get("checkpointing") == "full":
-        ac = "full"  # its blocks already keep only their inputs (a re-gathering local block)
+        ac = "full"  # its blocks already keep only their inputs
     advice = {
         "activations": ("use smaller micro-batches (train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
                         if ac == "full" else

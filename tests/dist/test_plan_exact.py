@@ -10,8 +10,8 @@ NOTE [measuring held activations]
     checkpoint every block (NOTE [re-gather in backward] in lower.py).  So the measurement
     is hook-free: a TorchDispatchMode notes the storage of every op output in forward
     (the local shard of a DTensor output) with a weak reference; at the end of forward the
-    storages still alive, less the parameters, the inputs and the loss, are exactly what
-    autograd and checkpointing hold for backward.  Storages first made inside the
+    storages still alive, less the parameters, the inputs and the loss, at their size then,
+    are exactly what autograd and checkpointing hold for backward.  Storages first made inside the
     parameters' at-use redistribute are the held parameter copies ("gathered").
 """
 
@@ -34,6 +34,11 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _storage(w):
+    """The storage behind a live StorageWeakRef."""
+    return torch.UntypedStorage._new_with_weak_ptr(w.cdata)
+
+
 class _HeldAfterForward(TorchDispatchMode):
     """NOTE [measuring held activations]."""
 
@@ -53,13 +58,17 @@ class _HeldAfterForward(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             old = self.seen.get(st.data_ptr())
-            if st.nbytes() and (old is None or old[0].expired()):  # first maker of a live storage
+            # first maker of a live storage (one freed since, at 0 bytes, has left its address)
+            if st.nbytes() and (old is None or old[0].expired() or _storage(old[0]).data_ptr() != st.data_ptr()):
                 self.seen[st.data_ptr()] = (StorageWeakRef(st), st.nbytes(), bool(self.in_at_use[0]))
         return out
 
     def held(self, exclude: set[int]) -> tuple[int, int]:
-        """(activation bytes, at-use parameter copy bytes) still alive."""
-        alive = [(n, g) for p, (w, n, g) in self.seen.items() if not w.expired() and p not in exclude]
+        """(activation bytes, at-use parameter copy bytes) still alive, at their present
+        size (a block's gathered parameters are freed to 0 bytes until backward: NOTE
+        [free and re-gather] in meshlm/bucket.py)."""
+        alive = [(_storage(w).nbytes(), g)
+                 for p, (w, n, g) in self.seen.items() if not w.expired() and p not in exclude]
         return sum(n for n, g in alive if not g), sum(n for n, g in alive if g)
 
 
