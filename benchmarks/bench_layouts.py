@@ -498,7 +498,6 @@ def main(argv=None) -> int:
                 batch=args.batch, seq=args.seq, steps=args.steps, reps=args.reps, backend=args.backend,
                 wall_s=round(time.time() - t_start), notes=notes)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     def clean(o):
         if isinstance(o, dict):
@@ -510,13 +509,18 @@ def main(argv=None) -> int:
             return sorted(o)
         return o
 
-    (out / "layouts.json").write_text(json.dumps(clean({"meta": meta, "results": results}), indent=1))
-    md = render(results, meta)
-    (out / "layouts.md").write_text(md)
+    write_report(out, "layouts", clean({"meta": meta, "results": results}), render(results, meta), meta["wall_s"])
+    return 0
+
+
+def write_report(out: Path, stem: str, data: dict, md: str, wall_s) -> None:
+    """``out/stem.json`` and ``out/stem.md``, and the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.md").write_text(md)
     print()
     print(md)
-    print(f"wrote {out / 'layouts.json'} and {out / 'layouts.md'} ({meta['wall_s']} s)")
-    return 0
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({wall_s} s)")
 
 
 if __name__ == "__main__":

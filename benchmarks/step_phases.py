@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -54,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layouts import LAYOUTS, _global_batch  # noqa: E402 - the 4-rank meshes and the batch
+from bench_layouts import LAYOUTS, _global_batch, write_report  # noqa: E402 - the 4-rank meshes, the batch, the report
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
@@ -258,15 +257,8 @@ def main(argv=None) -> int:
                 torch=torch.__version__, model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
                 reps=args.reps, warmup=args.warmup, knob=knob, knob_help=knob_help, variants=variants,
                 wall_s=round(time.time() - t_start), notes=notes)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = knob or "phases"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    md = render(results, meta)
-    (out / f"{stem}.md").write_text(md)
-    print()
-    print(md)
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({meta['wall_s']} s)")
+    write_report(Path(args.out), knob or "phases", {"meta": meta, "results": results}, render(results, meta),
+                 meta["wall_s"])
     return 0
 
 

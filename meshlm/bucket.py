@@ -76,11 +76,12 @@ _BUCKETS: list[Bucket] = []
 
 def register(bucket: Bucket) -> int:
     """The index of ``bucket``; equal buckets (every layer of a block class) share one, so
-    that a compiled block graph does not specialise on the layer.  Only on the very same
-    mesh object: an equal mesh built again (another model) has process groups of its own,
-    and DTensors on it must not be handed the other mesh."""
+    that a compiled block graph does not specialise on the layer.  Equal meshes (another
+    model on the same ranks) share one too: DTensor's sharding-propagation cache already
+    hands one model's DTensors the mesh object of another model's equal mesh, and a bucket
+    on a third object would make compiled blocks see two meshes and compile twice."""
     for k, b in enumerate(_BUCKETS):
-        if b.mesh is bucket.mesh and b == bucket:
+        if b == bucket:
             return k
     _BUCKETS.append(bucket)
     return len(_BUCKETS) - 1
@@ -339,15 +340,15 @@ def _gather_locals(b: Bucket, params, prefetch: bool) -> list[Tensor]:
 #     (``_Regather``) whose backward, which runs before any of the block's own backward
 #     nodes, re-allocates those storages and all-gathers the parameters into them again.
 #     Nothing is recomputed, and backward moves the same bytes as the re-gather by
-#     checkpointing did.  Under torch.compile (storage resizing does not trace) and under an
-#     enclosing activation checkpoint, blocks re-gather by selective checkpointing instead
-#     (NOTE [re-gather in backward] in lower.py).
+#     checkpointing did.  Under torch.compile (storage resizing does not trace) and under
+#     train's activation checkpointing (which recomputes the block anyway), blocks re-gather
+#     by checkpointing instead (NOTE [re-gather in backward] in lower.py).
 class Freed:
     """The gathered tensors of one forward of one block, freed after it (NOTE [free and
     re-gather])."""
 
-    def __init__(self, key: int, params, xs: Sequence[Tensor]):
-        self.key, self.params = key, tuple(params)
+    def __init__(self, key: int, params, xs: Sequence[Tensor], local: bool):
+        self.key, self.params, self.local = key, tuple(params), local
         own = {p._local_tensor.untyped_storage().data_ptr() for p in params}
         self.slots: dict[int, tuple[torch.UntypedStorage, int, list]] = {}
         for j, x in enumerate(xs):
@@ -370,7 +371,7 @@ class Freed:
         _GATHERING[0] += 1
         try:
             with torch.no_grad():
-                ys = _gather_locals(b, self.params, prefetch=b.overlap and b.local and _eager())
+                ys = _gather_locals(b, self.params, prefetch=b.overlap and self.local and _eager())
                 for st, n, xs in self.slots.values():
                     st.resize_(n)
                     for j, x in xs:

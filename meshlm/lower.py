@@ -380,7 +380,7 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     gathered = bucket.gather(spec.key, local, *params)
     if _keep is not None:
         _keep.append(bucket.Freed(spec.key, params, [t._local_tensor if isinstance(t, DTensor) else t
-                                                     for t in gathered]))
+                                                     for t in gathered], local))
     for m, (_p, n), t in zip(mods, spec.entries, gathered):
         m._meshlm_now[n] = t
     try:

@@ -205,6 +205,7 @@ def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
     """The master of ``p`` under optimizer placements ``opt_pl`` as a view of ``p``'s own
     storage (NOTE [optimizer chunks]), or None when ``opt_pl`` does not only split
     what ``p`` stores whole, or this rank's optimizer block is not inside its stored one."""
+    from meshlm.errors import LayoutError
     from meshlm.lower import local_box
 
     mesh = p.device_mesh
@@ -213,7 +214,7 @@ def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
             return None
     try:
         sbox, obox = local_box(p.shape, mesh, p.placements), local_box(p.shape, mesh, opt_pl)
-    except Exception:  # noqa: BLE001 (uneven shards: the copy path reports it)
+    except LayoutError:  # uneven shards: the copy path handles (or reports) them
         return None
     local = p._local_tensor.detach()
     for d, ((s0, _sn), (o0, on)) in enumerate(zip(sbox, obox)):
