@@ -489,8 +489,9 @@ class _Gather(torch.autograd.Function):
 #     waits for every pending one and stores plain tensors in ``.grad``.  Traced code waits
 #     in the graph (the compiler schedules it), so nothing is pending there.  On a CPU mesh
 #     it is off by default: gloo's communication threads compete with the compute for the
-#     same cores, and measured on a 2-core machine with 4 ranks (llama_small, ddp) overlap
-#     made the backward slower (0.27 s against 0.20 s).
+#     same cores, and measured on a 2-core machine with 4 ranks (llama_small, seq 128) overlap
+#     made the backward slower (ddp 0.430 s against 0.399 s; benchmarks/step_phases.py
+#     --overlap both, docs/benchmarks.md).
 _PENDING: list = []
 
 
