@@ -656,7 +656,7 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
     names = st.names
     data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
     entries, members, regather = [], [], False
-    pure = _pure_data_parallel(st)
+    pure = _pure_data_parallel(st.layout, st.sizes)
     for path, sub in blk.named_modules():
         for name, use in getattr(sub, "_meshlm_use", {}).items():
             regather |= use.regather
@@ -690,11 +690,7 @@ def _allow_conduit_under_checkpoint() -> None:
         cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def _pure_data_parallel(st: ShardState) -> bool:
-    return pure_data_parallel(st.layout, st.sizes)
-
-
-def pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
+def _pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
     """Compute is data parallelism only on this mesh: every mesh axis (of size > 1) splits
     ``batch`` and no other logical axis (NOTE [local blocks] in bucket.py)."""
     names = {a for a, n in sizes.items() if n > 1}
