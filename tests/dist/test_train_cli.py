@@ -11,7 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 
@@ -125,24 +127,47 @@ def test_torchrun_mesh_mismatch_says_both_numbers(tmp_path):
 
 
 def test_two_nodes_through_c10d_rendezvous(tmp_path):
-    """2 torchrun agents ("nodes") x 2 processes on localhost, c10d rendezvous."""
+    """2 torchrun agents ("nodes") x 2 processes on localhost, c10d rendezvous.
+
+    The rendezvous store is hosted by this test (``is_host=false`` on both agents), as a
+    cluster's head service would host it. Left to the agents, whichever one hosts it can
+    exit while the other is still in torchrun's exit barrier on that store; the other
+    then waits out the barrier's 300 s (pytorch/pytorch#69520). A CI run timed out here
+    with one agent still running after the other had returned; the old test kept no
+    output, so this race is the likely cause, not a proven one. Both agents' output is
+    now read concurrently and shown on failure.
+    """
+    from torch.distributed import TCPStore
+
     port = _free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "meshlm-test", "--max-restarts", "0", "-m", "meshlm.train", *TINY,
+               "--rdzv-conf", "is_host=false,join_timeout=120", "--rdzv-id", f"meshlm-test-{port}",
+               "--max-restarts", "0", "-m", "meshlm.train", *TINY,
                "layout=fsdp", "mesh=dp2_fsdp2", "train.steps=5", f"hydra.run.dir={tmp_path}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    outs = ["", ""]
+
+    def drain(i: int) -> None:
+        outs[i] = procs[i].communicate()[0]
+
+    readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in (0, 1)]
+    for t in readers:
+        t.start()
+    deadline = time.time() + 240
+    for t in readers:
+        t.join(max(0.0, deadline - time.time()))
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in readers:
+        t.join(10)
+    del store
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], "\n\n".join(f"node {i} (rc {codes[i]}):\n{outs[i][-3000:]}" for i in (0, 1))
     rows = _metrics(tmp_path)
     assert len(rows) == 5 and json.loads((tmp_path / "summary.json").read_text())["world_size"] == 4
