@@ -42,6 +42,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 
+# torch 2.13 renamed funcol.reduce_scatter_tensor (now a deprecated alias that warns on
+# every eager call) to reduce_scatter_single; both issue the same _c10d_functional op.
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 @dataclass(frozen=True)
 class Member:
     """One parameter of a bucket: its placements, shapes and which data axes move it."""
@@ -153,7 +158,7 @@ def _reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, 
         shapes.append(s[:d] + (m,) + s[d + 1:])
         rows.append(g.reshape(s[:d] + (n, m) + s[d + 1:]).movedim(d, 0).reshape(n, -1))
     flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-    out = funcol.reduce_scatter_tensor(flat, "sum", 0, group)
+    out = _REDUCE_SCATTER(flat, "sum", 0, group)
     out = _wait(out) if wait else out
     return _split(out, shapes)
 
