@@ -3,12 +3,17 @@ side by side, on 4 CPU ranks.
 
     python benchmarks/step_phases.py --layouts ddp --overlap both [--seq 32] [--steps 3] [--reps 3]
     python benchmarks/step_phases.py --layouts fsdp --regather both
+    python benchmarks/step_phases.py --layouts fsdp,hsdp --comms both --compile aot_eager
                                      [--mesh fsdp=4] [--batch 8] [--warmup 1] [--out DIR]
 
 The knobs (one of them may be `both`, which compares its two values):
   --overlap {off,on}            meshlm.shard(..., overlap=False/True): each block's gradient
                                 reduction left in flight while backward goes on
                                 (NOTE [overlapped reduction] in meshlm/bucket.py)
+  --comms {graph,eager}         with --compile: meshlm.compile_blocks(..., comms=...): whether
+                                the data-parallel collectives of local blocks are compiled
+                                into the block's graphs or run eagerly around its compiled math
+                                (NOTE [compiled body] in meshlm/compile.py)
   --regather {free,recompute}   meshlm.lower.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
                                 hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
                                 backward: "free" frees them after forward and gathers them
@@ -58,7 +63,7 @@ from bench_layouts import LAYOUTS, _global_batch, write_report  # noqa: E402 - t
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
 PHASES = ("fwd", "bwd", "opt", "step")
-KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute")}
+KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute"), "comms": ("graph", "eager")}
 
 
 # --------------------------------------------------------------------------- on every rank
@@ -80,6 +85,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
 
     import meshlm
     import meshlm.lower
+    from meshlm.compile import compile_blocks
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
 
@@ -92,6 +98,8 @@ def _bench_layout(layout, mesh_shape, variants, opts):
     built = {}
     for v in variants:
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
+        if opts["compile"] != "none":
+            compile_blocks(model, opts["compile"], comms=v["comms"])
         opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
         built[v["name"]] = (model, opt, v["regather"])
 
@@ -142,8 +150,9 @@ def _variants(args):
     for val in names:
         ov = val if knob == "overlap" else args.overlap
         rg = val if knob == "regather" else args.regather
-        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg}"
-        out.append(dict(name=name, overlap=ov == "on", regather=rg))
+        cm = val if knob == "comms" else args.comms
+        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg},comms={cm}"
+        out.append(dict(name=name, overlap=ov == "on", regather=rg, comms=cm))
     return knob, out
 
 
@@ -188,6 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", help="mesh for every layout, e.g. 'fsdp=4' (default: bench_layouts.py's 4-rank mesh)")
     ap.add_argument("--overlap", default="off", choices=["off", "on", "both"])
     ap.add_argument("--regather", default="free", choices=["free", "recompute", "both"])
+    ap.add_argument("--comms", default="graph", choices=["graph", "eager", "both"],
+                    help="with --compile: meshlm.compile_blocks(..., comms=...)")
+    ap.add_argument("--compile", default="none", choices=["none", "aot_eager", "inductor"],
+                    help="compile every block of both variants with this backend (default: eager)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
@@ -196,8 +209,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama_small")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    if args.overlap == "both" and args.regather == "both":
-        ap.error("compare one knob at a time: --overlap both or --regather both, not both")
+    if sum(getattr(args, k) == "both" for k in KNOBS) > 1:
+        ap.error("compare one knob at a time: one of --overlap, --regather, --comms may be 'both'")
+    if args.comms != "graph" and args.compile == "none":
+        ap.error("--comms only matters for compiled blocks: add --compile aot_eager (or inductor)")
     if min(args.steps, args.reps) < 1 or args.warmup < 0:
         ap.error("--steps and --reps must be at least 1, --warmup at least 0")
 
@@ -221,7 +236,7 @@ def main(argv=None) -> int:
         meshes[lay] = ",".join(f"{a}={s}" for a, s in spec.active())
     knob, variants = _variants(args)
     opts = dict(model=args.model, seq=args.seq, batch=args.batch, steps=args.steps, reps=args.reps,
-                warmup=args.warmup)
+                warmup=args.warmup, compile=args.compile)
 
     results = {}
     t_start = time.time()
@@ -244,6 +259,7 @@ def main(argv=None) -> int:
 
     knob_help = {"overlap": "overlap = shard(..., overlap=...)",
                  "regather": "regather = meshlm.lower.EAGER_REGATHER",
+                 "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
                  None: "one variant"}[knob]
     notes = []
     if knob == "regather":
@@ -251,6 +267,8 @@ def main(argv=None) -> int:
                      f"overlap {args.overlap} in both variants")
     elif knob == "overlap":
         notes.append(f"regather {args.regather} in both variants")
+    if args.compile != "none":
+        notes.append(f"blocks compiled with backend {args.compile} in every variant (the warm-up steps compile)")
     meta = dict(date=datetime.date.today().isoformat(),
                 command="python benchmarks/step_phases.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",

@@ -4,6 +4,20 @@ Per-block (regional) compilation compiles one graph per block class and reuses i
 every layer (the lowering gives all instances of a class one sharded subclass), keeps
 compile time flat in depth, and leaves the embedding and loss, whose DTensor handlers are
 plain Python, in eager mode.  ``fullgraph=True``: a graph break inside a block is an error.
+
+NOTE [compiled body]
+    ``comms="graph"`` (the default) compiles the whole block, its parameter gathers and
+    gradient reductions included: they are traced into the block's forward and backward
+    graphs, and a ZeRO-3 block re-gathers under selective checkpointing (storage cannot be
+    freed inside a graph).  ``comms="eager"`` compiles only the math of the blocks that run
+    on plain local tensors (NOTE [local blocks] in bucket.py: ddp, zero1/2, fsdp, hsdp):
+    the flat gathers, the free and re-gather (NOTE [free and re-gather]), the prefetch
+    (NOTE [prefetch]) and the gradient reductions run eagerly around the compiled graph, as
+    FSDP2's hooks do around torchtitan's per-block compile.  Tensor-parallel blocks are
+    compiled whole either way: their collectives are part of the math.  Measured on this
+    project's 2-core CPU machine (benchmarks/step_phases.py --comms both, docs/benchmarks.md)
+    the two are within noise of each other; "graph" stays the default until a GPU
+    measurement says otherwise.
 """
 
 from __future__ import annotations
@@ -14,15 +28,33 @@ import torch
 from torch import nn
 
 from meshlm.annotate import is_block
+from meshlm.config import COMPILE_COMMS
+
+
+COMMS = COMPILE_COMMS
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bool = True,
-                   mode: Optional[str] = None) -> int:
-    """Compile every block of ``model`` in place; return how many were compiled."""
+                   mode: Optional[str] = None, comms: str = "graph") -> int:
+    """Compile every block of ``model`` in place; return how many were compiled.
+    ``comms``: whether the data-parallel collectives of local blocks are compiled with the
+    block (``"graph"``) or run eagerly around its compiled math (``"eager"``; NOTE
+    [compiled body])."""
+    if comms not in COMMS:
+        raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMMS)}")
     n = 0
+    bodies: dict = {}  # one compiled body per block class, shared by its layers
     for m in model.modules():
         if is_block(m):
-            m.compile(backend=backend, fullgraph=fullgraph, mode=mode)
+            spec = getattr(m, "_meshlm_block", None)
+            if comms == "eager" and spec is not None and spec.local and spec.key is not None:
+                cls = type(m)
+                if cls not in bodies:
+                    bodies[cls] = torch.compile(cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph,
+                                                mode=mode)
+                m.__dict__["_meshlm_body"] = bodies[cls]
+            else:
+                m.compile(backend=backend, fullgraph=fullgraph, mode=mode)
             n += 1
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no @meshlm.block modules to compile")

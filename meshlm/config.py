@@ -22,6 +22,7 @@ from meshlm.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
+COMPILE_COMMS = ("graph", "eager")  # compile_blocks(comms=...): NOTE [compiled body] in compile.py
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -113,6 +114,7 @@ class TrainConfig:
     compute_dtype: Optional[str] = None  #: dtype of parameters at use; None = param_dtype
     reduce_dtype: Optional[str] = None  #: dtype gradients are reduced in; None = float32
     compile: str = "none"  #: torch.compile per block: none | aot_eager | inductor
+    compile_comms: str = "graph"  #: graph | eager: data-parallel collectives in the block graphs or around them
     activation_checkpointing: str = "none"  #: none | full | selective (per block)
     overlap: Optional[bool] = None  #: gradient reduction in flight during backward; None = on for CUDA only
     device: str = "auto"  #: auto (cuda if available) | cpu | cuda
@@ -254,6 +256,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"mesh {m}: at most one axis may be -1")
     t = cfg.train
     _choice("train.compile", t.compile, COMPILE_BACKENDS)
+    _choice("train.compile_comms", t.compile_comms, COMPILE_COMMS)
     _choice("train.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("train.device", t.device, DEVICES)

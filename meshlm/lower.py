@@ -383,7 +383,12 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
                                                      for t in gathered], local))
     for m, (_p, n), t in zip(mods, spec.entries, gathered):
         m._meshlm_now[n] = t
+    # NOTE [compiled body] in compile.py: only the math is compiled; the gather above and
+    # the reduction in its backward stay eager.
+    body = self.__dict__.get("_meshlm_body") if local else None
     try:
+        if body is not None and bucket._eager():
+            return body(self, *args, **kwargs)
         return base(self, *args, **kwargs)
     finally:
         for m, (_p, n) in zip(mods, spec.entries):

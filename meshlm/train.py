@@ -203,7 +203,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         model = meshlm.shard(Llama(mcfg, device="meta"), layout, mesh, seed=t.seed, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
-        meshlm.compile.compile_blocks(model, t.compile)
+        meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
     opt = ShardedOptimizer(model, torch.optim.AdamW, master_dtype=torch.float32 if pdt != torch.float32 else None,
                            lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 

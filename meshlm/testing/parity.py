@@ -23,7 +23,7 @@ from meshlm.testing import tolerances as tol
 
 def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, model: str = "llama_tiny",
                batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, overlap: Optional[bool] = None,
-               **overrides) -> dict:
+               comms: str = "graph", **overrides) -> dict:
     import meshlm
     from meshlm.compile import compile_blocks
     from meshlm.lower import placements, shard_state
@@ -48,7 +48,7 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
         torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=tol.INIT_ATOL,
                                    msg=lambda m, n=n: f"init of {n}: {m}")
     if compile:
-        compile_blocks(model_, compile)
+        compile_blocks(model_, compile, comms=comms)
     opt = ShardedOptimizer(model_, torch.optim.AdamW, lr=lr)
     loss = model_(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh))
     loss.backward()

@@ -70,6 +70,13 @@ def test_parity_overlapped_reduction(pool4, layout, mesh):
     _ok(pool4.run(check_step, layout, mesh, overlap=True))
 
 
+@pytest.mark.parametrize("layout,mesh,overlap", [("fsdp", "fsdp=4", True), ("zero2", "dp=4", False)])
+def test_parity_compiled_body_eager_comms(pool4, layout, mesh, overlap):
+    """Only the blocks' math compiled, their collectives eager around it (NOTE [compiled body]
+    in meshlm/compile.py): fsdp with overlap frees, re-gathers and prefetches under compile."""
+    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager", comms="eager", overlap=overlap))
+
+
 @pytest.mark.parametrize("layout,mesh", [("tp", "tp=4"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
 def test_parity_tied_embeddings(pool4, layout, mesh):
     """A vocab-sharded table used by both F.embedding and the output F.linear."""

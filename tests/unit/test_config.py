@@ -31,6 +31,7 @@ def test_every_shipped_layout_has_a_conf_entry():
 
 @pytest.mark.parametrize("override,words", [
     ("train.compile=jit", ["train.compile", "none", "aot_eager", "inductor"]),
+    ("train.compile_comms=host", ["train.compile_comms", "graph", "eager"]),
     ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
     ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
     ("train.steps=0", ["train.steps", ">= 1"]),
