@@ -333,8 +333,12 @@ def _block_forward(self, *args, **kwargs):
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     local = spec.local and bool(tensors) and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
     frees = _frees(self, spec)
+    # Under train's activation checkpointing (eager), that checkpoint already recomputes
+    # the block, its gathers included, in backward: a checkpoint of our own inside it would
+    # only nest a second recompute.
+    outer = getattr(self, "_meshlm_outer_checkpoint", False) and bucket._eager()
     if not local:
-        if not spec.regather:
+        if not spec.regather or outer:
             return _run_block(self, False, *args, **kwargs)
         if frees:
             return _run_freeing(self, False, *args, **kwargs)
@@ -349,7 +353,7 @@ def _block_forward(self, *args, **kwargs):
     kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
     if frees:
         out = _run_freeing(self, True, *args, **kwargs)
-    elif spec.regather:
+    elif spec.regather and not outer:
         from torch.utils.checkpoint import checkpoint
 
         # Without freeing, a local block re-gathers by recomputing all of its forward in

@@ -40,3 +40,24 @@ def test_plan_comm_matches_fake_step(fake8, layout):
     p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S)
     predicted = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
     assert predicted == measured, f"{layout} {mesh_shape}: predicted {predicted}\nmeasured {measured}"
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp_sp"])
+def test_plan_comm_matches_fake_step_checkpointed(fake8, layout, ac):
+    """The same under ``train.activation_checkpointing``: its checkpoint recomputes a
+    block's gathers and (early-stopped) tensor-parallel collectives in backward, and the
+    lowering nests no re-gathering checkpoint of its own inside it."""
+    from meshlm.comm import count_step
+    from meshlm.plan import plan
+    from meshlm.testing.setup import tiny_sharded
+    from meshlm.train import apply_activation_checkpointing
+
+    mesh_shape = MESHES[layout]
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, fake=True)
+    assert apply_activation_checkpointing(model, ac) == 2
+    cc = count_step(model, opt, x, y, mesh)
+    measured = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+    p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S, activation_checkpointing=ac)
+    predicted = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
+    assert predicted == measured, f"{layout} {mesh_shape} {ac}: predicted {predicted}\nmeasured {measured}"
