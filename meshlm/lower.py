@@ -357,11 +357,10 @@ def _block_forward(self, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
         # Without freeing, a local block re-gathers by recomputing all of its forward in
-        # eager mode (it keeps only its input; under train's activation checkpointing,
-        # which recomputes it anyway).  Under torch.compile a full recompute fails in the
-        # partitioner (it would save the DTensor parameters' mesh for backward), so
-        # compiled local blocks keep their matmul and attention outputs (selective), whose
-        # policy costs only at trace time there.
+        # eager mode (it keeps only its input; EAGER_REGATHER = "recompute").  Under
+        # torch.compile a full recompute fails in the partitioner (it would save the
+        # DTensor parameters' mesh for backward), so compiled local blocks keep their
+        # matmul and attention outputs (selective), whose policy costs only at trace time.
         if torch.compiler.is_compiling():
             out = checkpoint(_run_block, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
                              **kwargs)
