@@ -14,6 +14,9 @@ The knobs (one of them may be `both`, which compares its two values):
                                 the data-parallel collectives of local blocks are compiled
                                 into the block's graphs or run eagerly around its compiled math
                                 (NOTE [compiled body] in meshlm/compile.py)
+  --opt-bucket {block,25}       ShardedOptimizer(bucket_mb=None or 25): the ZeRO-1/2 optimizer's
+                                flat collectives one per block, or merged up to 25 MiB
+                                (NOTE [optimizer chunks] in meshlm/optim.py)
   --regather {free,recompute}   meshlm.lower.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
                                 hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
                                 backward: "free" frees them after forward and gathers them
@@ -63,7 +66,8 @@ from bench_layouts import LAYOUTS, _global_batch, write_report  # noqa: E402 - t
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
 PHASES = ("fwd", "bwd", "opt", "step")
-KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute"), "comms": ("graph", "eager")}
+KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute"), "comms": ("graph", "eager"),
+         "opt_bucket": ("block", "25")}
 
 
 # --------------------------------------------------------------------------- on every rank
@@ -100,7 +104,8 @@ def _bench_layout(layout, mesh_shape, variants, opts):
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
         if opts["compile"] != "none":
             compile_blocks(model, opts["compile"], comms=v["comms"])
-        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR,
+                               bucket_mb=None if v["opt_bucket"] == "block" else float(v["opt_bucket"]))
         built[v["name"]] = (model, opt, v["regather"])
 
     def step(name):
@@ -151,8 +156,9 @@ def _variants(args):
         ov = val if knob == "overlap" else args.overlap
         rg = val if knob == "regather" else args.regather
         cm = val if knob == "comms" else args.comms
-        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg},comms={cm}"
-        out.append(dict(name=name, overlap=ov == "on", regather=rg, comms=cm))
+        ob = val if knob == "opt_bucket" else args.opt_bucket
+        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg},comms={cm},opt_bucket={ob}"
+        out.append(dict(name=name, overlap=ov == "on", regather=rg, comms=cm, opt_bucket=ob))
     return knob, out
 
 
@@ -199,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--regather", default="free", choices=["free", "recompute", "both"])
     ap.add_argument("--comms", default="graph", choices=["graph", "eager", "both"],
                     help="with --compile: meshlm.compile_blocks(..., comms=...)")
+    ap.add_argument("--opt-bucket", dest="opt_bucket", default="block", choices=["block", "25", "both"],
+                    help="ShardedOptimizer(bucket_mb=None or 25): the optimizer's ZeRO-1/2 chunks")
     ap.add_argument("--compile", default="none", choices=["none", "aot_eager", "inductor"],
                     help="compile every block of both variants with this backend (default: eager)")
     ap.add_argument("--seq", type=int, default=32)
@@ -210,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if sum(getattr(args, k) == "both" for k in KNOBS) > 1:
-        ap.error("compare one knob at a time: one of --overlap, --regather, --comms may be 'both'")
+        ap.error("compare one knob at a time: one of --overlap, --regather, --comms, --opt-bucket may be 'both'")
     if args.comms != "graph" and args.compile == "none":
         ap.error("--comms only matters for compiled blocks: add --compile aot_eager (or inductor)")
     if min(args.steps, args.reps) < 1 or args.warmup < 0:
@@ -260,6 +268,7 @@ def main(argv=None) -> int:
     knob_help = {"overlap": "overlap = shard(..., overlap=...)",
                  "regather": "regather = meshlm.lower.EAGER_REGATHER",
                  "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
+                 "opt_bucket": "opt_bucket = ShardedOptimizer(bucket_mb=None (block) or 25)",
                  None: "one variant"}[knob]
     notes = []
     if knob == "regather":

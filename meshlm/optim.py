@@ -21,7 +21,10 @@ NOTE [optimizer chunks]
     chunked by block, the granularity of the block buckets: one collective per data axis
     for each block and for each parameter outside blocks, so no temporary buffer is larger
     than a block (DDP's 25 MB buckets and DeepSpeed's bucket sizes bound theirs the same
-    way).  The all-gather writes into the parameters directly.  A same-dtype master of a
+    way).  ``ShardedOptimizer(..., bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and
+    ``allgather_bucket_size``) merges consecutive chunks until each holds at least X MiB of
+    whole parameters: fewer, larger collectives, larger temporary buffers, the same bytes
+    (``meshlm plan`` counts the default chunks).  The all-gather writes into the parameters directly.  A same-dtype master of a
     parameter stored whole (ZeRO-1/2) is a view of this rank's block of the parameter, not a
     copy: the optimizer updates that block in place and the all-gather brings the others
     (ZeroRedundancyOptimizer's memory).
@@ -45,7 +48,7 @@ class ShardedOptimizer:
     """A torch optimizer on a sharded model; see the module docstring."""
 
     def __init__(self, model: nn.Module, optim_cls: type = torch.optim.AdamW,
-                 master_dtype: Optional[torch.dtype] = None, **kwargs: Any):
+                 master_dtype: Optional[torch.dtype] = None, *, bucket_mb: Optional[float] = None, **kwargs: Any):
         st = shard_state(model)
         self.model = model
         self.mesh = st.mesh
@@ -68,7 +71,11 @@ class ShardedOptimizer:
                                           p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
             self._pairs.append((fqn, p, master))
             masters.append(master)
-        self._keys = _chunk_keys(model, [p for _f, p, _m in self._pairs])
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"ShardedOptimizer(bucket_mb={bucket_mb}): must be a positive number of MiB, or None "
+                             "for one chunk per block")
+        self._keys = _chunk_keys(model, [p for _f, p, _m in self._pairs],
+                                 None if bucket_mb is None else int(bucket_mb * 2**20))
         self.inner = optim_cls(masters, **kwargs)
         self._ready = False
         self._local_step = type(self.inner) in _ELEMENTWISE
@@ -224,16 +231,29 @@ def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
     return DTensor.from_local(local, mesh, opt_pl, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def _chunk_keys(model: nn.Module, params: list) -> list:
+def _chunk_keys(model: nn.Module, params: list, bucket_bytes: Optional[int] = None) -> list:
     """Per parameter, the chunk of the optimizer's flat collectives it goes in: its outer
-    block, or itself outside blocks (NOTE [optimizer chunks])."""
+    block, or itself outside blocks; with ``bucket_bytes``, consecutive such chunks (in
+    parameter order) merged until a merged chunk holds at least that many bytes of whole
+    parameters (NOTE [optimizer chunks])."""
     from meshlm.lower import _outer_blocks
 
     where = {}
     for n, blk in enumerate(_outer_blocks(model)):
         for q in blk.parameters():
             where.setdefault(id(q), n)
-    return [where.get(id(p), ("param", k)) for k, p in enumerate(params)]
+    keys = [where.get(id(p), ("param", k)) for k, p in enumerate(params)]
+    if bucket_bytes is None:
+        return keys
+    out, group, size, prev = [], 0, 0, object()
+    for p, key in zip(params, keys):
+        if key != prev:  # a chunk starts: close the merged one if it is full
+            if size >= bucket_bytes:
+                group, size = group + 1, 0
+            prev = key
+        size += p.numel() * p.element_size()
+        out.append(("bucket", group))
+    return out
 
 
 # Optimizers whose update of each element depends only on that element's parameter,
