@@ -38,7 +38,9 @@ rank:
   opt   opt.step() and opt.zero_grad()
   step  the three together.
 Each is the slowest rank's time in that step (so step may exceed fwd + bwd + opt, whose
-slowest ranks may differ); the table gives medians over reps x steps.  Both variants take
+slowest ranks may differ); the table gives medians over reps x steps.  Peak MB: one more
+step of each variant under bench_layouts.PeakStorage (tracked tensor storage, the largest
+rank; eager only, `-` with --compile).  Both variants take
 the same steps on the same batch, so their losses should agree: the largest difference is
 reported.  Gloo runs its communication on threads that compete with the compute for the
 cores: on a small shared CPU machine overlap can cost rather than save.
@@ -61,7 +63,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layouts import LAYOUTS, _global_batch, write_report  # noqa: E402 - the 4-rank meshes, the batch, the report
+from bench_layouts import (  # noqa: E402 - the 4-rank meshes, the batch, memory, the report
+    LAYOUTS, PeakStorage, _global_batch, _state_tensors, write_report)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
@@ -137,6 +140,18 @@ def _bench_layout(layout, mesh_shape, variants, opts):
                     ts, loss = step(name)
                     out[name]["times"].append(ts)
                     out[name]["losses"].append(loss)
+        # peak memory: one more step of each variant under PeakStorage (eager blocks only: a
+        # dispatch mode around compiled blocks would make Dynamo skip their frames)
+        for name, (model, opt, _rg) in built.items():
+            if opts["compile"] != "none":
+                out[name]["peak_bytes"] = None
+                continue
+            mem = PeakStorage(_state_tensors(model, opt))
+            with mem:
+                step(name)
+            peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out[name]["peak_bytes"] = int(peak.item())
     finally:
         meshlm.lower.EAGER_REGATHER = regather0
     for r in out.values():
@@ -174,21 +189,24 @@ def render(results: dict, meta: dict) -> str:
         f"rounds x {meta['steps']} steps; each phase is the slowest rank's time in that step "
         f"({meta['knob_help']}).",
         "",
-        "| layout | mesh | variant | fwd s | bwd s | opt s | step s | step B/A |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | mesh | variant | fwd s | bwd s | opt s | step s | step B/A | peak MB | peak B/A |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for layout, res in results.items():
         if "error" in res:
-            lines.append(f"| {layout} | {res['mesh']} | n/a: {res['error']} ||||||")
+            lines.append(f"| {layout} | {res['mesh']} | n/a: {res['error']} ||||||||")
             continue
         names = [n for n in res if n not in ("mesh", "loss_diff")]
         a = res[names[0]]
         for k, n in enumerate(names):
             r = res[n]
             ratio = f"{r['step_s'] / a['step_s']:.2f}" if k else ""
+            pk, pa = r.get("peak_bytes"), a.get("peak_bytes")
+            peak = f"{pk / 1e6:.1f}" if pk else "-"
+            pratio = f"{pk / pa:.2f}" if k and pk and pa else ""
             lines.append(f"| {layout} | {res['mesh']} | {n} | " + " | ".join(_fmt(r[f'{p}_s']) for p in PHASES)
-                         + f" | {ratio} |")
+                         + f" | {ratio} | {peak} | {pratio} |")
         if len(names) > 1:
             notes.append(f"{layout}: largest loss difference between the variants over the "
                          f"{len(a['losses'])} steps: {res['loss_diff']:.2e}; "
