@@ -168,12 +168,9 @@ def _variants(args):
     names = KNOBS[knob] if knob else (None,)
     out = []
     for val in names:
-        ov = val if knob == "overlap" else args.overlap
-        rg = val if knob == "regather" else args.regather
-        cm = val if knob == "comms" else args.comms
-        ob = val if knob == "opt_bucket" else args.opt_bucket
-        name = f"{knob}={val}" if knob else f"overlap={ov},regather={rg},comms={cm},opt_bucket={ob}"
-        out.append(dict(name=name, overlap=ov == "on", regather=rg, comms=cm, opt_bucket=ob))
+        v = {k: val if k == knob else getattr(args, k) for k in KNOBS}
+        name = f"{knob}={val}" if knob else ",".join(f"{k}={x}" for k, x in v.items())
+        out.append(dict(v, name=name, overlap=v["overlap"] == "on"))
     return knob, out
 
 

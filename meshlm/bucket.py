@@ -345,9 +345,9 @@ def _gather_locals(b: Bucket, params, prefetch: bool) -> list[Tensor]:
 #     (``_Regather``) whose backward, which runs before any of the block's own backward
 #     nodes, re-allocates those storages and all-gathers the parameters into them again.
 #     Nothing is recomputed, and backward moves the same bytes as the re-gather by
-#     checkpointing did.  Under torch.compile (storage resizing does not trace) and under
-#     train's activation checkpointing (which recomputes the block anyway), blocks re-gather
-#     by checkpointing instead (NOTE [re-gather in backward] in lower.py).
+#     checkpointing did.  Under torch.compile (storage resizing does not trace) blocks
+#     re-gather by checkpointing instead (NOTE [re-gather in backward] in lower.py), and under
+#     train's activation checkpointing by that checkpoint's recompute.
 class Freed:
     """The gathered tensors of one forward of one block, freed after it (NOTE [free and
     re-gather])."""

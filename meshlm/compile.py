@@ -31,17 +31,14 @@ from meshlm.annotate import is_block
 from meshlm.config import COMPILE_COMMS
 
 
-COMMS = COMPILE_COMMS
-
-
 def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bool = True,
                    mode: Optional[str] = None, comms: str = "graph") -> int:
     """Compile every block of ``model`` in place; return how many were compiled.
     ``comms``: whether the data-parallel collectives of local blocks are compiled with the
     block (``"graph"``) or run eagerly around its compiled math (``"eager"``; NOTE
     [compiled body])."""
-    if comms not in COMMS:
-        raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMMS)}")
+    if comms not in COMPILE_COMMS:
+        raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMPILE_COMMS)}")
     n = 0
     bodies: dict = {}  # one compiled body per block class, shared by its layers
     for m in model.modules():

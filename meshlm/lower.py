@@ -230,10 +230,11 @@ def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
 #     entry, which the recompute re-runs: one flat all-gather per block in backward too.
 #     The tp activation collectives' outputs are saved (``_SAVED_COLLECTIVES``), so the
 #     recompute re-runs only the gathers among the block's collectives.  This is the path of
-#     compiled blocks, of blocks under train's activation checkpointing and of unbucketed
-#     blocks; an eager bucketed block frees its gathered parameters after forward and
-#     gathers them again in backward instead, recomputing nothing (NOTE [free and re-gather]
-#     in bucket.py; ``EAGER_REGATHER``).
+#     compiled blocks and of unbucketed blocks; an eager bucketed block frees its gathered
+#     parameters after forward and gathers them again in backward instead, recomputing
+#     nothing (NOTE [free and re-gather] in bucket.py; ``EAGER_REGATHER``), and an eager
+#     block under train's activation checkpointing is re-gathered by that checkpoint's
+#     recompute alone.
 _GATHERING = bucket._GATHERING
 
 
@@ -317,14 +318,12 @@ class _BlockSpec:
     local: bool  # may run on plain local tensors (NOTE [local blocks])
 
 
-def _frees(self, spec: _BlockSpec) -> bool:
+def _frees(spec: _BlockSpec) -> bool:
     """Whether this forward of a re-gathering block frees and re-gathers its parameters
     (NOTE [free and re-gather] in bucket.py) instead of checkpointing: eager, recording
-    autograd, not a recompute inside backward, and not under train's activation
-    checkpointing (which recomputes the block, gathers included)."""
+    autograd, and not a recompute inside backward."""
     return (spec.regather and spec.key is not None and EAGER_REGATHER == "free" and torch.is_grad_enabled()
-            and bucket._eager() and torch._C._current_graph_task_id() == -1
-            and not getattr(self, "_meshlm_outer_checkpoint", False))
+            and bucket._eager() and torch._C._current_graph_task_id() == -1)
 
 
 def _block_forward(self, *args, **kwargs):
@@ -332,11 +331,11 @@ def _block_forward(self, *args, **kwargs):
     b = bucket._BUCKETS[spec.key] if spec.key is not None else None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     local = spec.local and bool(tensors) and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
-    frees = _frees(self, spec)
     # Under train's activation checkpointing (eager), that checkpoint already recomputes
-    # the block, its gathers included, in backward: a checkpoint of our own inside it would
-    # only nest a second recompute.
+    # the block, its gathers included, in backward: the block neither frees nor nests a
+    # checkpoint of its own.
     outer = getattr(self, "_meshlm_outer_checkpoint", False) and bucket._eager()
+    frees = not outer and _frees(spec)
     if not local:
         if not spec.regather or outer:
             return _run_block(self, False, *args, **kwargs)

@@ -260,7 +260,7 @@ def plan(
     # ---------------------------------------------------------------- activations
     b_local = global_batch // n_batch
     regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
-    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt, regather=regather)
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt)
     gathered = _held_gathered(params_, sizes, regather, B)
     formulas["activations"] = act
     memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
@@ -268,8 +268,8 @@ def plan(
     memory["total"] = sum(memory.values())
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing
-    # (whose recompute re-runs them); a re-gathering block saves their outputs (lower.py
-    # _SAVED_COLLECTIVES).
+    # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing
+    # (compiled) saves their outputs (lower.py _SAVED_COLLECTIVES).
     ckpt = activation_checkpointing != "none"
     comm = _comm(cfg, lay, sizes, params_, b_local, seq, B, mdt != pdt, batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, B, batch_axes)
@@ -335,7 +335,7 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
 
 # --------------------------------------------------------------------------- activations
 def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
-                     ac: str, dtype: torch.dtype, *, regather: bool = False) -> dict[str, Any]:
+                     ac: str, dtype: torch.dtype) -> dict[str, Any]:
     """Activation bytes per rank per micro-batch (docs/plan.md, "Activations").
 
     ``held``: what stays allocated from the end of forward to the start of backward (what
@@ -357,13 +357,12 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
 
     ``selective`` blocks keep only the block input (B·h/ts) and the matmul and attention
     outputs: B·(q + 2kv + o)/t + F·a/t + B·h (o-projection output, whole seq, before its
-    reduction) + 2·B·f/t (gate, up) + B·h (down-projection output); a re-gathering block
-    under tp also keeps its activation collectives' outputs there (lower.py
-    ``_SAVED_COLLECTIVES``): the two reduced outputs, 2·B·h/ts, and under sequence
-    parallelism the two gathered inputs, 2·B·h.  ``full`` keeps the block input only.
-    Blocks whose parameters are re-gathered (ZeRO-3) are not checkpointed in eager mode:
-    they free their gathered parameters after forward and gather them again in backward
-    (NOTE [free and re-gather] in bucket.py), so they hold what an unchecked block holds."""
+    reduction) + 2·B·f/t (gate, up) + B·h (down-projection output).  ``full`` keeps the
+    block input only.  Blocks whose parameters are re-gathered (ZeRO-3) add no checkpoint of
+    their own in eager mode: they free their gathered parameters after forward and gather
+    them again in backward (NOTE [free and re-gather] in bucket.py), so without
+    ``train.activation_checkpointing`` they hold what an unchecked block holds, and with it
+    what train's checkpoint keeps."""
     h, hd = cfg.embed, cfg.hd
     q, kv, f, a, V, L = cfg.heads * hd, cfg.kv_heads * hd, cfg.mlp, cfg.heads, cfg.vocab, cfg.layers
     t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
@@ -385,8 +384,6 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
         per_block, mode = input_block, "full"
     elif ac == "selective":
         per_block, mode = saved_block, "selective"
-        if regather and t > 1:  # lower.py _SAVED_COLLECTIVES: the tp reductions' outputs, and under SP
-            per_block += tok * (2 * B * h / ts + (2 * B * h if ts > 1 else 0))  # the gathered inputs
     else:
         per_block, mode = full_block, "none"
     held = per_block * L + outside

@@ -115,7 +115,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
                 return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
 
             m.forward = fwd
-            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lower._frees)
+            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lower._block_forward)
             n += 1
     return n
 

@@ -26,7 +26,11 @@ def _count_step(layout: str, mesh_shape: dict, **shard_kw):
     from meshlm.testing.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **shard_kw)
-    cc = count_step(model, opt, x, y, mesh)
+    return _summary(count_step(model, opt, x, y, mesh))
+
+
+def _summary(cc) -> dict:
+    """(kind, axes, phase) -> (count, bytes) of a counted step."""
     return {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
 
 
@@ -182,8 +186,7 @@ def _zero_step_with_buckets(layout: str, mesh_shape: dict, bucket_mbs: list):
     for mb in bucket_mbs:
         mesh, model, _opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
         opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, bucket_mb=mb)
-        cc = count_step(model, opt, x, y, mesh)
-        counts = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+        counts = _summary(count_step(model, opt, x, y, mesh))
         out.append((counts, {n: p.full_tensor() for n, p in model.named_parameters()}))
     return out
 

@@ -90,11 +90,13 @@ def _count_at_use() -> None:
     lower._AtUse._test_counted = True
 
 
-def _measure(layout: str, mesh_shape: dict):
+def _measure(layout: str, mesh_shape: dict, ac: str = "none"):
     from meshlm.comm import CommCounter
     from meshlm.testing.setup import tiny_sharded
+    from meshlm.train import apply_activation_checkpointing
 
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
+    apply_activation_checkpointing(model, ac)
     _count_at_use()
     cc = CommCounter(mesh)
     held = _HeldAfterForward()
@@ -134,12 +136,12 @@ MESHES = {
 }
 
 
-def _check(pool, world, layout):
+def _check(pool, world, layout, ac="none"):
     from meshlm.plan import plan
 
     mesh = MESHES[world][layout]
-    got = pool.run(_measure, layout, mesh)[0]
-    p = plan("llama_tiny", layout, mesh, global_batch=B, seq=S)
+    got = pool.run(_measure, layout, mesh, ac)[0]
+    p = plan("llama_tiny", layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac)
     for k in ("params", "grads", "optimizer"):
         assert p.memory[k] == got[k], f"{layout} {mesh} {k}: predicted {p.memory[k]} measured {got[k]}"
     pred_comm = {k: int(v["bytes"]) for k, v in p.comm_summary(by_phase=True).items()}
@@ -161,3 +163,11 @@ def test_plan_exact_2(pool2, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plan_exact_4(pool4, layout):
     _check(pool4, 4, layout)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_plan_exact_checkpointed(pool4, ac):
+    """Under ``train.activation_checkpointing``, on a re-gathering tensor-parallel layout:
+    train's checkpoint alone decides what a block keeps (the lowering nests none of its
+    own in eager mode), and the plan predicts that."""
+    _check(pool4, 4, "fsdp_tp_sp", ac)

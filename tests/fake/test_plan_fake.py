@@ -27,19 +27,26 @@ def fake8():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", list(MESHES))
-def test_plan_comm_matches_fake_step(fake8, layout):
+def _check_comm(layout: str, ac: str = "none") -> None:
+    """The plan's collectives (kind, axes, phase -> count, bytes) equal a counted step's."""
     from meshlm.comm import count_step
     from meshlm.plan import plan
     from meshlm.testing.setup import tiny_sharded
+    from meshlm.train import apply_activation_checkpointing
 
     mesh_shape = MESHES[layout]
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, fake=True)
+    assert apply_activation_checkpointing(model, ac) == (0 if ac == "none" else 2)
     cc = count_step(model, opt, x, y, mesh)
     measured = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
-    p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S)
+    p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S, activation_checkpointing=ac)
     predicted = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
-    assert predicted == measured, f"{layout} {mesh_shape}: predicted {predicted}\nmeasured {measured}"
+    assert predicted == measured, f"{layout} {mesh_shape} {ac}: predicted {predicted}\nmeasured {measured}"
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_plan_comm_matches_fake_step(fake8, layout):
+    _check_comm(layout)
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
@@ -48,16 +55,4 @@ def test_plan_comm_matches_fake_step_checkpointed(fake8, layout, ac):
     """The same under ``train.activation_checkpointing``: its checkpoint recomputes a
     block's gathers and (early-stopped) tensor-parallel collectives in backward, and the
     lowering nests no re-gathering checkpoint of its own inside it."""
-    from meshlm.comm import count_step
-    from meshlm.plan import plan
-    from meshlm.testing.setup import tiny_sharded
-    from meshlm.train import apply_activation_checkpointing
-
-    mesh_shape = MESHES[layout]
-    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, fake=True)
-    assert apply_activation_checkpointing(model, ac) == 2
-    cc = count_step(model, opt, x, y, mesh)
-    measured = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
-    p = plan("llama_tiny", layout, mesh_shape, global_batch=B, seq=S, activation_checkpointing=ac)
-    predicted = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
-    assert predicted == measured, f"{layout} {mesh_shape} {ac}: predicted {predicted}\nmeasured {measured}"
+    _check_comm(layout, ac)
