@@ -49,6 +49,9 @@ class ShardedOptimizer:
 
     def __init__(self, model: nn.Module, optim_cls: type = torch.optim.AdamW,
                  master_dtype: Optional[torch.dtype] = None, *, bucket_mb: Optional[float] = None, **kwargs: Any):
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"ShardedOptimizer(bucket_mb={bucket_mb}): must be a positive number of MiB, or None "
+                             "for one chunk per block")
         st = shard_state(model)
         self.model = model
         self.mesh = st.mesh
@@ -71,9 +74,6 @@ class ShardedOptimizer:
                                           p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
             self._pairs.append((fqn, p, master))
             masters.append(master)
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ValueError(f"ShardedOptimizer(bucket_mb={bucket_mb}): must be a positive number of MiB, or None "
-                             "for one chunk per block")
         self._keys = _chunk_keys(model, [p for _f, p, _m in self._pairs],
                                  None if bucket_mb is None else int(bucket_mb * 2**20))
         self.inner = optim_cls(masters, **kwargs)

@@ -68,3 +68,16 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(55, t) == pytest.approx(0.55) and lr_at(100, t) == pytest.approx(0.1)
     lrs = [lr_at(s, t) for s in range(10, 101)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_bad_optimizer_bucket_and_compile_comms_name_the_argument():
+    """Checked before anything is built, so a plain module is enough."""
+    import torch
+
+    from meshlm.compile import compile_blocks
+    from meshlm.optim import ShardedOptimizer
+
+    with pytest.raises(ValueError, match=r"bucket_mb=0\): must be a positive number of MiB, or None"):
+        ShardedOptimizer(torch.nn.Linear(2, 2), bucket_mb=0)
+    with pytest.raises(ValueError, match=r"comms='host'\): expected one of \['graph', 'eager'\]"):
+        compile_blocks(torch.nn.Linear(2, 2), "aot_eager", comms="host")
