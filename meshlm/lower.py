@@ -330,7 +330,7 @@ def _block_forward(self, *args, **kwargs):
     spec: _BlockSpec = self._meshlm_block
     b = bucket._BUCKETS[spec.key] if spec.key is not None else None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    local = spec.local and bool(tensors) and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
+    local = spec.local and len(tensors) > 0 and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
     # Under train's activation checkpointing (eager), that checkpoint already recomputes
     # the block, its gathers included, in backward: the block neither frees nor nests a
     # checkpoint of its own.
