@@ -60,10 +60,35 @@ def init_params(root: nn.Module, seed: int) -> None:
     ``init_weights(generator)`` (which fills that module's *own* parameters, not its
     children's) called in ``root.modules()`` order.  The lowering replays exactly this
     order shard by shard, so a sharded model initialised from a seed equals the one-device
-    model of the same seed."""
+    model of the same seed.  The draws are made on float32 CPU stand-ins (init_module), so
+    the weights of a seed are the same, up to rounding, in any dtype and on any device."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in root.modules():
-            fn = getattr(m, "init_weights", None)
-            if callable(fn):
-                fn(gen)
+    for m in root.modules():
+        own = [(n, p) for n, p in m._parameters.items() if p is not None]
+        drawn = init_module(m, gen, own)
+        with torch.no_grad():
+            for n, p in own:
+                if n in drawn:
+                    p.copy_(drawn[n])
+
+
+def init_module(m: nn.Module, gen: torch.Generator, own: list) -> dict[str, Tensor]:
+    """``m.init_weights(gen)`` run on CPU stand-ins for the parameters ``own`` (name,
+    parameter) of ``m``, float32 for the narrower float dtypes; returns the stand-ins by
+    name ({} if ``m`` has no init_weights).  Why float32: torch's random kernels draw a
+    different stream per dtype (and the bf16 one changed between torch 2.11 and 2.13), so
+    drawing in the storage dtype would make the weights of a seed depend on the dtype and
+    the torch version; drawn in float32 and rounded, they depend on neither."""
+    fn = getattr(m, "init_weights", None)
+    if not callable(fn):
+        return {}
+    saved = dict(m._parameters)
+    try:
+        for n, p in own:
+            dt = torch.float32 if p.dtype.is_floating_point and p.dtype.itemsize < 4 else p.dtype
+            m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=dt), requires_grad=p.requires_grad)
+        with torch.no_grad():
+            fn(gen)
+        return {n: m._parameters[n].data for n, _ in own}
+    finally:
+        m._parameters.update(saved)

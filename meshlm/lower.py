@@ -755,18 +755,7 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     for mname, m in model.named_modules():
         direct = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in owner]
-        init = getattr(m, "init_weights", None)
-        fulls: dict[str, Tensor] = {}
-        if any_meta and callable(init) and seed is not None:
-            saved = dict(m._parameters)
-            try:
-                for n, p in direct:
-                    m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                with torch.no_grad():
-                    init(gen)
-                fulls = {n: m._parameters[n].data for n, _ in direct}
-            finally:
-                m._parameters.update(saved)
+        fulls = annotate.init_module(m, gen, direct) if any_meta and seed is not None else {}
         for n, p in direct:
             fqn = owner.pop(id(p))
             if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
@@ -789,7 +778,7 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 full = p.detach()
             pl = placements(plans[fqn].storage, mesh)
             local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
-            local = local.to(dev, dtype=param_dtype or local.dtype).clone().contiguous()
+            local = local.to(dev, dtype=param_dtype or p.dtype).clone().contiguous()
             dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
                                     stride=torch.empty(plans[fqn].shape, device="meta").stride())
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)

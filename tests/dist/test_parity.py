@@ -81,3 +81,29 @@ def test_parity_compiled_body_eager_comms(pool4, layout, mesh, overlap):
 def test_parity_tied_embeddings(pool4, layout, mesh):
     """A vocab-sharded table used by both F.embedding and the output F.linear."""
     _ok(pool4.run(check_step, layout, mesh, tie_embeddings=True))
+
+
+def _bf16_init_job(layout, mesh):
+    """The weights of a seed in bf16: sharded (built on meta, drawn shard by shard) and
+    one-device (init_params on a bf16 model) both equal the float32 weights of that seed
+    rounded to bf16.  vocab 998 x embed 20 and mlp 50 x embed 20: element counts that
+    are not multiples of 16, where torch's bf16 and float32 normal_ kernels draw
+    differently (on 2.13 in the tail, on 2.11 everywhere)."""
+    import torch
+
+    import meshlm
+    from meshlm.models import Llama, llama_config
+
+    cfg = llama_config("llama_tiny", vocab=998, embed=20, heads=2, kv_heads=1, mlp=50, layers=1)
+    ref = {k: v.to(torch.bfloat16) for k, v in Llama(cfg, seed=3).state_dict().items()}
+    sharded = meshlm.shard(Llama(cfg, device="meta").to(torch.bfloat16), layout, meshlm.make_mesh(mesh), seed=3)
+    one = Llama(cfg, device="meta").to(torch.bfloat16).to_empty(device="cpu")
+    meshlm.init_params(one, 3)
+    got = {"sharded": meshlm.full_state_dict(sharded), "init_params": one.state_dict()}
+    return {f"{src} {k}": float((sd[k].float() - v.float()).abs().max()) for src, sd in got.items()
+            for k, v in ref.items() if not torch.equal(sd[k], v)}
+
+
+def test_bf16_weights_of_a_seed_are_float32_rounded(pool2):
+    for bad in pool2.run(_bf16_init_job, "fsdp", "fsdp=2"):
+        assert bad == {}, f"bf16 weights differ from the float32 weights of the seed rounded: {bad}"
