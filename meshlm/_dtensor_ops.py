@@ -12,7 +12,8 @@ What it adds (installed once, on the first ``shard``):
   sharded in, the same out, or all replicated.
 * ``F.cross_entropy`` on logits sharded over the class dim: torch's loss-parallel handlers
   (``loss_parallel()``), made permanent, and falling back to the default rule when the class
-  dim is not sharded.  So a vocab-sharded loss never all-gathers the logits, and backward
+  dim is not sharded; on meshes of several dims where torch's handlers take one dim only
+  (2.11), run on the class dim's submesh (NOTE [loss on the class submesh]).  So a vocab-sharded loss never all-gathers the logits, and backward
   need not run inside a context manager.
 * Vocab-parallel ``F.embedding``: DTensor's own rule yields a MaskPartial output whose
   gradient cannot come back through a Partial(sum) (REFERENCE.md).  Ours looks up the local
@@ -44,8 +45,9 @@ def install() -> None:
         handlers = DTensor._op_dispatcher._custom_op_handlers
         from torch.distributed.tensor.parallel import loss as _loss
 
+        nd = _handles_nd_meshes(_loss)
         for op, torch_handler in _loss.customized_loss_ops.items():
-            _MINE[op] = _class_sharded_or_default(op, torch_handler)
+            _MINE[op] = _class_sharded_or_default(op, torch_handler if nd else _on_class_submesh(torch_handler))
         _MINE[aten.embedding.default] = _embedding_handler
         _MINE[aten.embedding_dense_backward.default] = _embedding_backward_handler
         handlers.update(_MINE)
@@ -137,17 +139,29 @@ def _register_sdpa_cpu() -> None:
 
 
 # --------------------------------------------------------------------------- cross entropy
-def _class_dim_sharded(op, args) -> bool:
+def _class_input(op, args):
+    """The argument of a loss op shaped like the logits."""
     if op in (aten._log_softmax.default,):
-        x, dim = args[0], args[1]
-    elif op == aten._log_softmax_backward_data.default:
-        x, dim = args[1], args[2]
-    else:  # nll_loss forward/backward: class dim is 1 for >= 2-D input, else 0
-        x = args[0] if op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default) else args[1]
-        dim = 1 if x.dim() >= 2 else 0
+        return args[0]
+    if op == aten._log_softmax_backward_data.default:
+        return args[1]
+    return args[0] if op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default) else args[1]
+
+
+def _class_dim(op, args) -> int:
+    x = _class_input(op, args)
+    if op == aten._log_softmax.default:
+        return args[1] % x.dim()
+    if op == aten._log_softmax_backward_data.default:
+        return args[2] % x.dim()
+    return 1 if x.dim() >= 2 else 0  # nll_loss forward/backward
+
+
+def _class_dim_sharded(op, args) -> bool:
+    x = _class_input(op, args)
     if not isinstance(x, DTensor):
         return False
-    dim = dim % x.dim()
+    dim = _class_dim(op, args)
     return any(isinstance(p, Shard) and p.dim == dim for p in x.placements)
 
 
@@ -160,6 +174,67 @@ def _class_sharded_or_default(op, torch_handler):
         if op_call in _NLL_BWD and _is_mean(args, 4):
             return _nll_mean_backward(torch_handler, op_call, args, kwargs)
         return torch_handler(op_call, args, kwargs)
+
+    return handler
+
+
+def _handles_nd_meshes(loss_module) -> bool:
+    """Whether torch's loss-parallel handlers take logits on a mesh of several dims (torch
+    2.13 does; 2.11's raise "only supports input on one-dimensional DeviceMesh")."""
+    try:
+        loss_module._find_all_reduce_mesh_dim((Replicate(), Shard(1)), 1)
+    except ValueError:
+        return False
+    return True
+
+
+def _on_class_submesh(torch_handler):
+    """torch's one-dimensional loss-parallel handler, run on logits of any mesh.
+
+    NOTE [loss on the class submesh]
+        Where torch's handlers take one-dimensional meshes only (2.11), every DTensor
+        argument is re-viewed, local tensor unchanged, on the 1-D submesh of the mesh dim
+        that shards the class dim (``tp``), and the outputs are viewed back on the whole
+        mesh.  On each group of that submesh the rows are this rank's rows of the batch:
+        log-softmax and the class gather are per row, so each group computes its rows
+        exactly as torch 2.13's N-D handler does.  Back on the whole mesh an output shaped
+        like the logits keeps the logits' placements; a per-row loss keeps them with the
+        class dim removed; a scalar (a sum over this rank's rows) is Partial(sum) over the
+        mesh dims that split the batch, as in 2.13.  No collective is added or removed:
+        torch's handler all-reduces over the class submesh only, and the mean's global
+        count is summed over the batch dims by ``_nll_mean_forward``."""
+
+    def handler(op_call, args, kwargs):
+        x = _class_input(op_call, args)
+        mesh = x.device_mesh
+        if mesh.ndim == 1:
+            return torch_handler(op_call, args, kwargs)
+        cdim = _class_dim(op_call, args)
+        t = next(i for i, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == cdim)
+        sub = mesh[mesh.mesh_dim_names[t]]
+
+        def down(a):
+            if not isinstance(a, DTensor):
+                return a
+            return DTensor.from_local(a._local_tensor, sub, [a.placements[t]], run_check=False)
+
+        def up(o):
+            if not isinstance(o, DTensor):
+                return o
+            pls = []
+            for i, p in enumerate(x.placements):
+                if i == t:
+                    pls.append(o.placements[0])
+                elif o.dim() == x.dim():
+                    pls.append(p)
+                elif o.dim() == 0:
+                    pls.append(Partial() if isinstance(p, Shard) else p)
+                else:  # per-row loss: the class dim is gone
+                    pls.append(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > cdim else p)
+            return DTensor.from_local(o._local_tensor, mesh, pls, run_check=False)
+
+        out = torch_handler(op_call, tuple(down(a) for a in args), {k: down(v) for k, v in kwargs.items()})
+        return tuple(up(o) for o in out) if isinstance(out, (tuple, list)) else up(out)
 
     return handler
 
