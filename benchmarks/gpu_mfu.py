@@ -3,8 +3,9 @@
     python benchmarks/gpu_mfu.py                      # llama_1b, bf16, compiled, seq 2048, CUDA
     python benchmarks/gpu_mfu.py --device cpu --model llama_tiny --seq 64 --backend aot_eager  # logic check
 
-Two variants of the same model, same weights (seed 0), same per-block torch.compile, same
-AdamW, parameters and optimizer state in bf16 (pure bf16 training, no master copy):
+Two variants of the same model, same weights (seed 0), same per-block torch.compile (none
+with --backend none), same AdamW, parameters and optimizer state in bf16 (pure bf16
+training, no master copy):
   plain   meshlm.models.Llama on the device, not sharded (annotations are inert)
   meshlm  meshlm.shard(Llama(cfg, device="meta"), "single", one-device mesh) + ShardedOptimizer
 After warm-up (compile), the two run `--steps` steps each, interleaved for `--reps` rounds;
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--backend", default="inductor", help='torch.compile backend per block; "none": eager, no compile')
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--peak-tflops", type=float, default=None, help="default 989 on CUDA, none on CPU")
     ap.add_argument("--out", default=str(RESULTS / "gpu_mfu.json"))
@@ -82,13 +83,15 @@ def main(argv=None) -> int:
     # plain: the model itself, no meshlm lowering
     t0 = time.perf_counter()
     plain = Llama(cfg, seed=0).to(device=dev, dtype=dtype)  # initialised on the CPU, then moved
-    compile_blocks(plain, backend=args.backend)
+    if args.backend != "none":
+        compile_blocks(plain, backend=args.backend)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4)
 
     # meshlm on a one-device mesh
     mesh = meshlm.make_mesh({"dp": 1}, device_type=dev.type)
     mm = meshlm.shard(Llama(cfg, device="meta").to(dtype), "single", mesh, seed=0)
-    compile_blocks(mm, backend=args.backend)
+    if args.backend != "none":
+        compile_blocks(mm, backend=args.backend)
     opt_mm = ShardedOptimizer(mm, torch.optim.AdamW, lr=1e-4)
     build_s = time.perf_counter() - t0
 
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
         r = out[name]
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (no peak given)"
         print(f"  {name:7s} {r['step_s'] * 1e3:8.1f} ms/step  {r['tokens_per_s']:10.0f} tokens/s  MFU {mfu}")
+    print(f"  loss after warm-up (same weights, same data): plain {losses['plain']:.4f}, meshlm {losses['meshlm']:.4f}")
     print(f"  meshlm overhead on a one-device mesh: {100 * out['meshlm_overhead']:+.1f}% (target <= 3%)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
