@@ -210,12 +210,28 @@ class _AtUse(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+# What each at-use parameter does (compute, grads, dtype, reduce_dtype, regather), by key:
+# ``_at_use`` takes the key, not the placements, because torch 2.11's Dynamo cannot pass
+# Placement objects into an allow_in_graph function ("Missing as_proxy()"); an int it can.
+_AT_USE: list[tuple] = []
+_AT_USE_KEYS: dict[tuple, int] = {}
+
+
+def _at_use_key(compute, grads, dtype, reduce_dtype, regather) -> int:
+    args = (tuple(compute), None if grads is None else tuple(grads), dtype, reduce_dtype, bool(regather))
+    if args not in _AT_USE_KEYS:
+        _AT_USE_KEYS[args] = len(_AT_USE)
+        _AT_USE.append(args)
+    return _AT_USE_KEYS[args]
+
+
 @torch._dynamo.allow_in_graph
-def _at_use(p, compute, grads, dtype, reduce_dtype, regather):
+def _at_use(p, key: int):
     """``_AtUse`` as one opaque node for Dynamo, so that AOTAutograd (which sees the real
     gradient placements, Partial included) traces its backward; Dynamo would trace it with a
-    gradient guessed from the forward output's placements (NOTE [at-use under compile])."""
-    return _AtUse.apply(p, compute, grads, dtype, reduce_dtype, regather)
+    gradient guessed from the forward output's placements (NOTE [at-use under compile]).
+    ``key``: see ``_at_use_key``."""
+    return _AtUse.apply(p, *_AT_USE[key])
 
 
 # NOTE [re-gather in backward]
@@ -430,6 +446,7 @@ class _UseSpec:
     compute: tuple[Placement, ...]
     grads: Optional[tuple[Placement, ...]]
     regather: bool = False
+    key: int = -1  # _at_use_key of these and the model's dtypes
 
 
 def _make_getter(name: str):
@@ -438,9 +455,7 @@ def _make_getter(name: str):
         if name in now:  # gathered by the enclosing block's bucket
             return now[name]
         p = self._parameters[name]
-        spec = self._meshlm_use[name]
-        st = self._meshlm_state
-        return _at_use(p, spec.compute, spec.grads, st.compute_dtype, st.reduce_dtype, spec.regather)
+        return _at_use(p, self._meshlm_use[name].key)
 
     return property(get)
 
@@ -592,6 +607,7 @@ def shard(
         pp = plans[fqn]
         use = _UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh),
                        regather=_needs_regather(pp))
+        use.key = _at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather)
         by_module.setdefault(id(m), (m, {}))[1][name] = use
     for m, uses in by_module.values():
         m.__class__ = _sharded_class(type(m), tuple(uses), False)
