@@ -100,6 +100,23 @@ def waited(x: DTensor) -> DTensor:
     return x
 
 
+def wrap(local: Tensor, mesh, placements, shape, stride) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``
+    for a tensor that no gradient flows back through: gradients made in backward, results
+    of gathers inside an autograd Function, outputs of dispatch handlers.  Eager, it builds
+    the DTensor from its spec directly, without from_local's autograd node and argument
+    normalisation: about 7 us against 70-90 us (torch 2.11 and 2.13, CPU), which adds up to
+    milliseconds a step over every parameter's gradient.  Traced code (torch.compile) and
+    a ``local`` that records autograd go through from_local."""
+    if (local.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=tuple(stride))
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local.view_as(local), spec, requires_grad=False)  # a fresh alias, as from_local
+
+
 # --------------------------------------------------------------------------- fallback
 def _default(op, args, kwargs):
     """Run ``op`` through DTensor's default propagation (our handler removed meanwhile)."""
@@ -319,8 +336,7 @@ def _embedding_handler(op_call, args, kwargs):
     local = torch.nn.functional.embedding((loc_ids - lo).masked_fill(miss, 0), w._local_tensor)
     local = local.masked_fill(miss.unsqueeze(-1), 0.0)
     shape = tuple(ids.shape) + (w.shape[1],)
-    return DTensor.from_local(local, mesh, out_pl, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    return wrap(local, mesh, out_pl, shape, _contiguous_stride(shape))
 
 
 def _embedding_backward_handler(op_call, args, kwargs):
@@ -352,8 +368,7 @@ def _embedding_backward_handler(op_call, args, kwargs):
         else:
             out_pl.append(Replicate())
     shape = (args[2], g.shape[-1])
-    return DTensor.from_local(local, mesh, out_pl, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    return wrap(local, mesh, out_pl, shape, _contiguous_stride(shape))
 
 
 def _contiguous_stride(shape):

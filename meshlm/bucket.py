@@ -41,6 +41,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from meshlm import _dtensor_ops
+
 
 # torch 2.13 renamed funcol.reduce_scatter_tensor (now a deprecated alias that warns on
 # every eager call) to reduce_scatter_single; both issue the same _c10d_functional op.
@@ -432,8 +434,7 @@ class _Gather(torch.autograd.Function):
             for x, p, m in zip(xs, params, b.members):
                 if x is p._local_tensor:  # nothing moved: a fresh alias, not the stored tensor
                     x = x.view_as(x)
-                out.append(x if local else DTensor.from_local(x, b.mesh, m.compute, run_check=False,
-                                                               shape=torch.Size(m.shape), stride=m.stride))
+                out.append(x if local else _dtensor_ops.wrap(x, b.mesh, m.compute, m.shape, m.stride))
             return tuple(out)
         finally:
             _GATHERING[0] -= 1
@@ -474,8 +475,7 @@ class _Gather(torch.autograd.Function):
             for i, pl in enumerate(pls[j]):
                 if isinstance(pl, Shard):
                     gshape[pl.dim] *= b.sizes[i]
-            g = DTensor.from_local(xs[j], b.mesh, tuple(pls[j]), run_check=False, shape=torch.Size(gshape),
-                                   stride=m.stride)
+            g = _dtensor_ops.wrap(xs[j], b.mesh, pls[j], gshape, m.stride)
             if tuple(g.placements) != targets[j]:  # anything else: per parameter
                 g = g.redistribute(b.mesh, targets[j])
             if g.dtype != m.dtype:
@@ -511,8 +511,7 @@ def _settle() -> None:
     for p in pending:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(g._local_tensor, funcol.AsyncCollectiveTensor):
-            p.grad = DTensor.from_local(g._local_tensor.wait(), g.device_mesh, g.placements, run_check=False,
-                                        shape=g.shape, stride=g.stride())
+            p.grad = _dtensor_ops.wrap(g._local_tensor.wait(), g.device_mesh, g.placements, g.shape, g.stride())
 
 
 def _partial(pl: Placement) -> bool:
@@ -592,6 +591,6 @@ def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placemen
         elif dst is not None and j in dst and xs[j] is dst[j]:
             out.append(into[j])
         else:
-            d = DTensor.from_local(xs[j], mesh, tuple(pls[j]), run_check=False, shape=t.shape, stride=t.stride())
+            d = _dtensor_ops.wrap(xs[j], mesh, pls[j], t.shape, t.stride())
             out.append(d if tuple(pls[j]) == tg[j] else d.redistribute(mesh, tg[j]))
     return out
