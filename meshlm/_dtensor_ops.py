@@ -13,8 +13,9 @@ What it adds (installed once, on the first ``shard``):
 * ``F.cross_entropy`` on logits sharded over the class dim: torch's loss-parallel handlers
   (``loss_parallel()``), made permanent, and falling back to the default rule when the class
   dim is not sharded; on meshes of several dims where torch's handlers take one dim only
-  (2.11), run on the class dim's submesh (NOTE [loss on the class submesh]).  So a vocab-sharded loss never all-gathers the logits, and backward
-  need not run inside a context manager.
+  (2.11), run on the class dim's submesh (NOTE [loss on the class submesh]).  So a
+  vocab-sharded loss never all-gathers the logits, and backward need not run inside a
+  context manager.
 * Vocab-parallel ``F.embedding``: DTensor's own rule yields a MaskPartial output whose
   gradient cannot come back through a Partial(sum) (REFERENCE.md).  Ours looks up the local
   vocab rows with out-of-range ids masked to zero and returns Partial(sum) (the next
