@@ -64,12 +64,10 @@ def init_params(root: nn.Module, seed: int) -> None:
     the weights of a seed are the same, up to rounding, in any dtype and on any device."""
     gen = torch.Generator().manual_seed(seed)
     for m in root.modules():
-        own = [(n, p) for n, p in m._parameters.items() if p is not None]
-        drawn = init_module(m, gen, own)
+        drawn = init_module(m, gen, [(n, p) for n, p in m._parameters.items() if p is not None])
         with torch.no_grad():
-            for n, p in own:
-                if n in drawn:
-                    p.copy_(drawn[n])
+            for n, t in drawn.items():
+                m._parameters[n].copy_(t)
 
 
 def init_module(m: nn.Module, gen: torch.Generator, own: list) -> dict[str, Tensor]:

@@ -107,3 +107,29 @@ def _bf16_init_job(layout, mesh):
 def test_bf16_weights_of_a_seed_are_float32_rounded(pool2):
     for bad in pool2.run(_bf16_init_job, "fsdp", "fsdp=2"):
         assert bad == {}, f"bf16 weights differ from the float32 weights of the seed rounded: {bad}"
+
+
+def _check_step_1d_loss_handlers(layout, mesh):
+    """check_step with the vocab-parallel loss run as on torch 2.11, whose loss-parallel
+    handlers take 1-D meshes only: on the class dim's submesh (NOTE [loss on the class
+    submesh] in meshlm/_dtensor_ops.py), whatever torch runs this."""
+    from torch.distributed.tensor.parallel import loss as torch_loss
+
+    from meshlm import _dtensor_ops as ops
+
+    ops.install()
+    saved = dict(ops._MINE)
+    try:
+        for op, handler in torch_loss.customized_loss_ops.items():
+            ops._MINE[op] = ops._class_sharded_or_default(op, ops._on_class_submesh(handler))
+        return check_step(layout, mesh)
+    finally:
+        ops._MINE.update(saved)
+        ops.ensure_installed()
+
+
+@pytest.mark.parametrize("layout", ["fsdp_tp", "fsdp_tp_sp"])
+def test_parity_loss_on_class_submesh(pool4, layout):
+    """The 2.11 path of the vocab-sharded loss on a 2-D mesh (batch over fsdp, vocab over
+    tp): loss and gradients equal one device's, so CI on 2.13 covers it too."""
+    _ok(pool4.run(_check_step_1d_loss_handlers, layout, "fsdp=2,tp=2"))
