@@ -106,8 +106,8 @@ def wrap(local: Tensor, mesh, placements, shape, stride) -> DTensor:
     for a tensor that no gradient flows back through: gradients made in backward, results
     of gathers inside an autograd Function, outputs of dispatch handlers.  Eager, it builds
     the DTensor from its spec directly, without from_local's autograd node and argument
-    normalisation: about 7 us against 70-90 us (torch 2.11 and 2.13, CPU), which adds up to
-    milliseconds a step over every parameter's gradient.  Traced code (torch.compile) and
+    normalisation, several times cheaper, which adds up over every parameter's gradient
+    in every step.  Traced code (torch.compile) and
     a ``local`` that records autograd go through from_local."""
     if (local.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
