@@ -6,8 +6,9 @@ On one 4-rank gloo pool (llama_small, fp32, AdamW, global batch 8 x seq 128; the
 bench_layouts.py), four variants in interleaved rounds, each step timed from a barrier and
 reported as the slowest rank's:
   meshlm          meshlm.shard(..., "ddp", dp=4) + ShardedOptimizer
-  meshlm_nocomm   the same with every functional all-reduce replaced by a copy (wrong
-                  gradients; a measurement of everything but the communication)
+  meshlm_nocomm   the same with every all-reduce replaced by a copy (functional ones) or
+                  by nothing (in-place ones; wrong gradients: a measurement of everything
+                  but the communication)
   torch           the same model by hand, torch DDP + AdamW
   torch_nosync    the same under DDP.no_sync() (no gradient all-reduce)
 (meshlm - meshlm_nocomm) against (torch - torch_nosync) compares communication; the
@@ -41,14 +42,17 @@ def _job(steps: int, reps: int) -> dict:
     X, Y = _global_batch(cfg, 8, 128)
     m = _build_meshlm(cfg, "ddp", {"dp": 4}, X, Y, None)
     t = _build_torch(cfg, "ddp", {"dp": 4}, X, Y, None)
-    all_reduce = funcol.all_reduce
+    from meshlm import bucket
+
+    all_reduce, inplace = funcol.all_reduce, bucket._all_reduce_inplace
 
     def meshlm_nocomm():
         funcol.all_reduce = lambda x, *a, **k: x.clone()
+        bucket._all_reduce_inplace = lambda flat, group, wait: flat
         try:
             return m["step"]()
         finally:
-            funcol.all_reduce = all_reduce
+            funcol.all_reduce, bucket._all_reduce_inplace = all_reduce, inplace
 
     def torch_nosync():
         with t["model"].no_sync():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -346,7 +346,9 @@ def _block_forward(self, *args, **kwargs):
     spec: _BlockSpec = self._meshlm_block
     b = bucket._BUCKETS[spec.key] if spec.key is not None else None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    local = spec.local and len(tensors) > 0 and all(bucket.batch_sharded(a, b.sizes) for a in tensors)
+    # Plain tensors in: the root runs on local rows (NOTE [local root]), and so does the block.
+    plain = spec.local and len(tensors) > 0 and not any(isinstance(a, DTensor) for a in tensors)
+    local = plain or (spec.local and len(tensors) > 0 and all(bucket.batch_sharded(a, b.sizes) for a in tensors))
     # Under train's activation checkpointing (eager), that checkpoint already recomputes
     # the block, its gathers included, in backward: the block neither frees nor nests a
     # checkpoint of its own.
@@ -361,11 +363,21 @@ def _block_forward(self, *args, **kwargs):
 
         return checkpoint(keep_constraints(_run_block), self, False, *args, use_reentrant=False,
                           context_fn=_regather_context, **kwargs)
+    if plain:
+        return _run_local(self, spec, outer, frees, *args, **kwargs)
     # NOTE [local blocks] in bucket.py: unwrap and wrap outside any checkpoint, so that the
     # checkpointed region holds plain tensors only.
     pl = tensors[0].placements
     args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
     kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+    out = _run_local(self, spec, outer, frees, *args, **kwargs)
+    if isinstance(out, (tuple, list)):
+        return type(out)(bucket.wrap_local(o, b, pl) for o in out)
+    return bucket.wrap_local(out, b, pl)
+
+
+def _run_local(self, spec: _BlockSpec, outer: bool, frees: bool, *args, **kwargs):
+    """A local block's forward on plain tensors (NOTE [local blocks] in bucket.py)."""
     if frees:
         out = _run_freeing(self, True, *args, **kwargs)
     elif spec.regather and not outer:
@@ -383,9 +395,7 @@ def _block_forward(self, *args, **kwargs):
             out = checkpoint(_run_block, self, True, *args, use_reentrant=False, **kwargs)
     else:
         out = _run_block(self, True, *args, **kwargs)
-    if isinstance(out, (tuple, list)):
-        return type(out)(bucket.wrap_local(o, b, pl) for o in out)
-    return bucket.wrap_local(out, b, pl)
+    return out
 
 
 def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs):
@@ -447,6 +457,7 @@ class _UseSpec:
     grads: Optional[tuple[Placement, ...]]
     regather: bool = False
     key: int = -1  # _at_use_key of these and the model's dtypes
+    local_key: Optional[int] = None  # NOTE [local root]: its one-member bucket, gathered at use
 
 
 def _make_getter(name: str):
@@ -455,7 +466,10 @@ def _make_getter(name: str):
         if name in now:  # gathered by the enclosing block's bucket
             return now[name]
         p = self._parameters[name]
-        return _at_use(p, self._meshlm_use[name].key)
+        use = self._meshlm_use[name]
+        if _LOCAL_ROOT[0] and use.local_key is not None:  # NOTE [local root]
+            return bucket.gather(use.local_key, True, p)[0]
+        return _at_use(p, use.key)
 
     return property(get)
 
@@ -475,6 +489,8 @@ class ShardState:
     sizes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in bucket.py
+    root: Optional["_RootSpec"] = None  # NOTE [local root]; None: the root runs under DTensor
+    checked: set = field(default_factory=set)  # (axes, shape) of constraints validated in a local root
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
@@ -527,6 +543,10 @@ def _root_forward(self, *args, **kwargs):
     st: ShardState = self._meshlm_state
     orig = self._meshlm_orig_forward
     bound = inspect.signature(orig).bind(self, *args, **kwargs)
+    if st.root is not None and torch.is_grad_enabled() and bucket._eager():
+        out = _local_root_forward(self, st, orig, bound)
+        if out is not _NOT_LOCAL:
+            return out
     for name, val in list(bound.arguments.items()):
         if isinstance(val, Tensor) and not isinstance(val, DTensor) and name != "self":
             bound.arguments[name] = _wrap_input(st, val, _input_axes(self, name, val.ndim))
@@ -541,6 +561,233 @@ def _root_forward(self, *args, **kwargs):
     if isinstance(out, DTensor) and out.ndim == 0:
         out = out.full_tensor()
     return out
+
+
+# --------------------------------------------------------------------------- local root
+# NOTE [local root]
+#     When every block runs on plain local tensors (NOTE [local blocks] in bucket.py), what
+#     is left of DTensor's per-op dispatch is the root: the embedding, the final norm, the
+#     head and the loss, forward and backward, the unwrap and wrap at every block, and one
+#     collective per parameter outside the blocks.  Under a pure data-parallel layout the
+#     root runs on local tensors too, as DDP and FSDP2 run a model:
+#     - the inputs are used as given (each rank's rows);
+#     - the parameters outside blocks that compute keeps as stored (every one under ddp,
+#       zero1, zero2) come from one root bucket at the root's entry, so their gradients are
+#       reduced in one flat collective at the end of backward; those gathered at use
+#       (fsdp, hsdp) each come from a one-member bucket, gathered where they are used;
+#     - ``constrain`` only validates its axes against the layout (once per axes and shape);
+#     - the blocks take and return plain tensors.
+#     The outputs are then lifted back to what the DTensor root would have returned.  A
+#     tensor whose first dim has the input rows becomes a batch-sharded DTensor (logits).
+#     A scalar is a loss over the global batch, and a local forward only sees this rank's
+#     rows, so it is lifted only when its autograd node says exactly what it is: an NLL
+#     (``F.cross_entropy``, ``F.nll_loss``) over rows of this rank's batch, mean or sum.
+#     A mean is combined as sum_r(loss_r * weight_r) / sum_r(weight_r), with weight_r the
+#     loss's own total weight (its count of targets that are not ignored, or their class
+#     weights), so ``ignore_index`` and uneven counts stay exact; a sum is summed.  One
+#     all-reduce of two numbers per data mesh dim, where the DTensor root's ``full_tensor``
+#     also did one.  Backward scales this rank's gradient by weight_r / sum(weight) (mean)
+#     or 1 (sum), and the buckets sum the parameter gradients over ranks: the gradient of
+#     the global loss, as under DTensor.
+#     Any other output (another scalar, a dict, a tensor without the batch rows) is not
+#     guessed at: that forward is discarded, the random state restored, and it runs again
+#     under DTensor, as does every later call (``st.root`` is cleared).  A model whose
+#     forward changed a buffer before that raises instead of running twice.  Local roots run
+#     only in eager mode with grad enabled (the loss needs its autograd node); evaluation
+#     under ``torch.no_grad`` runs under DTensor.
+_LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors
+_NOT_LOCAL = object()
+ROOT_STATS = {"local": 0, "fallback": 0}  # forwards run on local tensors; discarded and run under DTensor
+
+
+@dataclass(frozen=True)
+class _RootSpec:
+    """What a local root gathers at its entry (NOTE [local root])."""
+
+    key: Optional[int]  # the root bucket (parameters compute keeps as stored), None: none
+    entries: tuple  # (module path from the root, attribute name) per member of that bucket
+    rows: tuple[Placement, ...]  # placements of an input split by rows over the data axes
+    constrain: Callable  # the model's constrain handler inside its local root
+
+
+def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
+    """The model's local-root plan, or None if its root must run under DTensor."""
+    if not _pure_data_parallel(st.layout, st.sizes) or all(n == 1 for n in st.sizes.values()):
+        return None
+    inside: set[int] = set()
+    for blk in _outer_blocks(model):
+        spec = getattr(blk, "_meshlm_block", None)
+        has_params = any(True for _ in blk.parameters())
+        if has_params and (spec is None or spec.key is None or not spec.local):
+            return None
+        inside.update(id(m) for m in blk.modules())
+    names = st.names
+    data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
+    entries, members, at_use = [], [], []
+    for path, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        for name, use in getattr(m, "_meshlm_use", {}).items():
+            p = m._parameters[name]
+            mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
+            if mem is None or not all(isinstance(c, Replicate) for c in mem.compute):
+                return None
+            if mem.gather:
+                at_use.append((use, mem))
+            else:
+                entries.append((path, name))
+                members.append(mem)
+    mesh = st.mesh
+    groups = tuple(mesh.get_group(i).group_name for i in range(len(names)))
+    sizes = tuple(st.sizes[n] for n in names)
+
+    def bucket_of(ms) -> int:
+        return bucket.register(bucket.Bucket(mesh, groups, sizes, data_dims, tuple(ms), st.compute_dtype,
+                                             st.reduce_dtype, True, st.overlap))
+
+    for use, mem in at_use:
+        use.local_key = bucket_of([mem])
+    rows = tuple(Shard(0) if n > 1 else Replicate() for n in sizes)
+    world = 1
+    for n in sizes:
+        world *= n
+    return _RootSpec(bucket_of(members) if members else None, tuple(entries), rows, _constrain_local(st, world))
+
+
+def _constrain_local(st: ShardState, world: int):
+    """``constrain`` inside a local root: the layout's rules still apply to the annotation
+    (checked in eager mode, once per axes and local shape); the tensor is returned as it is.
+    One handler per model (``_RootSpec.constrain``): compiled blocks guard on it."""
+
+    def handler(x: Tensor, axes: Axes) -> Tensor:
+        if len(axes) != x.ndim:
+            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims "
+                                  f"{tuple(x.shape)}")
+        if torch.compiler.is_compiling():
+            return x
+        k = (tuple(axes), tuple(x.shape))
+        if k not in st.checked:
+            gshape = tuple(n * world if a == "batch" else n for a, n in zip(axes, x.shape))
+            st.activation_placements(axes, gshape)
+            st.checked.add(k)
+        return x
+
+    return handler
+
+
+def _local_root_forward(self, st: ShardState, orig, bound):
+    """The root's forward on local tensors, or _NOT_LOCAL (NOTE [local root])."""
+    spec: _RootSpec = st.root
+    rows = None
+    for name, val in list(bound.arguments.items()):
+        if name == "self" or not isinstance(val, Tensor):
+            continue
+        if isinstance(val, DTensor):
+            return _NOT_LOCAL
+        pl = st.input_placements(_input_axes(self, name, val.ndim))
+        if tuple(pl) == spec.rows and val.ndim >= 1:
+            if rows is not None and rows != val.shape[0]:
+                return _NOT_LOCAL
+            rows = val.shape[0]
+        elif not all(isinstance(p, Replicate) for p in pl):
+            return _NOT_LOCAL
+        if val.device.type != st.mesh.device_type:
+            bound.arguments[name] = val.to(st.mesh.device_type)
+    if rows is None:
+        return _NOT_LOCAL
+    cuda = st.mesh.device_type == "cuda"
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+    versions = [(b, b._version) for b in self.buffers()]
+    mods = [_submodule(self, path) for path, _n in spec.entries]
+    prev = annotate._handler
+    annotate._handler = spec.constrain
+    _LOCAL_ROOT[0] += 1
+    try:
+        if spec.key is not None:
+            params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
+            for m, (_p, n), t in zip(mods, spec.entries, bucket.gather(spec.key, True, *params)):
+                m._meshlm_now[n] = t
+        out = orig(*bound.args, **bound.kwargs)
+    finally:
+        for m, (_p, n) in zip(mods, spec.entries):
+            m._meshlm_now.pop(n, None)
+        _LOCAL_ROOT[0] -= 1
+        annotate._handler = prev
+    lifted = _lift(out, st, spec, rows)
+    if lifted is not _NOT_LOCAL:
+        ROOT_STATS["local"] += 1
+        return lifted
+    del out
+    ROOT_STATS["fallback"] += 1
+    st.root = None  # every later call runs under DTensor
+    changed = [n for n, b in self.named_buffers() if any(b is c and b._version != v for c, v in versions)]
+    if changed:
+        raise MeshlmError(f"{type(self).__name__}.forward returned something meshlm cannot lift from local rows "
+                          f"(NOTE [local root] in meshlm/lower.py) after changing buffers {changed}, so it cannot "
+                          "run it again under DTensor: return batch-first tensors or an F.cross_entropy loss, or "
+                          "lower the model with shard(..., bucket=False)")
+    torch.set_rng_state(rng[0])
+    if cuda:
+        torch.cuda.set_rng_state(rng[1])
+    return _NOT_LOCAL
+
+
+def _lift(out, st: ShardState, spec: _RootSpec, rows: int):
+    """A local root's output as the DTensor root would return it, or _NOT_LOCAL."""
+    if isinstance(out, (tuple, list)):
+        items = [_lift(o, st, spec, rows) for o in out]
+        return _NOT_LOCAL if any(o is _NOT_LOCAL for o in items) else type(out)(items)
+    if out is None:
+        return None
+    if not isinstance(out, Tensor) or isinstance(out, DTensor):
+        return _NOT_LOCAL
+    if out.ndim == 0:
+        return _lift_loss(out, st, rows)
+    if out.shape[0] != rows:
+        return _NOT_LOCAL
+    world = 1
+    for p, n in zip(spec.rows, st.sizes.values()):
+        world *= n if isinstance(p, Shard) else 1
+    shape = (rows * world,) + tuple(out.shape[1:])
+    return DTensor.from_local(out, st.mesh, spec.rows, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _lift_loss(loss: Tensor, st: ShardState, rows: int):
+    """A scalar computed on this rank's rows -> the loss over the global batch, if its
+    autograd node says it is an NLL over those rows (NOTE [local root])."""
+    node = loss.grad_fn
+    if type(node).__name__ != "NllLossBackward0":
+        return _NOT_LOCAL
+    target = node._saved_target
+    reduction = node._saved_reduction  # 1: mean, 2: sum
+    if reduction not in (1, 2) or target.ndim == 0 or target.shape[0] % rows:
+        return _NOT_LOCAL
+    groups = tuple(st.mesh.get_group(i).group_name for i, n in enumerate(st.sizes.values()) if n > 1)
+    weight = node._saved_total_weight if reduction == 1 else None
+    return _GlobalLoss.apply(loss, weight, groups)
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """This rank's NLL (mean with its total weight, or sum) -> the NLL over every rank's
+    rows; backward hands this rank its share of the gradient (NOTE [local root])."""
+
+    @staticmethod
+    def forward(ctx, loss, weight, groups):  # type: ignore[override]
+        from torch.distributed import _functional_collectives as funcol
+
+        mean = weight is not None
+        w = weight.detach().to(torch.float32) if mean else None
+        buf = torch.stack([loss.detach().to(torch.float32) * w, w]) if mean else loss.detach().to(torch.float32)
+        for g in groups:
+            buf = funcol.all_reduce(buf, "sum", g)
+            buf = buf.wait() if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
+        ctx.scale = w / buf[1] if mean else None
+        return (buf[0] / buf[1] if mean else buf).to(loss.dtype)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return (g if ctx.scale is None else g * ctx.scale.to(g.dtype)), None, None
 
 
 def _wrap_input(st: ShardState, local: Tensor, axes: Axes) -> DTensor:
@@ -625,6 +872,7 @@ def shard(
         if spec.regather and spec.key is not None:
             _allow_conduit_under_checkpoint()
     _link_blocks(model)
+    st.root = _root_spec(model, st) if bucket else None
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
     model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})

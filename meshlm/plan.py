@@ -33,7 +33,7 @@ from meshlm.axes import DATA_AXES
 from meshlm.comm import ring_factor
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.layout import Layout, load_layout, shipped_layouts
-from meshlm.lower import ParamPlan, plan_params
+from meshlm.lower import ParamPlan, _pure_data_parallel, plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
 
@@ -428,6 +428,10 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
 
     data_batch = [a for a in batch_axes if a in DATA_AXES]
     data_active = [a for a in DATA_AXES if sizes.get(a, 1) > 1]
+    # NOTE [local root] in lower.py: under pure data parallelism the root runs on local
+    # tensors; its parameters that compute uses as stored share one flat gradient
+    # reduction, and the loss is combined from (loss x weight, weight).
+    local_root = bool(data_active) and _pure_data_parallel(lay, sizes)
     seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
     for prm in params_:
         pp, k = prm.plan, prm.count
@@ -466,8 +470,11 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
         # the optimizer's collectives are flat per block, and per parameter outside blocks
         # (NOTE [optimizer chunks] in optim.py)
+        root_member = local_root and not prm.in_block and not gathers
         rb = route if member and phase == "backward" else ("optimizer" if phase == "optimizer" and prm.in_block
                                                            else None)
+        if root_member and phase == "backward":
+            rb = ("root", route)
         cur = _local_numel(pp, pp.compute, sizes)
         for ax in partial:
             if ax in gaxes:
@@ -487,9 +494,10 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
                         cur *= sizes[ax]
                         add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k,
                             bucket="optimizer" if prm.in_block else None)
-    # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim
+    # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim (of
+    # the loss and its weight under a local root)
     for ax in data_batch:
-        add("all_reduce", ax, "forward", 4, "scalar loss", accum)
+        add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
     _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt)
     return list(out.values())
 

@@ -23,9 +23,15 @@ from meshlm.testing import tolerances as tol
 
 def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, model: str = "llama_tiny",
                batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, overlap: Optional[bool] = None,
-               comms: str = "graph", **overrides) -> dict:
+               comms: str = "graph", ignored_targets: bool = False, **overrides) -> dict:
+    """One training step of ``layout`` on ``mesh_shape`` against one device (loss, every
+    gradient, the AdamW step).  ``ignored_targets``: some label positions are -100
+    (``F.cross_entropy``'s ignore_index), unevenly over the batch rows, so the ranks' loss
+    means have different weights.  Returns the losses, the worst relative gradient error and
+    how many forwards ran on a local root or fell back (NOTE [local root] in lower.py)."""
     import meshlm
     from meshlm.compile import compile_blocks
+    from meshlm import lower
     from meshlm.lower import placements, shard_state
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
@@ -36,6 +42,10 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     gen = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
     labels = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
+    if ignored_targets:  # row 0 keeps 2 of its targets, row 1 none, the last row all but one
+        labels[0, 2:] = -100
+        labels[1] = -100
+        labels[-1, :1] = -100
 
     ref = Llama(cfg, seed=seed)
     ref_loss = ref(tokens, labels)
@@ -50,7 +60,9 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     if compile:
         compile_blocks(model_, compile, comms=comms)
     opt = ShardedOptimizer(model_, torch.optim.AdamW, lr=lr)
+    roots = dict(lower.ROOT_STATS)
     loss = model_(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh))
+    roots = {k: lower.ROOT_STATS[k] - v for k, v in roots.items()}
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=tol.LOSS_RTOL, atol=0)
 
@@ -89,4 +101,4 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     for n, p in model_.named_parameters():
         torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=tol.STEP_RTOL, atol=tol.STEP_ATOL,
                                    msg=lambda m, n=n: f"AdamW step of {n}: {m}")
-    return {"loss": float(loss), "ref_loss": float(ref_loss), "worst_grad_rel": worst}
+    return {"loss": float(loss), "ref_loss": float(ref_loss), "worst_grad_rel": worst, "root": roots}

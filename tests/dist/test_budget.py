@@ -7,8 +7,9 @@ all-reduce or reduce-scatter anywhere fails the test.
 Notation (per rank): P = parameter bytes (fp32, whole model), Pb = bytes of the block
 parameters, L layers (blocks), nk = L + 3 collectives of a
 bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket.py, plus
-one per parameter outside the blocks: tok_emb, the final norm, lm_head), bsh = local batch x
-seq x embed x 4 bytes (one activation of the residual stream).
+one per parameter outside the blocks: tok_emb, the final norm, lm_head; L + 1 where those
+three share one, NOTE [local root] in meshlm/lower.py), bsh = local batch x seq x embed x 4
+bytes (one activation of the residual stream).
 """
 
 from __future__ import annotations
@@ -76,20 +77,26 @@ def budget(layout: str, mesh: dict) -> dict:
         c0, b0 = out.get(key, (0, 0))
         out[key] = (c0 + count, b0 + nbytes)
 
-    # The loss is a mean over the batch shards: one 4-byte all-reduce per data mesh dim
-    # (DTensor reduces a Partial scalar one mesh dim at a time).
+    # The loss is a mean over the batch shards: one all-reduce per data mesh dim (DTensor
+    # reduces a Partial scalar one mesh dim at a time), of 4 bytes.  Under a pure
+    # data-parallel layout the root runs on local tensors (NOTE [local root] in
+    # meshlm/lower.py): the mean is combined from each rank's (loss x weight, weight), 8
+    # bytes, and the parameters outside the blocks that compute uses as stored (ddp, zero2:
+    # tok_emb, the final norm, lm_head) have their gradients reduced in one flat collective
+    # at the end of backward, so a bucketed backward pass has L + 1 collectives, not nk.
+    pure_data = layout in ("ddp", "zero1", "zero2", "fsdp", "hsdp")
     if layout != "single":
         for a in data:
-            add("all_reduce", a, "forward", 1, 4)
+            add("all_reduce", a, "forward", 1, 8 if pure_data else 4)
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
-        add("all_reduce", "dp", "backward", nk, P)
+        add("all_reduce", "dp", "backward", L + 1, P)
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,
         # each one flat collective per block and per parameter outside blocks
         # (NOTE [optimizer chunks] in meshlm/optim.py)
         add("reduce_scatter", "dp", "optimizer", nk, P)
         add("all_gather", "dp", "optimizer", nk, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
-        add("reduce_scatter", "dp", "backward", nk, P)
+        add("reduce_scatter", "dp", "backward", L + 1, P)
         add("all_gather", "dp", "optimizer", nk, P)
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:

@@ -30,10 +30,22 @@ COMPILED_4 = [
 ]
 
 
-def _ok(res):
+def _local_root(layout: str, mesh: str) -> bool:
+    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lower.py): the
+    layout splits the batch over every mesh axis of size > 1 and those are all data axes
+    (every shipped layout but single puts the batch on dp and fsdp; tp layouts on a mesh
+    whose tp is 1 are data parallel there)."""
+    axes = {a: int(n) for a, n in (kv.split("=") for kv in mesh.split(","))}
+    return layout != "single" and all(a in ("dp", "fsdp") for a, n in axes.items() if n > 1)
+
+
+def _ok(res, layout=None, mesh=None):
     for r in res:
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
     assert len({r["loss"] for r in res}) == 1, "ranks disagree on the loss"
+    if layout is not None:
+        want = {"local": int(_local_root(layout, mesh)), "fallback": 0}
+        assert all(r["root"] == want for r in res), f"{layout}: root runs {[r['root'] for r in res]}, expected {want}"
 
 
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
@@ -46,17 +58,17 @@ def test_parity_one_device(pool1, layout, compile):
 
 @pytest.mark.parametrize("layout,mesh", EAGER_2, ids=[f"{l}-{m}" for l, m in EAGER_2])
 def test_parity_2(pool2, layout, mesh):
-    _ok(pool2.run(check_step, layout, mesh))
+    _ok(pool2.run(check_step, layout, mesh), layout, mesh)
 
 
 @pytest.mark.parametrize("layout,mesh", EAGER_4, ids=[f"{l}-{m}" for l, m in EAGER_4])
 def test_parity_4(pool4, layout, mesh):
-    _ok(pool4.run(check_step, layout, mesh))
+    _ok(pool4.run(check_step, layout, mesh), layout, mesh)
 
 
 @pytest.mark.parametrize("layout,mesh", COMPILED_4, ids=[f"{l}-{m}" for l, m in COMPILED_4])
 def test_parity_compiled_aot_eager(pool4, layout, mesh):
-    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager"))
+    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager"), layout, mesh)
 
 
 def test_parity_compiled_inductor(pool2):
@@ -67,14 +79,14 @@ def test_parity_compiled_inductor(pool2):
 def test_parity_overlapped_reduction(pool4, layout, mesh):
     """Gradient reductions left in flight through backward (NOTE [overlapped reduction] in
     meshlm/bucket.py; the default on CUDA) give the same gradients, settled as plain tensors."""
-    _ok(pool4.run(check_step, layout, mesh, overlap=True))
+    _ok(pool4.run(check_step, layout, mesh, overlap=True), layout, mesh)
 
 
 @pytest.mark.parametrize("layout,mesh,overlap", [("fsdp", "fsdp=4", True), ("zero2", "dp=4", False)])
 def test_parity_compiled_body_eager_comms(pool4, layout, mesh, overlap):
     """Only the blocks' math compiled, their collectives eager around it (NOTE [compiled body]
     in meshlm/compile.py): fsdp with overlap frees, re-gathers and prefetches under compile."""
-    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager", comms="eager", overlap=overlap))
+    _ok(pool4.run(check_step, layout, mesh, compile="aot_eager", comms="eager", overlap=overlap), layout, mesh)
 
 
 @pytest.mark.parametrize("layout,mesh", [("tp", "tp=4"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
@@ -133,3 +145,94 @@ def test_parity_loss_on_class_submesh(pool4, layout):
     """The 2.11 path of the vocab-sharded loss on a 2-D mesh (batch over fsdp, vocab over
     tp): loss and gradients equal one device's, so CI on 2.13 covers it too."""
     _ok(pool4.run(_check_step_1d_loss_handlers, layout, "fsdp=2,tp=2"))
+
+
+@pytest.mark.parametrize("layout,mesh", [("ddp", "dp=4"), ("hsdp", "dp=2,fsdp=2")])
+def test_parity_local_root_ignored_targets(pool4, layout, mesh):
+    """A local root's loss is combined from each rank's mean and its weight (the count of
+    targets not ignored): with targets ignored unevenly over the ranks, the loss and the
+    gradients are still one device's (a mean of the ranks' means would not be)."""
+    _ok(pool4.run(check_step, layout, mesh, ignored_targets=True), layout, mesh)
+
+
+def _local_root_outputs_job():
+    """Outputs a local root lifts, one it does not (run again under DTensor, the random
+    state as if it ran once), and one it cannot run again (it changed a buffer)."""
+    import torch
+    import torch.nn.functional as F
+
+    import meshlm
+    from meshlm import lower
+    from meshlm.errors import MeshlmError
+    from meshlm.models import Llama, llama_config
+    from meshlm.testing import tolerances as tol
+
+    class SumLoss(Llama):  # an NLL sum over the rows: lifted, summed over the ranks
+        def forward(self, tokens, labels):
+            logits = super().forward(tokens)
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+    class Other(Llama):  # any other scalar: not lifted; draws a random number
+        def forward(self, tokens, labels):
+            return super().forward(tokens, labels) * 2 + torch.rand(())
+
+    class Counting(Other):  # the same after changing a buffer: an error, not a second run
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long, device="cpu"))
+
+        def forward(self, tokens, labels):
+            self.calls += 1
+            return super().forward(tokens, labels)
+
+    cfg = llama_config("llama_tiny")
+    gen = torch.Generator().manual_seed(5)
+    X, Y = torch.randint(0, cfg.vocab, (4, 8), generator=gen), torch.randint(0, cfg.vocab, (4, 8), generator=gen)
+    mesh = meshlm.make_mesh("dp=2")
+    xs, ys = meshlm.shard_batch(X, "ddp", mesh), meshlm.shard_batch(Y, "ddp", mesh)
+    out = {}
+    for cls in (SumLoss, Other):
+        ref = cls(cfg, seed=0)
+        torch.manual_seed(7)
+        ref_loss = ref(X, Y)
+        ref_next = torch.rand(())
+        ref_loss.backward()
+        model = meshlm.shard(cls(cfg, device="meta"), "ddp", mesh)
+        before = dict(lower.ROOT_STATS)
+        torch.manual_seed(7)
+        loss = model(xs, ys)
+        nxt = torch.rand(())
+        loss.backward()
+        runs = {k: lower.ROOT_STATS[k] - v for k, v in before.items()}
+        torch.testing.assert_close(loss, ref_loss, rtol=tol.LOSS_RTOL, atol=0)
+        for n, p in model.named_parameters():
+            r = dict(ref.named_parameters())[n].grad
+            torch.testing.assert_close(p.grad.full_tensor(), r, rtol=tol.GRAD_RTOL,
+                                       atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()))
+        model(xs, ys)  # a second call: lifted again, or straight under DTensor
+        out[cls.__name__] = {"runs": runs, "same_draws": bool(nxt == ref_next),
+                             "second": {k: lower.ROOT_STATS[k] - v for k, v in before.items()},
+                             "root_kept": shard_state_root(model)}
+    model = meshlm.shard(Counting(cfg, device="meta"), "ddp", mesh)
+    try:
+        model(xs, ys)
+        out["Counting"] = "no error"
+    except MeshlmError as e:
+        out["Counting"] = str(e)
+    return out
+
+
+def shard_state_root(model) -> bool:
+    from meshlm.lower import shard_state
+
+    return shard_state(model).root is not None
+
+
+def test_local_root_lifts_nll_only(pool2):
+    for r in pool2.run(_local_root_outputs_job):
+        assert r["SumLoss"]["runs"] == {"local": 1, "fallback": 0}, r
+        assert r["SumLoss"]["second"] == {"local": 2, "fallback": 0} and r["SumLoss"]["root_kept"], r
+        assert r["Other"]["runs"] == {"local": 0, "fallback": 1}, r
+        assert r["Other"]["same_draws"], "the discarded local forward's random draws were not undone"
+        assert r["Other"]["second"] == {"local": 0, "fallback": 1} and not r["Other"]["root_kept"], r
+        assert "changing buffers ['calls']" in r["Counting"], r["Counting"]

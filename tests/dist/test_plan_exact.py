@@ -12,7 +12,7 @@ NOTE [measuring held activations]
     (the local shard of a DTensor output) with a weak reference; at the end of forward the
     storages still alive, less the parameters, the inputs and the loss, at their size then,
     are exactly what autograd and checkpointing hold for backward.  Storages first made inside the
-    parameters' at-use redistribute are the held parameter copies ("gathered").
+    parameters' gathers (at use, or a bucket's) are the held parameter copies ("gathered").
 """
 
 from __future__ import annotations
@@ -73,21 +73,25 @@ class _HeldAfterForward(TorchDispatchMode):
 
 
 def _count_at_use() -> None:
-    from meshlm import lower
+    """Mark what the parameter gathers make: per parameter (``_AtUse``) and flat
+    (``bucket._Gather``: the blocks', whose copies are freed after forward, and a local
+    root's, NOTE [local root] in lower.py)."""
+    from meshlm import bucket, lower
 
-    if getattr(lower._AtUse, "_test_counted", False):
-        return
-    orig = lower._AtUse.forward
+    for fn in (lower._AtUse, bucket._Gather):
+        if getattr(fn, "_test_counted", False):
+            continue
+        orig = fn.forward
 
-    def forward(ctx, *args):
-        _HeldAfterForward.in_at_use[0] += 1
-        try:
-            return orig(ctx, *args)
-        finally:
-            _HeldAfterForward.in_at_use[0] -= 1
+        def forward(ctx, *args, _orig=orig):
+            _HeldAfterForward.in_at_use[0] += 1
+            try:
+                return _orig(ctx, *args)
+            finally:
+                _HeldAfterForward.in_at_use[0] -= 1
 
-    lower._AtUse.forward = staticmethod(forward)
-    lower._AtUse._test_counted = True
+        fn.forward = staticmethod(forward)
+        fn._test_counted = True
 
 
 def _measure(layout: str, mesh_shape: dict, ac: str = "none"):
