@@ -19,9 +19,10 @@ NOTE [optimizer chunks]
     ZeRO-1/2 move the whole model at each step: the gradients' reduce-scatter (ZeRO-1) and
     the updated shards' all-gather.  They are flat collectives (``bucket.redistribute_flat``)
     chunked by block, the granularity of the block buckets: one collective per data axis
-    for each block and for each parameter outside blocks, so no temporary buffer is larger
-    than a block (DDP's 25 MB buckets and DeepSpeed's bucket sizes bound theirs the same
-    way).  ``ShardedOptimizer(..., bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and
+    for each block, and for the parameters outside blocks one per group of them that fits
+    in the largest block's bytes (one per parameter where each is larger), so no temporary
+    buffer is larger than a block or the largest parameter (DDP's 25 MB buckets and
+    DeepSpeed's bucket sizes bound theirs the same way).  ``ShardedOptimizer(..., bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and
     ``allgather_bucket_size``) merges consecutive chunks until each holds at least X MiB of
     whole parameters: fewer, larger collectives, larger temporary buffers, the same bytes
     (``meshlm plan`` counts the default chunks).  The all-gather writes into the parameters
@@ -233,27 +234,43 @@ def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
 
 def _chunk_keys(model: nn.Module, params: list, bucket_bytes: Optional[int] = None) -> list:
     """Per parameter, the chunk of the optimizer's flat collectives it goes in: its outer
-    block, or itself outside blocks; with ``bucket_bytes``, consecutive such chunks (in
-    parameter order) merged until a merged chunk holds at least that many bytes of whole
-    parameters (NOTE [optimizer chunks])."""
+    block, or outside blocks a chunk of its own or shared (below); with ``bucket_bytes``,
+    such chunks (in order of their first parameter) merged until a merged chunk holds at
+    least that many bytes of whole parameters (NOTE [optimizer chunks])."""
     from meshlm.lower import _outer_blocks
 
     where = {}
-    for n, blk in enumerate(_outer_blocks(model)):
+    blocks = _outer_blocks(model)
+    for n, blk in enumerate(blocks):
         for q in blk.parameters():
             where.setdefault(id(q), n)
-    keys = [where.get(id(p), ("param", k)) for k, p in enumerate(params)]
+    # Parameters outside blocks share a chunk while it stays within the largest block's
+    # bytes (the embedding, final norm and head of a small model: one collective, not three;
+    # a large vocabulary's tables stay one chunk each).
+    cap = max((sum(q.numel() * q.element_size() for q in blk.parameters()) for blk in blocks), default=0)
+    keys: list = []
+    group, size = 0, 0
+    for p in params:
+        if id(p) in where:
+            keys.append(where[id(p)])
+            continue
+        nbytes = p.numel() * p.element_size()
+        if size and size + nbytes > cap:
+            group, size = group + 1, 0
+        size += nbytes
+        keys.append(("outside", group))
     if bucket_bytes is None:
         return keys
-    out, group, size, prev = [], 0, 0, object()
+    sizes: dict = {}  # chunk -> bytes, in order of first appearance
     for p, key in zip(params, keys):
-        if key != prev:  # a chunk starts: close the merged one if it is full
-            if size >= bucket_bytes:
-                group, size = group + 1, 0
-            prev = key
-        size += p.numel() * p.element_size()
-        out.append(("bucket", group))
-    return out
+        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+    merged, group, size = {}, 0, 0
+    for key, nbytes in sizes.items():
+        if size >= bucket_bytes:  # close the merged chunk once it is full
+            group, size = group + 1, 0
+        merged[key] = ("bucket", group)
+        size += nbytes
+    return [merged[key] for key in keys]
 
 
 # Optimizers whose update of each element depends only on that element's parameter,

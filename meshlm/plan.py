@@ -432,6 +432,7 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
     # tensors; its parameters that compute uses as stored share one flat gradient
     # reduction, and the loss is combined from (loss x weight, weight).
     local_root = bool(data_active) and _pure_data_parallel(lay, sizes)
+    outside = _outside_chunks(params_)
     seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
     for prm in params_:
         pp, k = prm.plan, prm.count
@@ -471,8 +472,8 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
         # the optimizer's collectives are flat per block, and per parameter outside blocks
         # (NOTE [optimizer chunks] in optim.py)
         root_member = local_root and not prm.in_block and not gathers
-        rb = route if member and phase == "backward" else ("optimizer" if phase == "optimizer" and prm.in_block
-                                                           else None)
+        chunk = "optimizer" if prm.in_block else ("optimizer", outside[id(prm)])
+        rb = route if member and phase == "backward" else (chunk if phase == "optimizer" else None)
         if root_member and phase == "backward":
             rb = ("root", route)
         cur = _local_numel(pp, pp.compute, sizes)
@@ -493,13 +494,29 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
                     if ax not in s_axes and sizes.get(ax, 1) > 1:
                         cur *= sizes[ax]
                         add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k,
-                            bucket="optimizer" if prm.in_block else None)
+                            bucket=chunk)
     # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim (of
     # the loss and its weight under a local root)
     for ax in data_batch:
         add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
     _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt)
     return list(out.values())
+
+
+def _outside_chunks(params_) -> dict[int, int]:
+    """The optimizer chunk of each parameter outside the blocks (optim._chunk_keys):
+    consecutive ones share a chunk while it stays within one block's bytes."""
+    cap = sum(math.prod(prm.plan.shape) * prm.plan.dtype.itemsize for prm in params_ if prm.in_block)
+    out, group, size = {}, 0, 0
+    for prm in params_:
+        if prm.in_block:
+            continue
+        nbytes = math.prod(prm.plan.shape) * prm.plan.dtype.itemsize
+        if size and size + nbytes > cap:
+            group, size = group + 1, 0
+        size += nbytes
+        out[id(prm)] = group
+    return out
 
 
 def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:

@@ -91,13 +91,14 @@ def budget(layout: str, mesh: dict) -> dict:
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
         add("all_reduce", "dp", "backward", L + 1, P)
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,
-        # each one flat collective per block and per parameter outside blocks
-        # (NOTE [optimizer chunks] in meshlm/optim.py)
-        add("reduce_scatter", "dp", "optimizer", nk, P)
-        add("all_gather", "dp", "optimizer", nk, P)
+        # each one flat collective per block and one for the parameters outside blocks,
+        # which together are smaller than a block (NOTE [optimizer chunks] in
+        # meshlm/optim.py)
+        add("reduce_scatter", "dp", "optimizer", L + 1, P)
+        add("all_gather", "dp", "optimizer", L + 1, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
         add("reduce_scatter", "dp", "backward", L + 1, P)
-        add("all_gather", "dp", "optimizer", nk, P)
+        add("all_gather", "dp", "optimizer", L + 1, P)
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
         # 3(N-1)/N·Ψ·B.  Saving: only block parameters are re-gathered in backward
@@ -201,7 +202,7 @@ def _zero_step_with_buckets(layout: str, mesh_shape: dict, bucket_mbs: list):
 @pytest.mark.parametrize("layout", ["zero1", "zero2"])
 def test_optimizer_bucket_mb(pool4, layout):
     """``ShardedOptimizer(bucket_mb=...)`` (NOTE [optimizer chunks]): a tiny cap keeps one
-    chunk per block and per outside parameter (the budget); a cap above the model's size
+    chunk per block and one for the outside parameters (the budget); a cap above the model's size
     makes one reduce-scatter (ZeRO-1) and one all-gather per step, with the same bytes and
     the same update (up to the summation order of a differently laid-out flat buffer)."""
     import torch
