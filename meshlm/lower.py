@@ -579,9 +579,10 @@ def _root_forward(self, *args, **kwargs):
 #     - the blocks take and return plain tensors.
 #     The outputs are then lifted back to what the DTensor root would have returned.  A
 #     tensor whose first dim has the input rows becomes a batch-sharded DTensor (logits).
-#     A scalar is a loss over the global batch, and a local forward only sees this rank's
-#     rows, so it is lifted only when its autograd node says exactly what it is: an NLL
-#     (``F.cross_entropy``, ``F.nll_loss``) over rows of this rank's batch, mean or sum.
+#     On one device a scalar is returned as it is (nothing else could be its value).  On
+#     more, a scalar is a loss over the global batch, and a local forward only sees this
+#     rank's rows, so it is lifted only when its autograd node says exactly what it is: an
+#     NLL (``F.cross_entropy``, ``F.nll_loss``) over rows of this rank's batch, mean or sum.
 #     A mean is combined as sum_r(loss_r * weight_r) / sum_r(weight_r), with weight_r the
 #     loss's own total weight (its count of targets that are not ignored, or their class
 #     weights), so ``ignore_index`` and uneven counts stay exact; a sum is summed.  One
@@ -606,13 +607,12 @@ class _RootSpec:
 
     key: Optional[int]  # the root bucket (parameters compute keeps as stored), None: none
     entries: tuple  # (module path from the root, attribute name) per member of that bucket
-    rows: tuple[Placement, ...]  # placements of an input split by rows over the data axes
     constrain: Callable  # the model's constrain handler inside its local root
 
 
 def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
     """The model's local-root plan, or None if its root must run under DTensor."""
-    if not _pure_data_parallel(st.layout, st.sizes) or all(n == 1 for n in st.sizes.values()):
+    if not _pure_data_parallel(st.layout, st.sizes):
         return None
     inside: set[int] = set()
     for blk in _outer_blocks(model):
@@ -647,11 +647,10 @@ def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
 
     for use, mem in at_use:
         use.local_key = bucket_of([mem])
-    rows = tuple(Shard(0) if n > 1 else Replicate() for n in sizes)
     world = 1
     for n in sizes:
         world *= n
-    return _RootSpec(bucket_of(members) if members else None, tuple(entries), rows, _constrain_local(st, world))
+    return _RootSpec(bucket_of(members) if members else None, tuple(entries), _constrain_local(st, world))
 
 
 def _constrain_local(st: ShardState, world: int):
@@ -678,22 +677,25 @@ def _constrain_local(st: ShardState, world: int):
 def _local_root_forward(self, st: ShardState, orig, bound):
     """The root's forward on local tensors, or _NOT_LOCAL (NOTE [local root])."""
     spec: _RootSpec = st.root
-    rows = None
+    sizes = tuple(st.sizes.values())
+    one = all(n == 1 for n in sizes)  # one device: every input and output is whole
+    rows, rows_pl = None, (tuple(Replicate() for _ in sizes) if one else None)
     for name, val in list(bound.arguments.items()):
         if name == "self" or not isinstance(val, Tensor):
             continue
         if isinstance(val, DTensor):
             return _NOT_LOCAL
-        pl = st.input_placements(_input_axes(self, name, val.ndim))
-        if tuple(pl) == spec.rows and val.ndim >= 1:
-            if rows is not None and rows != val.shape[0]:
+        if not one:
+            pl = tuple(st.input_placements(_input_axes(self, name, val.ndim)))
+            if val.ndim >= 1 and all(isinstance(p, Shard) and p.dim == 0 for p, n in zip(pl, sizes) if n > 1):
+                if rows is not None and (rows, rows_pl) != (val.shape[0], pl):
+                    return _NOT_LOCAL
+                rows, rows_pl = val.shape[0], pl
+            elif any(not isinstance(p, Replicate) for p, n in zip(pl, sizes) if n > 1):
                 return _NOT_LOCAL
-            rows = val.shape[0]
-        elif not all(isinstance(p, Replicate) for p in pl):
-            return _NOT_LOCAL
         if val.device.type != st.mesh.device_type:
             bound.arguments[name] = val.to(st.mesh.device_type)
-    if rows is None:
+    if rows_pl is None:
         return _NOT_LOCAL
     cuda = st.mesh.device_type == "cuda"
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
@@ -713,7 +715,7 @@ def _local_root_forward(self, st: ShardState, orig, bound):
             m._meshlm_now.pop(n, None)
         _LOCAL_ROOT[0] -= 1
         annotate._handler = prev
-    lifted = _lift(out, st, spec, rows)
+    lifted = _lift(out, st, rows_pl, rows)
     if lifted is not _NOT_LOCAL:
         ROOT_STATS["local"] += 1
         return lifted
@@ -732,24 +734,26 @@ def _local_root_forward(self, st: ShardState, orig, bound):
     return _NOT_LOCAL
 
 
-def _lift(out, st: ShardState, spec: _RootSpec, rows: int):
-    """A local root's output as the DTensor root would return it, or _NOT_LOCAL."""
+def _lift(out, st: ShardState, rows_pl: tuple, rows: Optional[int]):
+    """A local root's output as the DTensor root would return it, or _NOT_LOCAL.
+    ``rows_pl``: the placements of the inputs split by rows (all Replicate on one device,
+    where ``rows`` is None: any tensor is whole)."""
     if isinstance(out, (tuple, list)):
-        items = [_lift(o, st, spec, rows) for o in out]
+        items = [_lift(o, st, rows_pl, rows) for o in out]
         return _NOT_LOCAL if any(o is _NOT_LOCAL for o in items) else type(out)(items)
     if out is None:
         return None
     if not isinstance(out, Tensor) or isinstance(out, DTensor):
         return _NOT_LOCAL
-    if out.ndim == 0:
-        return _lift_loss(out, st, rows)
-    if out.shape[0] != rows:
-        return _NOT_LOCAL
     world = 1
-    for p, n in zip(spec.rows, st.sizes.values()):
+    for p, n in zip(rows_pl, st.sizes.values()):
         world *= n if isinstance(p, Shard) else 1
-    shape = (rows * world,) + tuple(out.shape[1:])
-    return DTensor.from_local(out, st.mesh, spec.rows, run_check=False, shape=torch.Size(shape),
+    if out.ndim == 0:
+        return out if world == 1 else _lift_loss(out, st, rows)  # one rank: its value is the value
+    if rows is not None and out.shape[0] != rows:
+        return _NOT_LOCAL
+    shape = (out.shape[0] * world,) + tuple(out.shape[1:])
+    return DTensor.from_local(out, st.mesh, rows_pl, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 

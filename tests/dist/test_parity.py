@@ -31,11 +31,14 @@ COMPILED_4 = [
 
 
 def _local_root(layout: str, mesh: str) -> bool:
-    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lower.py): the
-    layout splits the batch over every mesh axis of size > 1 and those are all data axes
+    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lower.py): on one
+    device, or where the layout splits the batch over every mesh axis of size > 1 and those
+    are all data axes
     (every shipped layout but single puts the batch on dp and fsdp; tp layouts on a mesh
     whose tp is 1 are data parallel there)."""
     axes = {a: int(n) for a, n in (kv.split("=") for kv in mesh.split(","))}
+    if all(n == 1 for n in axes.values()):
+        return True  # one device: every layout's math is the one-device math
     return layout != "single" and all(a in ("dp", "fsdp") for a, n in axes.items() if n > 1)
 
 
@@ -51,9 +54,9 @@ def _ok(res, layout=None, mesh=None):
 @pytest.mark.parametrize("compile", [None, "aot_eager"])
 @pytest.mark.parametrize("layout", ["single", "fsdp", "tp_sp"])
 def test_parity_one_device(pool1, layout, compile):
-    """On a one-device mesh every layout's blocks run on local tensors (NOTE [local blocks]
-    in meshlm/bucket.py), eager and compiled."""
-    _ok(pool1.run(check_step, layout, "dp=1", compile=compile))
+    """On a one-device mesh every layout's blocks and root run on local tensors (NOTE
+    [local blocks] in meshlm/bucket.py, NOTE [local root] in lower.py), eager and compiled."""
+    _ok(pool1.run(check_step, layout, "dp=1", compile=compile), layout, "dp=1")
 
 
 @pytest.mark.parametrize("layout,mesh", EAGER_2, ids=[f"{l}-{m}" for l, m in EAGER_2])
