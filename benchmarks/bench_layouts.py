@@ -445,7 +445,7 @@ def main(argv=None) -> int:
 
     notes = []
     why_no_titan = "disabled by --no-titan" if args.no_titan else titan_llama.available()
-    titan_version = "not installed"
+    titan_version = "not used" if args.no_titan else "not installed"
     if why_no_titan:
         print(f"NOTE: torchtitan column skipped ({why_no_titan}); install it with `pip install -e .[bench]`")
         notes.append(f"torchtitan column skipped: {why_no_titan}")
@@ -477,7 +477,7 @@ def main(argv=None) -> int:
             if lay not in titan_llama.STRATEGIES:
                 r["skipped"] = {"titan": "no torchtitan equivalent"}
             elif why_no_titan:
-                r["skipped"] = {"titan": "torchtitan not installed"}
+                r["skipped"] = {"titan": f"torchtitan column skipped: {why_no_titan}"}
             results[lay] = r
             m, t, ti = r.get("meshlm/eager", {}), r.get("torch/eager", {}), r.get("titan/eager", {})
             print(f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s  "
