@@ -80,6 +80,9 @@ class PeakStorage(torch.utils._python_dispatch.TorchDispatchMode):
 
         if isinstance(t, DTensor):
             t = t._local_tensor
+        # a collective in flight (AsyncCollectiveTensor) is a wrapper whose own storage holds
+        # no data: count the tensor it wraps
+        t = getattr(t, "elem", t)
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         st = t.untyped_storage()
