@@ -170,9 +170,9 @@ def _all_reduce_flat(gs: list[Tensor], group: str, wait: bool = True) -> list[Te
     if len(gs) > 1 and _eager():
         # The concatenation is a fresh buffer of our own: reduce it in place.  funcol's
         # all_reduce would allocate and fill a second buffer of the same size; on 4 gloo
-        # ranks of a 2-core machine, four 2.9 MB all-reduces took 62 ms out of place against
-        # 44 ms in place (a scratch measurement; benchmarks/comm_split.py shows the effect
-        # on a step).  Traced code keeps the functional op (the compiler plans its buffers).
+        # ranks of a 2-core machine, four 2.9 MB all-reduces took 50 ms out of place against
+        # 39 ms in place (benchmarks/gloo_collectives.py).  Traced code keeps the
+        # functional op (the compiler plans its buffers).
         return _split(_all_reduce_inplace(torch.cat([g.reshape(-1) for g in gs]), group, wait), shapes)
     flat = torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)
     out = funcol.all_reduce(flat, "sum", group)
