@@ -12,7 +12,9 @@ This is the only module that builds Placements.  ``shard`` does, in place:
    the all-gather and the reduce-scatter are ordinary autograd-traced ops;
 4. wraps the root forward: inputs (each rank's local slice) become DTensors per the input
    rules, ``constrain`` points redistribute activations, plain tensors made inside forward
-   are treated as replicated, and a scalar loss comes back as a plain tensor.
+   are treated as replicated, and a scalar loss comes back as a plain tensor.  Under a
+   pure data-parallel layout the root runs on local tensors instead and its outputs are
+   lifted back (NOTE [local root]).
 
 Parameter names (FQNs) are those of the unsharded model.
 """
