@@ -22,13 +22,14 @@ NOTE [optimizer chunks]
     for each block, and for the parameters outside blocks one per group of them that fits
     in the largest block's bytes (one per parameter where each is larger), so no temporary
     buffer is larger than a block or the largest parameter (DDP's 25 MB buckets and
-    DeepSpeed's bucket sizes bound theirs the same way).  ``ShardedOptimizer(..., bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and
-    ``allgather_bucket_size``) merges consecutive chunks until each holds at least X MiB of
-    whole parameters: fewer, larger collectives, larger temporary buffers, the same bytes
-    (``meshlm plan`` counts the default chunks).  The all-gather writes into the parameters
-    directly.  A same-dtype master of a parameter stored whole (ZeRO-1/2) is a view of this
-    rank's block of the parameter, not a copy: the optimizer updates that block in place and
-    the all-gather brings the others (ZeroRedundancyOptimizer's memory).
+    DeepSpeed's bucket sizes bound theirs the same way).  ``ShardedOptimizer(...,
+    bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size``)
+    merges chunks, in order, until each holds at least X MiB of whole parameters: fewer,
+    larger collectives, larger temporary buffers, the same bytes (``meshlm plan`` counts
+    the default chunks).  The all-gather writes into the parameters directly.  A same-dtype
+    master of a parameter stored whole (ZeRO-1/2) is a view of this rank's block of the
+    parameter, not a copy: the optimizer updates that block in place and the all-gather
+    brings the others (ZeroRedundancyOptimizer's memory).
 """
 
 from __future__ import annotations

@@ -469,8 +469,8 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
             partial += [ax for ax in seq_axes if ax not in caxes]
         # In a bucket, gradients that go through the same reductions share them (bucket.py).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
-        # the optimizer's collectives are flat per block, and per parameter outside blocks
-        # (NOTE [optimizer chunks] in optim.py)
+        # the optimizer's collectives are flat per block, and per chunk of the parameters
+        # outside blocks (NOTE [optimizer chunks] in optim.py)
         root_member = local_root and not prm.in_block and not gathers
         chunk = "optimizer" if prm.in_block else ("optimizer", outside[id(prm)])
         rb = route if member and phase == "backward" else (chunk if phase == "optimizer" else None)
