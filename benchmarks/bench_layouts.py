@@ -308,22 +308,31 @@ def _bench_layout(layout, mesh_sizes, opts):
     for name, gc in graph_counters.items():
         if name in out:
             out[name]["graphs"] = gc.graphs
-    # interleaved timing
-    times: dict[str, list[float]] = {n: [] for n in variants}
-    for _ in range(opts["reps"]):
-        for name, v in variants.items():
-            for _ in range(opts["steps"]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                v["step"]()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times[name].append(float(dt))
+    times = interleaved({name: v["step"] for name, v in variants.items()}, opts["reps"], opts["steps"])
     for name, ts in times.items():
         out[name]["step_s"] = statistics.median(ts)
         out[name]["times"] = ts
     out["_errors"] = errors
     return out
+
+
+def interleaved(run: dict, reps: int, steps: int = 1) -> dict[str, list[float]]:
+    """Time each callable of ``run`` in interleaved rounds (``reps`` rounds of ``steps``
+    calls of each, in ``run``'s order), so that load on a shared machine hits all alike; each
+    call starts after a barrier and counts as the slowest rank's time."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in run}
+    for _ in range(reps):
+        for name, f in run.items():
+            for _ in range(steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                f()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[name].append(float(dt))
+    return times
 
 
 # --------------------------------------------------------------------------- report

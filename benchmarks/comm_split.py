@@ -31,11 +31,9 @@ VARIANTS = ("meshlm", "meshlm_nocomm", "torch", "torch_nosync")
 
 
 def _job(steps: int, reps: int) -> dict:
-    import torch
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from bench_layouts import _build_meshlm, _build_torch, _global_batch
+    from bench_layouts import _build_meshlm, _build_torch, _global_batch, interleaved
     from meshlm.models import llama_config
 
     cfg = llama_config("llama_small")
@@ -62,16 +60,7 @@ def _job(steps: int, reps: int) -> dict:
     for f in run.values():  # warm-up
         f()
         f()
-    times: dict = {k: [] for k in VARIANTS}
-    for _ in range(reps):
-        for k in VARIANTS:
-            for _ in range(steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                run[k]()
-                dt = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times[k].append(float(dt))
+    times = interleaved({k: run[k] for k in VARIANTS}, reps, steps)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

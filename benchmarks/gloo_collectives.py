@@ -33,6 +33,8 @@ def _job(mb: float, reps: int) -> dict:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from bench_layouts import interleaved
+
     c10d = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
     world = dist.get_world_size()
@@ -55,15 +57,7 @@ def _job(mb: float, reps: int) -> dict:
     }
     for f in run.values():  # warm-up
         f()
-    times: dict = {k: [] for k in KINDS}
-    for _ in range(reps):
-        for k in KINDS:
-            dist.barrier()
-            t0 = time.perf_counter()
-            run[k]()
-            dt = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[k].append(float(dt))
+    times = interleaved({k: run[k] for k in KINDS}, reps)
     return {"ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "mb": n * 4 / 1e6}
 
 

@@ -167,14 +167,14 @@ def _reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, 
 
 def _all_reduce_flat(gs: list[Tensor], group: str, wait: bool = True) -> list[Tensor]:
     shapes = [tuple(g.shape) for g in gs]
+    flat = torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)
     if len(gs) > 1 and _eager():
         # The concatenation is a fresh buffer of our own: reduce it in place.  funcol's
         # all_reduce would allocate and fill a second buffer of the same size; on 4 gloo
         # ranks of a 2-core machine, four 2.9 MB all-reduces took 50 ms out of place against
         # 39 ms in place (benchmarks/gloo_collectives.py).  Traced code keeps the
         # functional op (the compiler plans its buffers).
-        return _split(_all_reduce_inplace(torch.cat([g.reshape(-1) for g in gs]), group, wait), shapes)
-    flat = torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)
+        return _split(_all_reduce_inplace(flat, group, wait), shapes)
     out = funcol.all_reduce(flat, "sum", group)
     out = _wait(out) if wait else out
     return _split(out, shapes)
@@ -555,9 +555,10 @@ def batch_sharded(x, sizes: Sequence[int]) -> bool:
         (isinstance(p, Shard) and p.dim == 0) if n > 1 else not p.is_partial() for p, n in zip(x.placements, sizes))
 
 
-def wrap_local(x, b: Bucket, placements: Sequence[Placement]):
-    """A block output computed on local rows -> the batch-sharded DTensor it is (placed as
-    the block's input)."""
+def wrap_local(x, mesh: DeviceMesh, sizes: Sequence[int], placements: Sequence[Placement]):
+    """An output computed on local rows -> the batch-sharded DTensor it is (placed as the
+    input rows, ``placements`` on ``mesh``, whose dim sizes are ``sizes``: plain ints, which
+    traced code reads instead of the mesh)."""
     if not isinstance(x, Tensor) or isinstance(x, DTensor):
         return x
     if x.ndim == 0:
@@ -566,10 +567,10 @@ def wrap_local(x, b: Bucket, placements: Sequence[Placement]):
         raise AnnotationError("a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
                               "meshlm/bucket.py): blocks must return batch-first activations")
     world = 1
-    for s, p in zip(b.sizes, placements):
+    for s, p in zip(sizes, placements):
         world *= s if isinstance(p, Shard) else 1
     shape = (x.shape[0] * world,) + tuple(x.shape[1:])
-    return DTensor.from_local(x, b.mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(x, mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 

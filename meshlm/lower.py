@@ -374,8 +374,8 @@ def _block_forward(self, *args, **kwargs):
     kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
     out = _run_local(self, spec, outer, frees, *args, **kwargs)
     if isinstance(out, (tuple, list)):
-        return type(out)(bucket.wrap_local(o, b, pl) for o in out)
-    return bucket.wrap_local(out, b, pl)
+        return type(out)(bucket.wrap_local(o, b.mesh, b.sizes, pl) for o in out)
+    return bucket.wrap_local(out, b.mesh, b.sizes, pl)
 
 
 def _run_local(self, spec: _BlockSpec, outer: bool, frees: bool, *args, **kwargs):
@@ -492,7 +492,6 @@ class ShardState:
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in bucket.py
     root: Optional["_RootSpec"] = None  # NOTE [local root]; None: the root runs under DTensor
-    checked: set = field(default_factory=set)  # (axes, shape) of constraints validated in a local root
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
@@ -623,8 +622,7 @@ def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
         if has_params and (spec is None or spec.key is None or not spec.local):
             return None
         inside.update(id(m) for m in blk.modules())
-    names = st.names
-    data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
+    data_dims = tuple(i for i, n in enumerate(st.names) if n in DATA_AXES)
     entries, members, at_use = [], [], []
     for path, m in model.named_modules():
         if id(m) in inside:
@@ -632,33 +630,25 @@ def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
         for name, use in getattr(m, "_meshlm_use", {}).items():
             p = m._parameters[name]
             mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
-            if mem is None or not all(isinstance(c, Replicate) for c in mem.compute):
+            if mem is None or not _whole_in_compute(mem, st):
                 return None
             if mem.gather:
                 at_use.append((use, mem))
             else:
                 entries.append((path, name))
                 members.append(mem)
-    mesh = st.mesh
-    groups = tuple(mesh.get_group(i).group_name for i in range(len(names)))
-    sizes = tuple(st.sizes[n] for n in names)
-
-    def bucket_of(ms) -> int:
-        return bucket.register(bucket.Bucket(mesh, groups, sizes, data_dims, tuple(ms), st.compute_dtype,
-                                             st.reduce_dtype, True, st.overlap))
-
     for use, mem in at_use:
-        use.local_key = bucket_of([mem])
-    world = 1
-    for n in sizes:
-        world *= n
-    return _RootSpec(bucket_of(members) if members else None, tuple(entries), _constrain_local(st, world))
+        use.local_key = _register_bucket(st, [mem], True)
+    return _RootSpec(_register_bucket(st, members, True) if members else None, tuple(entries),
+                     _constrain_local(st))
 
 
-def _constrain_local(st: ShardState, world: int):
+def _constrain_local(st: ShardState):
     """``constrain`` inside a local root: the layout's rules still apply to the annotation
     (checked in eager mode, once per axes and local shape); the tensor is returned as it is.
     One handler per model (``_RootSpec.constrain``): compiled blocks guard on it."""
+    world = st.mesh.size()  # pure data parallelism: the batch is split over every device
+    checked: set = set()
 
     def handler(x: Tensor, axes: Axes) -> Tensor:
         if len(axes) != x.ndim:
@@ -667,10 +657,10 @@ def _constrain_local(st: ShardState, world: int):
         if torch.compiler.is_compiling():
             return x
         k = (tuple(axes), tuple(x.shape))
-        if k not in st.checked:
+        if k not in checked:
             gshape = tuple(n * world if a == "batch" else n for a, n in zip(axes, x.shape))
             st.activation_placements(axes, gshape)
-            st.checked.add(k)
+            checked.add(k)
         return x
 
     return handler
@@ -701,7 +691,7 @@ def _local_root_forward(self, st: ShardState, orig, bound):
         return _NOT_LOCAL
     cuda = st.mesh.device_type == "cuda"
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-    versions = [(b, b._version) for b in self.buffers()]
+    versions = {n: b._version for n, b in self.named_buffers()}
     mods = [_submodule(self, path) for path, _n in spec.entries]
     prev = annotate._handler
     annotate._handler = spec.constrain
@@ -724,7 +714,7 @@ def _local_root_forward(self, st: ShardState, orig, bound):
     del out
     ROOT_STATS["fallback"] += 1
     st.root = None  # every later call runs under DTensor
-    changed = [n for n, b in self.named_buffers() if any(b is c and b._version != v for c, v in versions)]
+    changed = [n for n, b in self.named_buffers() if b._version != versions.get(n)]
     if changed:
         raise MeshlmError(f"{type(self).__name__}.forward returned something meshlm cannot lift from local rows "
                           f"(NOTE [local root] in meshlm/lower.py) after changing buffers {changed}, so it cannot "
@@ -747,16 +737,11 @@ def _lift(out, st: ShardState, rows_pl: tuple, rows: Optional[int]):
         return None
     if not isinstance(out, Tensor) or isinstance(out, DTensor):
         return _NOT_LOCAL
-    world = 1
-    for p, n in zip(rows_pl, st.sizes.values()):
-        world *= n if isinstance(p, Shard) else 1
     if out.ndim == 0:
-        return out if world == 1 else _lift_loss(out, st, rows)  # one rank: its value is the value
+        return out if rows is None else _lift_loss(out, st, rows)  # one rank: its value is the value
     if rows is not None and out.shape[0] != rows:
         return _NOT_LOCAL
-    shape = (out.shape[0] * world,) + tuple(out.shape[1:])
-    return DTensor.from_local(out, st.mesh, rows_pl, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return bucket.wrap_local(out, st.mesh, tuple(st.sizes.values()), rows_pl)
 
 
 def _lift_loss(loss: Tensor, st: ShardState, rows: int):
@@ -786,8 +771,7 @@ class _GlobalLoss(torch.autograd.Function):
         w = weight.detach().to(torch.float32) if mean else None
         buf = torch.stack([loss.detach().to(torch.float32) * w, w]) if mean else loss.detach().to(torch.float32)
         for g in groups:
-            buf = funcol.all_reduce(buf, "sum", g)
-            buf = buf.wait() if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
+            buf = bucket._wait(funcol.all_reduce(buf, "sum", g))
         ctx.scale = w / buf[1] if mean else None
         return (buf[0] / buf[1] if mean else buf).to(loss.dtype)
 
@@ -945,14 +929,23 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
     if not entries:
         spec = _BlockSpec(None, (), regather, False)
         return _SPECS.setdefault(spec, spec)
-    local = pure and all(isinstance(pl, Replicate) or n == 1 for mem in members
-                         for pl, n in zip(mem.compute, (st.sizes[a] for a in names)))
-    mesh = st.mesh
-    b = bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
-                      tuple(st.sizes[n] for n in names), data_dims, tuple(members), st.compute_dtype,
-                      st.reduce_dtype, local, st.overlap)
-    spec = _BlockSpec(bucket.register(b), tuple(entries), regather, local)
+    local = pure and all(_whole_in_compute(mem, st) for mem in members)
+    spec = _BlockSpec(_register_bucket(st, members, local), tuple(entries), regather, local)
     return _SPECS.setdefault(spec, spec)
+
+
+def _whole_in_compute(mem: bucket.Member, st: ShardState) -> bool:
+    """The parameter is whole on every rank in compute (so it may be used on local rows)."""
+    return all(isinstance(pl, Replicate) or n == 1 for pl, n in zip(mem.compute, (st.sizes[a] for a in st.names)))
+
+
+def _register_bucket(st: ShardState, members: Sequence[bucket.Member], local: bool) -> int:
+    """The index of the bucket of ``members`` on the model's mesh (NOTE [block buckets])."""
+    mesh, names = st.mesh, st.names
+    return bucket.register(bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
+                                         tuple(st.sizes[n] for n in names),
+                                         tuple(i for i, n in enumerate(names) if n in DATA_AXES), tuple(members),
+                                         st.compute_dtype, st.reduce_dtype, local, st.overlap))
 
 
 def _allow_conduit_under_checkpoint() -> None:

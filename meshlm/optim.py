@@ -35,7 +35,7 @@ NOTE [optimizer chunks]
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -249,17 +249,8 @@ def _chunk_keys(model: nn.Module, params: list, bucket_bytes: Optional[int] = No
     # bytes (the embedding, final norm and head of a small model: one collective, not three;
     # a large vocabulary's tables stay one chunk each).
     cap = max((sum(q.numel() * q.element_size() for q in blk.parameters()) for blk in blocks), default=0)
-    keys: list = []
-    group, size = 0, 0
-    for p in params:
-        if id(p) in where:
-            keys.append(where[id(p)])
-            continue
-        nbytes = p.numel() * p.element_size()
-        if size and size + nbytes > cap:
-            group, size = group + 1, 0
-        size += nbytes
-        keys.append(("outside", group))
+    outside = iter(outside_chunks([p.numel() * p.element_size() for p in params if id(p) not in where], cap))
+    keys = [where[id(p)] if id(p) in where else ("outside", next(outside)) for p in params]
     if bucket_bytes is None:
         return keys
     sizes: dict = {}  # chunk -> bytes, in order of first appearance
@@ -272,6 +263,19 @@ def _chunk_keys(model: nn.Module, params: list, bucket_bytes: Optional[int] = No
         merged[key] = ("bucket", group)
         size += nbytes
     return [merged[key] for key in keys]
+
+
+def outside_chunks(nbytes: Sequence[int], cap: int) -> list[int]:
+    """The chunk of each parameter outside the blocks, given their bytes in order:
+    consecutive ones share a chunk while it holds at most ``cap`` bytes (one each where a
+    parameter is larger; NOTE [optimizer chunks]).  ``meshlm plan`` counts the same chunks."""
+    out, group, size = [], 0, 0
+    for n in nbytes:
+        if size and size + n > cap:
+            group, size = group + 1, 0
+        size += n
+        out.append(group)
+    return out
 
 
 # Optimizers whose update of each element depends only on that element's parameter,

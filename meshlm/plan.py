@@ -36,6 +36,7 @@ from meshlm.layout import Layout, load_layout, shipped_layouts
 from meshlm.lower import ParamPlan, _pure_data_parallel, plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
+from meshlm.optim import outside_chunks
 
 SCHEMA_VERSION = 1
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -504,19 +505,14 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
 
 
 def _outside_chunks(params_) -> dict[int, int]:
-    """The optimizer chunk of each parameter outside the blocks (optim._chunk_keys):
-    consecutive ones share a chunk while it stays within one block's bytes."""
-    cap = sum(math.prod(prm.plan.shape) * prm.plan.dtype.itemsize for prm in params_ if prm.in_block)
-    out, group, size = {}, 0, 0
-    for prm in params_:
-        if prm.in_block:
-            continue
-        nbytes = math.prod(prm.plan.shape) * prm.plan.dtype.itemsize
-        if size and size + nbytes > cap:
-            group, size = group + 1, 0
-        size += nbytes
-        out[id(prm)] = group
-    return out
+    """The optimizer chunk of each parameter outside the blocks (optim.outside_chunks, capped
+    at one block's bytes, as ``ShardedOptimizer`` chunks them)."""
+    def nbytes(prm):
+        return math.prod(prm.plan.shape) * prm.plan.dtype.itemsize
+
+    outside = [prm for prm in params_ if not prm.in_block]
+    cap = sum(nbytes(prm) for prm in params_ if prm.in_block)
+    return {id(prm): g for prm, g in zip(outside, outside_chunks([nbytes(prm) for prm in outside], cap))}
 
 
 def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:

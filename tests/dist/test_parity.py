@@ -215,7 +215,7 @@ def _local_root_outputs_job():
         model(xs, ys)  # a second call: lifted again, or straight under DTensor
         out[cls.__name__] = {"runs": runs, "same_draws": bool(nxt == ref_next),
                              "second": {k: lower.ROOT_STATS[k] - v for k, v in before.items()},
-                             "root_kept": shard_state_root(model)}
+                             "root_kept": lower.shard_state(model).root is not None}
     model = meshlm.shard(Counting(cfg, device="meta"), "ddp", mesh)
     try:
         model(xs, ys)
@@ -223,12 +223,6 @@ def _local_root_outputs_job():
     except MeshlmError as e:
         out["Counting"] = str(e)
     return out
-
-
-def shard_state_root(model) -> bool:
-    from meshlm.lower import shard_state
-
-    return shard_state(model).root is not None
 
 
 def test_local_root_lifts_nll_only(pool2):
