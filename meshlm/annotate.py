@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from meshlm.axes import Axes
 
-__all__ = ["Axes", "constrain", "block", "is_block", "init_params", "param_axes_of"]
+__all__ = ["Axes", "constrain", "reduce_batch", "block", "is_block", "init_params", "param_axes_of"]
 
 # The active constraint handler: set by the lowering while a sharded module runs its
 # forward, None otherwise (then ``constrain`` is the identity).
@@ -34,6 +34,24 @@ def constrain(x: Tensor, axes: Axes) -> Tensor:
     """
     h = _handler
     return x if h is None else h(x, axes)
+
+
+def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
+    """Declare that ``x`` (a loss, a metric, a per-class count) is a reduction over the
+    batch rows this forward sees: ``"mean"`` (a mean over rows) or ``"sum"``.
+
+    On one device, and wherever the model runs on the whole global batch, ``x`` already is
+    that value and comes back unchanged.  Where a data-parallel layout runs the model's
+    root on each rank's own rows (NOTE [local root] in meshlm/root.py), it becomes the
+    reduction over the global batch: a sum is summed over ranks; a mean is averaged over
+    ranks (every rank has the same number of rows), except a mean ``F.cross_entropy`` /
+    ``F.nll_loss``, which is weighted by each rank's count of targets that are not ignored,
+    so it equals the one-device loss exactly.  Gradients flow to every rank's share.
+    """
+    if op not in ("mean", "sum"):
+        raise ValueError(f"reduce_batch(x, op={op!r}): op is 'mean' or 'sum'")
+    fn = getattr(_handler, "reduce_batch", None)
+    return x if fn is None else fn(x, op)
 
 
 def block(cls: type) -> type:

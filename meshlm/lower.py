@@ -10,18 +10,17 @@ This is the only module that builds Placements.  ``shard`` does, in place:
    stored DTensor to its compute placements at use (SimpleFSDP's gather-at-use), through
    ``_AtUse``, whose backward reduces the gradient to the layout's ``grads`` placements, so
    the all-gather and the reduce-scatter are ordinary autograd-traced ops;
-4. wraps the root forward: inputs (each rank's local slice) become DTensors per the input
-   rules, ``constrain`` points redistribute activations, plain tensors made inside forward
-   are treated as replicated, and a scalar loss comes back as a plain tensor.  Under a
-   pure data-parallel layout the root runs on local tensors instead and its outputs are
-   lifted back (NOTE [local root]).
+4. wraps the root forward (``meshlm/root.py``): every tensor leaf of the inputs (each
+   rank's local slice) becomes a DTensor per the input rules, ``constrain`` points
+   redistribute activations, plain tensors made inside forward are treated as replicated,
+   and a scalar loss comes back as a plain tensor.  Under a pure data-parallel layout the
+   root runs on local tensors instead and its outputs are lifted back (NOTE [local root]).
 
 Parameter names (FQNs) are those of the unsharded model.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -462,6 +461,9 @@ class _UseSpec:
     local_key: Optional[int] = None  # NOTE [local root]: its one-member bucket, gathered at use
 
 
+_LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors (NOTE [local root] in root.py)
+
+
 def _make_getter(name: str):
     def get(self):
         now = self._meshlm_now
@@ -491,7 +493,7 @@ class ShardState:
     sizes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in bucket.py
-    root: Optional["_RootSpec"] = None  # NOTE [local root]; None: the root runs under DTensor
+    root: Optional[object] = None  # root.RootSpec (NOTE [local root] in root.py); None: under DTensor
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
@@ -530,276 +532,6 @@ def shard_state(model: nn.Module) -> ShardState:
     if st is None:
         raise MeshlmError("this module was not lowered: call meshlm.shard(model, layout, mesh) first")
     return st
-
-
-def _input_axes(model: nn.Module, name: str, ndim: int) -> Axes:
-    declared = getattr(type(model), "input_axes", {}) or {}
-    if name in declared:
-        return tuple(declared[name])
-    base: tuple = ("batch", "seq")
-    return (base + (None,) * ndim)[:ndim]
-
-
-def _root_forward(self, *args, **kwargs):
-    st: ShardState = self._meshlm_state
-    orig = self._meshlm_orig_forward
-    bound = inspect.signature(orig).bind(self, *args, **kwargs)
-    if st.root is not None and torch.is_grad_enabled() and bucket._eager():
-        out = _local_root_forward(self, st, orig, bound)
-        if out is not _NOT_LOCAL:
-            return out
-    for name, val in list(bound.arguments.items()):
-        if isinstance(val, Tensor) and not isinstance(val, DTensor) and name != "self":
-            bound.arguments[name] = _wrap_input(st, val, _input_axes(self, name, val.ndim))
-    prev = annotate._handler
-    annotate._handler = st.constrain
-    _dtensor_ops.ensure_installed()
-    _dtensor_ops.allow_implicit_replication()
-    try:
-        out = orig(*bound.args, **bound.kwargs)
-    finally:
-        annotate._handler = prev
-    if isinstance(out, DTensor) and out.ndim == 0:
-        out = out.full_tensor()
-    return out
-
-
-# --------------------------------------------------------------------------- local root
-# NOTE [local root]
-#     When every block runs on plain local tensors (NOTE [local blocks] in bucket.py), what
-#     is left of DTensor's per-op dispatch is the root: the embedding, the final norm, the
-#     head and the loss, forward and backward, the unwrap and wrap at every block, and one
-#     collective per parameter outside the blocks.  Under a pure data-parallel layout the
-#     root runs on local tensors too, as DDP and FSDP2 run a model:
-#     - the inputs are used as given (each rank's rows);
-#     - the parameters outside blocks that compute keeps as stored (every one under ddp,
-#       zero1, zero2) come from one root bucket at the root's entry, so their gradients are
-#       reduced in one flat collective at the end of backward; those gathered at use
-#       (fsdp, hsdp) each come from a one-member bucket, gathered where they are used;
-#     - ``constrain`` only validates its axes against the layout (once per axes and shape);
-#     - the blocks take and return plain tensors.
-#     The outputs are then lifted back to what the DTensor root would have returned.  A
-#     tensor whose first dim has the input rows becomes a batch-sharded DTensor (logits).
-#     On one device a scalar is returned as it is (nothing else could be its value).  On
-#     more, a scalar is a loss over the global batch, and a local forward only sees this
-#     rank's rows, so it is lifted only when its autograd node says exactly what it is: an
-#     NLL (``F.cross_entropy``, ``F.nll_loss``) over rows of this rank's batch, mean or sum.
-#     A mean is combined as sum_r(loss_r * weight_r) / sum_r(weight_r), with weight_r the
-#     loss's own total weight (its count of targets that are not ignored, or their class
-#     weights), so ``ignore_index`` and uneven counts stay exact; a sum is summed.  One
-#     all-reduce of two numbers per data mesh dim, where the DTensor root's ``full_tensor``
-#     also did one.  Backward scales this rank's gradient by weight_r / sum(weight) (mean)
-#     or 1 (sum), and the buckets sum the parameter gradients over ranks: the gradient of
-#     the global loss, as under DTensor.
-#     Any other output (another scalar, a dict, a tensor without the batch rows) is not
-#     guessed at: that forward is discarded, the random state restored, and it runs again
-#     under DTensor, as does every later call (``st.root`` is cleared).  A model whose
-#     forward changed a buffer before that raises instead of running twice.  Local roots run
-#     only in eager mode with grad enabled (the loss needs its autograd node); evaluation
-#     under ``torch.no_grad`` runs under DTensor.
-_LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors
-_NOT_LOCAL = object()
-ROOT_STATS = {"local": 0, "fallback": 0}  # forwards run on local tensors; discarded and run under DTensor
-
-
-@dataclass(frozen=True)
-class _RootSpec:
-    """What a local root gathers at its entry (NOTE [local root])."""
-
-    key: Optional[int]  # the root bucket (parameters compute keeps as stored), None: none
-    entries: tuple  # (module path from the root, attribute name) per member of that bucket
-    constrain: Callable  # the model's constrain handler inside its local root
-
-
-def _root_spec(model: nn.Module, st: ShardState) -> Optional[_RootSpec]:
-    """The model's local-root plan, or None if its root must run under DTensor."""
-    if not _pure_data_parallel(st.layout, st.sizes):
-        return None
-    inside: set[int] = set()
-    for blk in _outer_blocks(model):
-        spec = getattr(blk, "_meshlm_block", None)
-        has_params = any(True for _ in blk.parameters())
-        if has_params and (spec is None or spec.key is None or not spec.local):
-            return None
-        inside.update(id(m) for m in blk.modules())
-    data_dims = tuple(i for i, n in enumerate(st.names) if n in DATA_AXES)
-    entries, members, at_use = [], [], []
-    for path, m in model.named_modules():
-        if id(m) in inside:
-            continue
-        for name, use in getattr(m, "_meshlm_use", {}).items():
-            p = m._parameters[name]
-            mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
-            if mem is None or not _whole_in_compute(mem, st):
-                return None
-            if mem.gather:
-                at_use.append((use, mem))
-            else:
-                entries.append((path, name))
-                members.append(mem)
-    for use, mem in at_use:
-        use.local_key = _register_bucket(st, [mem], True)
-    return _RootSpec(_register_bucket(st, members, True) if members else None, tuple(entries),
-                     _constrain_local(st))
-
-
-def _constrain_local(st: ShardState):
-    """``constrain`` inside a local root: the layout's rules still apply to the annotation
-    (checked in eager mode, once per axes and local shape); the tensor is returned as it is.
-    One handler per model (``_RootSpec.constrain``): compiled blocks guard on it."""
-    world = st.mesh.size()  # pure data parallelism: the batch is split over every device
-    checked: set = set()
-
-    def handler(x: Tensor, axes: Axes) -> Tensor:
-        if len(axes) != x.ndim:
-            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims "
-                                  f"{tuple(x.shape)}")
-        if torch.compiler.is_compiling():
-            return x
-        k = (tuple(axes), tuple(x.shape))
-        if k not in checked:
-            gshape = tuple(n * world if a == "batch" else n for a, n in zip(axes, x.shape))
-            st.activation_placements(axes, gshape)
-            checked.add(k)
-        return x
-
-    return handler
-
-
-def _local_root_forward(self, st: ShardState, orig, bound):
-    """The root's forward on local tensors, or _NOT_LOCAL (NOTE [local root])."""
-    spec: _RootSpec = st.root
-    sizes = tuple(st.sizes.values())
-    one = all(n == 1 for n in sizes)  # one device: every input and output is whole
-    rows, rows_pl = None, (tuple(Replicate() for _ in sizes) if one else None)
-    for name, val in list(bound.arguments.items()):
-        if name == "self" or not isinstance(val, Tensor):
-            continue
-        if isinstance(val, DTensor):
-            return _NOT_LOCAL
-        if not one:
-            pl = tuple(st.input_placements(_input_axes(self, name, val.ndim)))
-            if val.ndim >= 1 and all(isinstance(p, Shard) and p.dim == 0 for p, n in zip(pl, sizes) if n > 1):
-                if rows is not None and (rows, rows_pl) != (val.shape[0], pl):
-                    return _NOT_LOCAL
-                rows, rows_pl = val.shape[0], pl
-            elif any(not isinstance(p, Replicate) for p, n in zip(pl, sizes) if n > 1):
-                return _NOT_LOCAL
-        if val.device.type != st.mesh.device_type:
-            bound.arguments[name] = val.to(st.mesh.device_type)
-    if rows_pl is None:
-        return _NOT_LOCAL
-    cuda = st.mesh.device_type == "cuda"
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
-    versions = {n: b._version for n, b in self.named_buffers()}
-    mods = [_submodule(self, path) for path, _n in spec.entries]
-    prev = annotate._handler
-    annotate._handler = spec.constrain
-    _LOCAL_ROOT[0] += 1
-    try:
-        if spec.key is not None:
-            params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
-            for m, (_p, n), t in zip(mods, spec.entries, bucket.gather(spec.key, True, *params)):
-                m._meshlm_now[n] = t
-        out = orig(*bound.args, **bound.kwargs)
-    finally:
-        for m, (_p, n) in zip(mods, spec.entries):
-            m._meshlm_now.pop(n, None)
-        _LOCAL_ROOT[0] -= 1
-        annotate._handler = prev
-    lifted = _lift(out, st, rows_pl, rows)
-    if lifted is not _NOT_LOCAL:
-        ROOT_STATS["local"] += 1
-        return lifted
-    del out
-    ROOT_STATS["fallback"] += 1
-    st.root = None  # every later call runs under DTensor
-    changed = [n for n, b in self.named_buffers() if b._version != versions.get(n)]
-    if changed:
-        raise MeshlmError(f"{type(self).__name__}.forward returned something meshlm cannot lift from local rows "
-                          f"(NOTE [local root] in meshlm/lower.py) after changing buffers {changed}, so it cannot "
-                          "run it again under DTensor: return batch-first tensors or an F.cross_entropy loss, or "
-                          "lower the model with shard(..., bucket=False)")
-    torch.set_rng_state(rng[0])
-    if cuda:
-        torch.cuda.set_rng_state(rng[1])
-    return _NOT_LOCAL
-
-
-def _lift(out, st: ShardState, rows_pl: tuple, rows: Optional[int]):
-    """A local root's output as the DTensor root would return it, or _NOT_LOCAL.
-    ``rows_pl``: the placements of the inputs split by rows (all Replicate on one device,
-    where ``rows`` is None: any tensor is whole)."""
-    if isinstance(out, (tuple, list)):
-        items = [_lift(o, st, rows_pl, rows) for o in out]
-        return _NOT_LOCAL if any(o is _NOT_LOCAL for o in items) else type(out)(items)
-    if out is None:
-        return None
-    if not isinstance(out, Tensor) or isinstance(out, DTensor):
-        return _NOT_LOCAL
-    if out.ndim == 0:
-        return out if rows is None else _lift_loss(out, st, rows)  # one rank: its value is the value
-    if rows is not None and out.shape[0] != rows:
-        return _NOT_LOCAL
-    return bucket.wrap_local(out, st.mesh, tuple(st.sizes.values()), rows_pl)
-
-
-def _lift_loss(loss: Tensor, st: ShardState, rows: int):
-    """A scalar computed on this rank's rows -> the loss over the global batch, if its
-    autograd node says it is an NLL over those rows (NOTE [local root])."""
-    node = loss.grad_fn
-    if type(node).__name__ != "NllLossBackward0":
-        return _NOT_LOCAL
-    target = node._saved_target
-    reduction = node._saved_reduction  # 1: mean, 2: sum
-    if reduction not in (1, 2) or target.ndim == 0 or target.shape[0] % rows:
-        return _NOT_LOCAL
-    groups = tuple(st.mesh.get_group(i).group_name for i, n in enumerate(st.sizes.values()) if n > 1)
-    weight = node._saved_total_weight if reduction == 1 else None
-    return _GlobalLoss.apply(loss, weight, groups)
-
-
-class _GlobalLoss(torch.autograd.Function):
-    """This rank's NLL (mean with its total weight, or sum) -> the NLL over every rank's
-    rows; backward hands this rank its share of the gradient (NOTE [local root])."""
-
-    @staticmethod
-    def forward(ctx, loss, weight, groups):  # type: ignore[override]
-        from torch.distributed import _functional_collectives as funcol
-
-        mean = weight is not None
-        w = weight.detach().to(torch.float32) if mean else None
-        buf = torch.stack([loss.detach().to(torch.float32) * w, w]) if mean else loss.detach().to(torch.float32)
-        for g in groups:
-            buf = bucket._wait(funcol.all_reduce(buf, "sum", g))
-        ctx.scale = w / buf[1] if mean else None
-        return (buf[0] / buf[1] if mean else buf).to(loss.dtype)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return (g if ctx.scale is None else g * ctx.scale.to(g.dtype)), None, None
-
-
-def _wrap_input(st: ShardState, local: Tensor, axes: Axes) -> DTensor:
-    mesh = st.mesh
-    pl = st.input_placements(axes)
-    gshape = list(local.shape)
-    for i, p in enumerate(pl):
-        if isinstance(p, Shard):
-            gshape[p.dim] *= mesh.size(i)
-    return DTensor.from_local(local.to(mesh.device_type).contiguous(), mesh, pl, run_check=False,
-                              shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride())
-
-
-def shard_batch(batch: Tensor, layout: "Layout | str", mesh: DeviceMesh, axes: Axes | None = None) -> Tensor:
-    """This rank's slice of a global input batch (token ids of shape (batch, seq) by
-    default), as the sharded model expects it: split over the layout's ``batch`` (and,
-    with context parallel, ``seq``) rules; ranks that differ only in tp/pp/ep get the same."""
-    layout = load_layout(layout)
-    axes = axes or (("batch", "seq") + (None,) * batch.ndim)[: batch.ndim]
-    plan = resolve(tuple(axes), layout.compute, mesh_spec(mesh).as_dict(), shape=tuple(batch.shape),
-                   what=f"input {tuple(axes)} of shape {tuple(batch.shape)}", layout=layout, allow_mesh=INPUT_MESH_AXES)
-    return local_slice(batch, mesh, placements(plan, mesh)).contiguous()
 
 
 # --------------------------------------------------------------------------- shard
@@ -862,10 +594,13 @@ def shard(
         if spec.regather and spec.key is not None:
             _allow_conduit_under_checkpoint()
     _link_blocks(model)
-    st.root = _root_spec(model, st) if bucket else None
+    from meshlm import root
+
+    st.root = root.root_spec(model, st) if bucket else None
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
-    model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": _root_forward, "__module__": root_cls.__module__})
+    model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": root.root_forward,
+                                                            "__module__": root_cls.__module__})
     model._meshlm_state = st
     return model
 

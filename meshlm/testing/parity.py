@@ -28,10 +28,10 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     gradient, the AdamW step).  ``ignored_targets``: some label positions are -100
     (``F.cross_entropy``'s ignore_index), unevenly over the batch rows, so the ranks' loss
     means have different weights.  Returns the losses, the worst relative gradient error and
-    how many forwards ran on a local root or fell back (NOTE [local root] in lower.py)."""
+    how many forwards ran on a local root or under DTensor (NOTE [local root] in root.py)."""
     import meshlm
     from meshlm.compile import compile_blocks
-    from meshlm import lower
+    from meshlm import root
     from meshlm.lower import placements, shard_state
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
@@ -60,9 +60,9 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     if compile:
         compile_blocks(model_, compile, comms=comms)
     opt = ShardedOptimizer(model_, torch.optim.AdamW, lr=lr)
-    roots = dict(lower.ROOT_STATS)
+    roots = dict(root.ROOT_STATS)
     loss = model_(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh))
-    roots = {k: lower.ROOT_STATS[k] - v for k, v in roots.items()}
+    roots = {k: root.ROOT_STATS[k] - v for k, v in roots.items()}
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=tol.LOSS_RTOL, atol=0)
 
