@@ -85,7 +85,11 @@ def _selective_policy():
         save.add(cpu_sdpa.default)
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        # Random ops (meshlm.dropout's key draw) are saved too: the recompute must not draw
+        # again (NOTE [dropout keys] in meshlm/rng.py; lower._random).
+        if op in save or torch.Tag.nondeterministic_seeded in op.tags:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
