@@ -1,6 +1,6 @@
 """meshlm: write a model once against logical axes; shard it by swapping a YAML layout."""
 
-from meshlm.annotate import block, constrain, init_params, reduce_batch
+from meshlm.annotate import block, constrain, dropout, init_params, reduce_batch
 from meshlm.axes import LOGICAL_AXES, MESH_AXES, Axes
 from meshlm.errors import (AnnotationError, AxisError, CheckpointError, ConfigError, LayoutError, MeshError,
                            MeshlmError)
@@ -18,7 +18,8 @@ def load_hf(path, layout, mesh, **shard_kwargs):
 
 
 __all__ = [
-    "Axes", "LOGICAL_AXES", "MESH_AXES", "block", "constrain", "reduce_batch", "init_params", "Layout", "load_layout",
+    "Axes", "LOGICAL_AXES", "MESH_AXES", "block", "constrain", "dropout", "reduce_batch", "init_params", "Layout",
+    "load_layout",
     "resolve", "make_mesh", "load_hf", "MeshSpec", "shard", "shard_batch", "plan_params", "full_state_dict",
     "MeshlmError", "AxisError", "LayoutError", "AnnotationError", "MeshError", "ConfigError", "CheckpointError",
 ]

@@ -7,7 +7,8 @@ A module declares the logical axes of its own parameters as class-level data::
 
 and marks activations with ``constrain(x, ("batch", "seq", "embed"))``.  Without
 lowering, annotations are data and ``constrain`` is the identity, so every model runs
-unchanged on one device as plain PyTorch.
+unchanged on one device as plain PyTorch.  ``dropout(x, p, axes)`` is dropout whose mask
+is the one-device mask under every layout (NOTE [dropout keys] in meshlm/rng.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from torch import Tensor, nn
 
 from meshlm.axes import Axes
 
-__all__ = ["Axes", "constrain", "reduce_batch", "block", "is_block", "init_params", "param_axes_of"]
+__all__ = ["Axes", "block", "constrain", "dropout", "init_params", "is_block", "param_axes_of", "reduce_batch"]
 
 # The active constraint handler: set by the lowering while a sharded module runs its
-# forward, None otherwise (then ``constrain`` is the identity).
+# forward, None otherwise (then ``constrain`` is the identity).  A handler may also have a
+# ``dropout(x, p, axes, key)`` method (meshlm.rng.Handler); without one, ``dropout`` is
+# the one-device dropout.
 _handler: Optional[Callable[[Tensor, Axes], Tensor]] = None
 
 
@@ -52,6 +55,27 @@ def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
         raise ValueError(f"reduce_batch(x, op={op!r}): op is 'mean' or 'sum'")
     fn = getattr(_handler, "reduce_batch", None)
     return x if fn is None else fn(x, op)
+
+
+def dropout(x: Tensor, p: float, axes: Axes, training: bool = True) -> Tensor:
+    """Dropout of activation ``x`` (logical ``axes``, one per dim, as for ``constrain``):
+    zero each element with probability ``p``, scale the rest by ``1 / (1 - p)``.
+
+    The mask is a function of a key drawn from torch's global generator and of each
+    element's index in the global tensor, so every layout draws exactly the one-device
+    mask: data-parallel ranks drop different elements of their different rows, the ranks
+    of a tensor-parallel group the same elements of a replicated activation (NOTE
+    [dropout keys] in meshlm/rng.py).  With ``training=False`` (pass ``self.training``)
+    or ``p == 0`` it returns ``x`` and draws nothing.  Use it instead of ``F.dropout``,
+    which is not layout-exact."""
+    from meshlm import rng
+
+    rng._check_p(p)
+    if not training or p == 0.0:
+        return x
+    key = rng.draw_key()
+    fn = getattr(_handler, "dropout", None)
+    return rng.dropout_plain(x, p, axes, key) if fn is None else fn(x, p, axes, key)
 
 
 def block(cls: type) -> type:

@@ -18,6 +18,11 @@ NOTE [compiled body]
     project's 2-core CPU machine (benchmarks/step_phases.py --comms both, docs/benchmarks.md)
     the two are within noise of each other; "graph" stays the default until a GPU
     measurement says otherwise.
+
+Inductor blocks are compiled with ``fallback_random``: inductor otherwise replaces
+``meshlm.dropout``'s key draw (an ``aten.randint`` on the global generator) with its own
+generator, and the masks would no longer be the eager, one-device ones (NOTE [dropout keys]
+in rng.py).  The only random op of a block is then a 0-d key, so the fallback costs nothing.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
                 cls = type(m)
                 if cls not in bodies:
                     bodies[cls] = torch.compile(cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph,
-                                                mode=mode)
+                                                **_mode(backend, mode))
                 m.__dict__["_meshlm_body"] = bodies[cls]
             else:
-                m.compile(backend=backend, fullgraph=fullgraph, mode=mode)
+                m.compile(backend=backend, fullgraph=fullgraph, **_mode(backend, mode))
             n += 1
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no @meshlm.block modules to compile")
@@ -59,3 +64,13 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
     # recompiles per block for the first calls (grad mode, shapes) without warnings.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     return n
+
+
+def _mode(backend: str, mode: str | None) -> dict:
+    """torch.compile's ``mode`` argument, or for inductor the options of that mode plus
+    ``fallback_random`` (random ops draw as eager does; see the module docstring)."""
+    if backend != "inductor":
+        return {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**(list_mode_options(mode) if mode else {}), "fallback_random": True}}

@@ -45,6 +45,7 @@ class ModelConfig:
     norm_eps: Optional[float] = None
     tie_embeddings: Optional[bool] = None
     init_std: Optional[float] = None
+    dropout: float | None = None  #: residual dropout in training (meshlm.dropout: the same masks under any layout)
 
     def overrides(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -242,7 +243,10 @@ def validate(cfg: RunConfig) -> None:
 
     _choice("model.name", cfg.model.name, list(CONFIGS))
     for k, v in cfg.model.overrides().items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+        if k == "dropout":
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"model.dropout={v} must be in [0, 1)")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
             raise ConfigError(f"model.{k}={v} must be positive")
     name = cfg.layout.name
     if not (name == "auto" or name.endswith((".yaml", ".yml")) or os.sep in name):

@@ -22,14 +22,14 @@ Parameter names (FQNs) are those of the unsharded model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate, bucket
+from meshlm import _dtensor_ops, annotate, bucket, rng
 from meshlm.annotate import is_block, param_axes_of
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
@@ -258,7 +258,8 @@ _GATHERING = bucket._GATHERING
 def _regather_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if not _GATHERING[0] and ((op in _SAVED_OPS and _has_dtensor(args)) or op in _SAVED_COLLECTIVES):
+    if not _GATHERING[0] and ((op in _SAVED_OPS and _has_dtensor(args)) or op in _SAVED_COLLECTIVES
+                              or _random(op)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -295,13 +296,23 @@ _SAVED_COLLECTIVES = {getattr(torch.ops._c10d_functional, _name).default
                       for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")}
 
 
+def _random(op) -> bool:
+    """A random op (meshlm.dropout's key draw, NOTE [dropout keys] in rng.py): saved, so
+    that the recompute uses the forward's draw.  In eager mode the checkpoint's restored
+    RNG state would redraw it equally; a compiled graph cannot recompute a random op (the
+    partitioner then keeps the re-gathered parameters' mesh for backward and fails).  A
+    plain-tensor op that runs nothing inside, so saving it cannot shift the recompute's op
+    counts (above)."""
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
 def _regather_policy_local(ctx, op, *args, **kwargs):
     """The selective policy of a compiled local block (NOTE [local blocks] in bucket.py):
     plain tensors only, one dispatch level, so matmul and attention outputs are saved as
     they are."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if not _GATHERING[0] and op in _SAVED_OPS:
+    if not _GATHERING[0] and (op in _SAVED_OPS or _random(op)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -333,6 +344,7 @@ class _BlockSpec:
     entries: tuple  # (submodule path within the block, attribute name) per bucket member
     regather: bool  # runs under selective checkpointing (ZeRO-3)
     local: bool  # may run on plain local tensors (NOTE [local blocks])
+    rows: tuple[int, int] | None = None  # local: this rank's (index, count) of batch rows (NOTE [dropout keys])
 
 
 def _frees(spec: _BlockSpec) -> bool:
@@ -378,7 +390,13 @@ def _block_forward(self, *args, **kwargs):
 
 
 def _run_local(self, spec: _BlockSpec, outer: bool, frees: bool, *args, **kwargs):
-    """A local block's forward on plain tensors (NOTE [local blocks] in bucket.py)."""
+    """A local block's forward on plain tensors (NOTE [local blocks] in bucket.py), with
+    ``meshlm.dropout`` told that they are this rank's rows (NOTE [dropout keys] in rng.py),
+    in the recompute of its checkpoint too."""
+    return rng.on_rows(spec.rows, _run_local_rows)(self, spec, outer, frees, *args, **kwargs)
+
+
+def _run_local_rows(self, spec: _BlockSpec, outer: bool, frees: bool, *args, **kwargs):
     if frees:
         out = _run_freeing(self, True, *args, **kwargs)
     elif spec.regather and not outer:
@@ -389,11 +407,12 @@ def _run_local(self, spec: _BlockSpec, outer: bool, frees: bool, *args, **kwargs
         # torch.compile a full recompute fails in the partitioner (it would save the
         # DTensor parameters' mesh for backward), so compiled local blocks keep their
         # matmul and attention outputs (selective), whose policy costs only at trace time.
+        run = rng.on_rows(spec.rows, _run_block)
         if torch.compiler.is_compiling():
-            out = checkpoint(_run_block, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
+            out = checkpoint(run, self, True, *args, use_reentrant=False, context_fn=_regather_context_local,
                              **kwargs)
         else:
-            out = checkpoint(_run_block, self, True, *args, use_reentrant=False, **kwargs)
+            out = checkpoint(run, self, True, *args, use_reentrant=False, **kwargs)
     else:
         out = _run_block(self, True, *args, **kwargs)
     return out
@@ -494,10 +513,14 @@ class ShardState:
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in bucket.py
     root: Optional[object] = None  # root.RootSpec (NOTE [local root] in root.py); None: under DTensor
+    coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
+    handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
         self.names = tuple(self.mesh.mesh_dim_names or ())
+        self.coord = tuple(self.mesh.get_coordinate() or (0,) * len(self.names))
+        self.handler = rng.Handler(self.constrain, self.coord, tuple(self.sizes[n] for n in self.names))
 
     def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
         return placements(plan, self.names)
@@ -665,7 +688,8 @@ def _block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> _Blo
         spec = _BlockSpec(None, (), regather, False)
         return _SPECS.setdefault(spec, spec)
     local = pure and all(_whole_in_compute(mem, st) for mem in members)
-    spec = _BlockSpec(_register_bucket(st, members, local), tuple(entries), regather, local)
+    rows = (rng.rank_index(st.coord, [st.sizes[n] for n in st.names]), st.mesh.size()) if local else None
+    spec = _BlockSpec(_register_bucket(st, members, local), tuple(entries), regather, local, rows)
     return _SPECS.setdefault(spec, spec)
 
 

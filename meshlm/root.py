@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate, bucket, tree
+from meshlm import _dtensor_ops, annotate, bucket, rng, tree
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError
 from meshlm.layout import INPUT_MESH_AXES, Layout, load_layout, resolve
@@ -159,7 +159,7 @@ def root_forward(self, *args, **kwargs):
 
     _set_arguments(bound, tree.map_tensors(inputs, wrap))
     prev = annotate._handler
-    annotate._handler = st.constrain
+    annotate._handler = st.handler  # constrain, and dropout (NOTE [dropout keys] in rng.py)
     _dtensor_ops.ensure_installed()
     _dtensor_ops.allow_implicit_replication()
     try:
@@ -215,19 +215,22 @@ def root_spec(model: nn.Module, st) -> Optional[RootSpec]:
     return RootSpec(key, tuple(entries), LocalHandler(st))
 
 
-class LocalHandler:
+class LocalHandler(rng.Handler):
     """``constrain`` inside a local root: the layout's rules still apply to the annotation
     (checked in eager mode, once per axes and local shape); the tensor is returned as it is,
     and its axes are remembered for lifting the outputs (NOTE [local root]).  Also
-    ``reduce_batch``.  One handler per model: compiled blocks guard on it."""
+    ``reduce_batch``, and ``dropout`` on this rank's rows (NOTE [dropout keys] in rng.py).
+    One handler per model: compiled blocks guard on it."""
 
     def __init__(self, st):
+        sizes = tuple(st.sizes[n] for n in st.names)
         self.st = st
         self.world = st.mesh.size()  # pure data parallelism: the batch is split over every device
+        super().__init__(self._constrain, st.coord, sizes, rows=(rng.rank_index(st.coord, sizes), self.world))
         self.checked: set = set()
         self.seen: dict[int, tuple[weakref.ref, Axes]] = {}
 
-    def __call__(self, x: Tensor, axes: Axes) -> Tensor:
+    def _constrain(self, x: Tensor, axes: Axes) -> Tensor:
         if len(axes) != x.ndim:
             raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims "
                                   f"{tuple(x.shape)}")

@@ -85,7 +85,11 @@ def _selective_policy():
         save.add(cpu_sdpa.default)
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        # Random ops (meshlm.dropout's key draw) are saved too: the recompute must not draw
+        # again (NOTE [dropout keys] in meshlm/rng.py; lower._random).
+        if op in save or torch.Tag.nondeterministic_seeded in op.tags:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -216,10 +220,14 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
         n = min(t.val_batches, vl.steps_per_epoch)
         total = 0.0
-        with torch.no_grad():
-            for _ in range(n):
-                x, y = vl.next()
-                total += float(model(x.to(device), y.to(device)))
+        model.eval()  # no dropout
+        try:
+            with torch.no_grad():
+                for _ in range(n):
+                    x, y = vl.next()
+                    total += float(model(x.to(device), y.to(device)))
+        finally:
+            model.train()
         return total / n
 
     ckpt = None

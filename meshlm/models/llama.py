@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm.annotate import Axes, block, constrain, init_params
+from meshlm.annotate import Axes, block, constrain, dropout, init_params
 
 # Positions are whole inside attention and MLP: the tensor-parallel matmuls there need every
 # position of this rank's batch, so sequence parallelism (seq over tp) is gathered here.
@@ -37,6 +37,11 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Residual dropout on the attention and MLP outputs, in training mode only; the same
+    # masks under every layout as on one device (meshlm.dropout, NOTE [dropout keys] in
+    # meshlm/rng.py).  Attention-probability dropout is not offered: SDPA's dropout_p draws
+    # from torch's generator per rank, which no layout can make equal to one device.
+    dropout: float = 0.0
 
     @property
     def hd(self) -> int:
@@ -189,19 +194,22 @@ class MLP(nn.Module):
 
 @block
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
+    ``drop`` is residual dropout of probability ``cfg.dropout`` in training mode."""
 
     def __init__(self, cfg: LlamaConfig, device=None):
         super().__init__()
+        self.dropout = cfg.dropout
         self.attn_norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
         self.attn = Attention(cfg, device)
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
         self.mlp = MLP(cfg, device)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
-        x = x + self.attn(self.attn_norm(x))
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "seq", "embed"))
+        axes = ("batch", "seq", "embed")
+        x = x + dropout(self.attn(self.attn_norm(x)), self.dropout, axes, self.training)
+        x = x + dropout(self.mlp(self.mlp_norm(x)), self.dropout, axes, self.training)
+        return constrain(x, axes)
 
 
 class Llama(nn.Module):

@@ -23,18 +23,24 @@ from meshlm.testing import tolerances as tol
 
 def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, model: str = "llama_tiny",
                batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, overlap: Optional[bool] = None,
-               comms: str = "graph", ignored_targets: bool = False, **overrides) -> dict:
+               comms: str = "graph", ignored_targets: bool = False, activation_checkpointing: str = "none",
+               **overrides) -> dict:
     """One training step of ``layout`` on ``mesh_shape`` against one device (loss, every
     gradient, the AdamW step).  ``ignored_targets``: some label positions are -100
     (``F.cross_entropy``'s ignore_index), unevenly over the batch rows, so the ranks' loss
     means have different weights.  Returns the losses, the worst relative gradient error and
-    how many forwards ran on a local root or under DTensor (NOTE [local root] in root.py)."""
+    how many forwards ran on a local root or under DTensor (NOTE [local root] in root.py).
+    Both forwards start from the same global generator state, so a model with dropout
+    (``dropout=0.1`` in ``overrides``) draws the same keys (NOTE [dropout keys] in rng.py);
+    ``activation_checkpointing`` (none, full, selective) wraps the sharded model's blocks as
+    ``meshlm train`` does."""
     import meshlm
     from meshlm.compile import compile_blocks
     from meshlm import root
     from meshlm.lower import placements, shard_state
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
+    from meshlm.train import apply_activation_checkpointing
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     torch._dynamo.reset()
@@ -48,6 +54,7 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
         labels[-1, :1] = -100
 
     ref = Llama(cfg, seed=seed)
+    torch.manual_seed(seed)
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
@@ -57,10 +64,12 @@ def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, m
     for n, p in model_.named_parameters():
         torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=tol.INIT_ATOL,
                                    msg=lambda m, n=n: f"init of {n}: {m}")
+    apply_activation_checkpointing(model_, activation_checkpointing)
     if compile:
         compile_blocks(model_, compile, comms=comms)
     opt = ShardedOptimizer(model_, torch.optim.AdamW, lr=lr)
     roots = dict(root.ROOT_STATS)
+    torch.manual_seed(seed)
     loss = model_(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh))
     roots = {k: root.ROOT_STATS[k] - v for k, v in roots.items()}
     loss.backward()
