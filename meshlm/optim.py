@@ -129,7 +129,7 @@ class ShardedOptimizer:
         return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm: "Tensor | float | None" = None) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
         """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
         before clipping.  One all-reduce per mesh dim (``grad_norm``), none when ``norm``
         (this step's ``grad_norm()``) is given."""

@@ -50,6 +50,10 @@ def _dtype(d: "str | torch.dtype | None", default: torch.dtype = torch.float32) 
     return d if isinstance(d, torch.dtype) else _DTYPES[d]
 
 
+def _name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
 def _bytes(d: torch.dtype) -> int:
     return torch.empty((), dtype=d).element_size()
 
@@ -211,8 +215,8 @@ def plan(
     param_dtype: "str | torch.dtype" = "float32",
     master_dtype: "str | torch.dtype | None" = None,
     grad_accum: int = 1,
-    compute_dtype: "str | torch.dtype | None" = None,
-    reduce_dtype: "str | torch.dtype | None" = None,
+    compute_dtype: str | torch.dtype | None = None,
+    reduce_dtype: str | torch.dtype | None = None,
 ) -> Plan:
     """Predict per-rank memory and per-step communication (see the module docstring).
 
@@ -288,9 +292,8 @@ def plan(
     ckpt = activation_checkpointing != "none"
     comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
-    name_of = lambda d: str(d).removeprefix("torch.")  # noqa: E731
-    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, name_of(pdt), name_of(mdt),
-                activation_checkpointing, memory, formulas, comm, name_of(cdt), name_of(rdt))
+    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, _name(pdt), _name(mdt),
+                activation_checkpointing, memory, formulas, comm, _name(cdt), _name(rdt))
 
 
 def _regathers(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
@@ -589,8 +592,10 @@ def _comm_formula(lay, cfg, psi, sizes, b, s, nbytes, batch_axes) -> dict[str, A
         # DDP: an all-reduce (reduce-scatter + all-gather) in the reduce dtype; ZeRO-1/2: a
         # reduce-scatter in the reduce dtype + an all-gather of the stored parameters.
         per = 2 * CB + RB if stage3 else RB + (RB if lay.name == "ddp" else B)
+        terms = f"2·{CB}+{RB}" if stage3 else f"{RB}+{RB if lay.name == 'ddp' else B}"
         out["data"] = {"wire_bytes": (n - 1) / n * psi / t * per,
-                       "text": f"{k}(N-1)/N·Ψ·B/t with N={n}, t={t} ({'ZeRO-3' if stage3 else 'DDP/ZeRO-1/2'})"}
+                       "text": f"{k}(N-1)/N·Ψ·B/t, here (N-1)/N·Ψ/t·({terms} bytes) with N={n}, t={t} "
+                               f"({'ZeRO-3: gathers + reduce-scatter' if stage3 else 'DDP/ZeRO-1/2'})"}
     if t > 1:
         out["tp"] = {"wire_bytes": 4 * 2 * (t - 1) / t * b * s * cfg.embed * CB * cfg.layers,
                      "text": f"4·2(t-1)/t·bsh·B per layer × L={cfg.layers} (TP and TP+SP alike)"}
@@ -724,8 +729,8 @@ def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, s
                activation_checkpointing: str = "none", param_dtype: str = "float32",
                master_dtype: Optional[str] = None, grad_accum: int = 1,
                hardware: "str | Hardware" = "h100_nvlink_ib", overlap: bool = True,
-               layouts: Optional[list[str]] = None, compute_dtype: Optional[str] = None,
-               reduce_dtype: Optional[str] = None) -> list[Candidate]:
+               layouts: Optional[list[str]] = None, compute_dtype: str | None = None,
+               reduce_dtype: str | None = None) -> list[Candidate]:
     """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp) that
     applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
     planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order."""
@@ -764,8 +769,8 @@ def choose_layout(cfg=None, *, model: "str | LlamaConfig" = "llama_small", devic
                   activation_checkpointing: str = "none", param_dtype: str = "float32",
                   master_dtype: Optional[str] = None, grad_accum: int = 1, hardware: str = "auto",
                   overlap: bool = True, png: Optional[str] = None, out=None,
-                  top: int = 5, compute_dtype: Optional[str] = None,
-                  reduce_dtype: Optional[str] = None) -> tuple[str, dict[str, int]]:
+                  top: int = 5, compute_dtype: str | None = None,
+                  reduce_dtype: str | None = None) -> tuple[str, dict[str, int]]:
     """``layout=auto``: plan every candidate (:func:`candidates`), drop what does not fit
     ``max_memory`` per device (default: the hardware profile's memory), rank the rest by
     :func:`step_time`, print a ranked table (and write a PNG of the memory of the shown

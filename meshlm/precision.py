@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -29,8 +29,8 @@ from torch import Tensor
 log = logging.getLogger("meshlm.precision")
 
 
-def default_reduce_dtype(compute_dtype: Optional[torch.dtype],
-                         storage: Sequence[torch.dtype]) -> Optional[torch.dtype]:
+def default_reduce_dtype(compute_dtype: torch.dtype | None,
+                         storage: Sequence[torch.dtype]) -> torch.dtype | None:
     """``shard(reduce_dtype=None)``: float32 when the compute dtype or any storage dtype is
     a float narrower than 32 bits, else None (each gradient is reduced in its own dtype)."""
     narrow = [d for d in (compute_dtype, *storage) if d is not None and d.is_floating_point and d.itemsize < 4]

@@ -121,7 +121,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     return n
 
 
-def shard_dtypes(t: TrainConfig) -> dict[str, Optional[torch.dtype]]:
+def shard_dtypes(t: TrainConfig) -> dict[str, torch.dtype | None]:
     """``meshlm.shard`` dtype arguments for ``t``: float32 storage (the master weights),
     parameters used in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
     (null: float32) and accumulated in float32 (NOTE [mixed precision] in precision.py)."""

@@ -7,6 +7,7 @@ On 2 and 4 gloo processes.  Tolerances and their derivations: meshlm/testing/tol
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import pytest
@@ -198,8 +199,8 @@ def _overflow_job(inject_rank: int):
         norm, stepped = scaler.step(opt, 1.0)
         opt.zero_grad()
         same = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
-        return {"scale_before": s0, "scale_after": scaler.scale, "stepped": stepped, "finite_norm": norm == norm
-                and norm != float("inf"), "params_unchanged": same, "opt_state": len(opt.inner.state)}
+        return {"scale_before": s0, "scale_after": scaler.scale, "stepped": stepped, "finite_norm": math.isfinite(norm),
+                "params_unchanged": same, "opt_state": len(opt.inner.state)}
 
     out["injected"] = step(LossScaler(init_scale=2.0**8), inject=True)
     out["natural"] = step(LossScaler(init_scale=2.0**40))
