@@ -11,7 +11,8 @@ What is saved (flat keys, so nothing depends on parameter order or rank count):
 
 * ``model/<fqn>``: every parameter (DTensor, storage placements);
 * ``master/<fqn>``: the optimizer's master copy when its dtype differs from the
-  parameter's (fp32 masters under mixed precision); same-dtype masters (ZeRO-1/2) are
+  parameter's (``ShardedOptimizer(master_dtype=...)``; ``meshlm train`` makes none: its
+  fp32 parameters are the masters); same-dtype masters (ZeRO-1/2) are
   rebuilt from the parameter on load;
 * ``optim/<fqn>/<key>``: each tensor of the torch optimizer's per-parameter state, keyed
   by parameter FQN, never by index (so it reshards and survives a reordering);

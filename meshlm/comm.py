@@ -86,6 +86,7 @@ class Collective:
     bytes: int
     dtype: torch.dtype
     phase: str
+    device: str = "?"  # the device type of the tensor moved ("cpu", "cuda")
 
     @property
     def wire_bytes(self) -> float:
@@ -160,10 +161,10 @@ class CommCounter(TorchDispatchMode):
         except Exception:  # pragma: no cover - unnamed group
             return 0
 
-    def _add(self, kind: str, nbytes: int, dtype, group) -> None:
+    def _add(self, kind: str, nbytes: int, t: torch.Tensor, group) -> None:
         in_bwd = torch._C._current_graph_task_id() != -1
-        self.records.append(Collective(kind, self._axes(group), self._group_size(group), int(nbytes), dtype,
-                                       "backward" if in_bwd else self._phase))
+        self.records.append(Collective(kind, self._axes(group), self._group_size(group), int(nbytes), t.dtype,
+                                       "backward" if in_bwd else self._phase, t.device.type))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -174,13 +175,13 @@ class CommCounter(TorchDispatchMode):
             t = args[ti]
             group = args[gi] if len(args) > gi else kwargs.get("group_name")
             n = self._group_size(group) if mul else 1
-            self._add(kind, _nbytes(t) * n, t.dtype, group)
+            self._add(kind, _nbytes(t) * n, t, group)
         elif ns == "_c10d_functional" and name in _FUNCTIONAL_COALESCED:
             kind, gi, mul = _FUNCTIONAL_COALESCED[name]
             group = args[gi]
             n = self._group_size(group) if mul else 1
             for t in args[0]:
-                self._add(kind, _nbytes(t) * n, t.dtype, group)
+                self._add(kind, _nbytes(t) * n, t, group)
         elif ns == "c10d" and name in _C10D:
             kind = _C10D[name]
             first = args[0]
@@ -188,18 +189,18 @@ class CommCounter(TorchDispatchMode):
                 ts = [first[0][0]] if first and isinstance(first[0], (list, tuple)) else list(first)
                 group = args[2]
                 nb = sum(_nbytes(t) for t in (first[0] if isinstance(first[0], (list, tuple)) else first))
-                self._add(kind, nb, ts[0].dtype, group)
+                self._add(kind, nb, ts[0], group)
             elif name == "_allgather_base_":
-                self._add(kind, _nbytes(args[0]), args[0].dtype, args[2])
+                self._add(kind, _nbytes(args[0]), args[0], args[2])
             elif name == "_reduce_scatter_base_":
-                self._add(kind, _nbytes(args[1]), args[1].dtype, args[2])
+                self._add(kind, _nbytes(args[1]), args[1], args[2])
             else:
                 ts = list(first) if isinstance(first, (list, tuple)) else [first]
                 group = args[1]
                 for t in ts:
                     if isinstance(t, (list, tuple)):
                         t = t[0]
-                    self._add(kind, _nbytes(t), t.dtype, group)
+                    self._add(kind, _nbytes(t), t, group)
         return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ reports

@@ -111,8 +111,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  #: max global gradient norm; 0 disables clipping
-    param_dtype: str = "float32"  #: storage dtype of parameters (fp32 masters when lower)
-    compute_dtype: Optional[str] = None  #: dtype of parameters at use; None = param_dtype
+    #: dtype parameters are used in (compute); storage, gradients and optimizer state stay
+    #: float32 (NOTE [mixed precision] in meshlm/precision.py); float16 adds loss scaling
+    param_dtype: str = "float32"
+    compute_dtype: Optional[str] = None  #: null, or the same as param_dtype (which names the compute dtype)
     reduce_dtype: Optional[str] = None  #: dtype gradients are reduced in; None = float32
     compile: str = "none"  #: torch.compile per block: none | aot_eager | inductor
     compile_comms: str = "graph"  #: graph | eager: data-parallel collectives in the block graphs or around them
@@ -266,6 +268,11 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.device", t.device, DEVICES)
     if t.compute_dtype is not None:
         _choice("train.compute_dtype", t.compute_dtype, DTYPES)
+        if t.compute_dtype != t.param_dtype:
+            raise ConfigError(
+                f"train.compute_dtype={t.compute_dtype} differs from train.param_dtype={t.param_dtype}: parameters "
+                "are stored in float32 and used in train.param_dtype, which is the compute dtype; set "
+                f"train.param_dtype={t.compute_dtype} and leave train.compute_dtype null")
     if t.reduce_dtype is not None:
         _choice("train.reduce_dtype", t.reduce_dtype, DTYPES)
     for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "val_batches"):

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate, bucket, rng
+from meshlm import _dtensor_ops, annotate, bucket, precision, rng
 from meshlm.annotate import is_block, param_axes_of
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
@@ -577,9 +577,14 @@ def shard(
     values as ``meshlm.annotate.init_params(model, seed)`` on one device); a model holding
     real weights (the same on every rank) is distributed from those weights.  With
     ``init=False`` the shards of a meta model are left uninitialised (to be loaded into).
-    ``param_dtype`` is the storage dtype of the shards (initialised in fp32, then cast).
-    ``compute_dtype`` casts parameters at use (before the gather); ``reduce_dtype`` is the
-    dtype gradients are reduced in.  ``overlap`` leaves each block's gradient reduction in
+    ``param_dtype`` is the storage dtype of the shards (initialised in fp32, then cast);
+    gradients arrive in ``.grad`` (and accumulate there) in the storage dtype.
+    ``compute_dtype`` casts parameters at use (before the gather).  ``reduce_dtype`` is the
+    dtype gradients are reduced in; None means float32 whenever the compute or the storage
+    dtype is a float narrower than 32 bits (FSDP2's MixedPrecisionPolicy and Megatron reduce
+    in fp32 too), else the gradient's own dtype; an explicit ``reduce_dtype`` wins.  Mixed
+    precision as ``meshlm train`` runs it (FSDP2's semantics): fp32 storage (the master
+    weights), ``compute_dtype=torch.bfloat16``, so gradients reach ``.grad`` in fp32.  ``overlap`` leaves each block's gradient reduction in
     flight while backward goes on (NOTE [overlapped reduction] in bucket.py; default: on
     for a CUDA mesh, off on CPU).  ``bucket=False`` turns off per-block flat collectives
     (NOTE [block buckets]): every parameter then moves on its own, a reference for the
@@ -592,6 +597,8 @@ def shard(
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
     _materialize(model, plans, mesh, seed if init else None, param_dtype)
+    if reduce_dtype is None:
+        reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
     st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}

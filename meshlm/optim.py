@@ -117,16 +117,27 @@ class ShardedOptimizer:
             m.grad = g
         self._ready = True
 
+    def grads(self) -> list[Tensor]:
+        """The gradients the optimizer steps with (after ``reduce_grads``)."""
+        return [m.grad._local_tensor if isinstance(m.grad, DTensor) else m.grad
+                for _f, _p, m in self._pairs if m.grad is not None]
+
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
-        before clipping.  One all-reduce for the whole model."""
+    def grad_norm(self) -> Tensor:
+        """The global gradient norm (over all shards, every rank the same value)."""
         self.reduce_grads()
-        grads = [m.grad for _f, _p, m in self._pairs if m.grad is not None]
-        total = grad_norm(grads, self.mesh)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
+        """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
+        before clipping.  One all-reduce per mesh dim (``grad_norm``), none when ``norm``
+        (this step's ``grad_norm()``) is given."""
+        total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        if coef < 1.0:
+            for g in self.grads():
+                g.mul_(coef)
         return total
 
     def step(self) -> None:
@@ -285,17 +296,32 @@ _ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
 
 
 def grad_norm(grads: list[Tensor], mesh) -> Tensor:
-    """Global L2 norm of DTensor gradients (no Partial placements) with one all-reduce:
-    each local sum of squares is divided by how many ranks hold a replica of it."""
-    local = torch.zeros((), dtype=torch.float64)
+    """Global L2 norm of DTensor gradients (no Partial placements): each rank's sum of
+    squares, divided by how many ranks hold a replica of it, summed over the mesh.
+
+    Computed on the gradients' device and all-reduced over the mesh's own process groups,
+    one per mesh dim of size > 1: the default group may be of another backend (a CUDA job's
+    is NCCL, which takes no CPU tensor) or span other ranks.  Accumulated in float64, which
+    gloo and NCCL both reduce: the squares of float32 gradients stay finite there, so the
+    norm is Inf or NaN only when a gradient is (``LossScaler`` relies on it)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    parts = []
     for g in grads:
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):
                 raise RuntimeError("grad_norm needs reduced gradients; call reduce_grads() first")
             reps = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
-            local += g._local_tensor.double().pow(2).sum().cpu() / reps
-        else:
-            local += g.double().pow(2).sum().cpu()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(local)
-    return local.sqrt().float()
+            local = g._local_tensor
+        else:  # a plain tensor: the same on every rank
+            reps, local = mesh.size(), g
+        parts.append(torch.linalg.vector_norm(local, dtype=torch.float64).square() / reps)
+    device = parts[0].device if parts else torch.device(mesh.device_type)
+    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        for i in range(mesh.ndim):
+            if mesh.size(i) > 1:
+                total = funcol.all_reduce(total, "sum", mesh.get_group(i))
+        if isinstance(total, funcol.AsyncCollectiveTensor):
+            total = total.wait()
+    return total.sqrt().float()

@@ -37,6 +37,7 @@ from meshlm.lower import ParamPlan, _pure_data_parallel, plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
 from meshlm.optim import outside_chunks
+from meshlm.precision import default_reduce_dtype
 
 SCHEMA_VERSION = 1
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -47,6 +48,10 @@ def _dtype(d: "str | torch.dtype | None", default: torch.dtype = torch.float32) 
     if d is None:
         return default
     return d if isinstance(d, torch.dtype) else _DTYPES[d]
+
+
+def _name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
 
 
 def _bytes(d: torch.dtype) -> int:
@@ -97,12 +102,14 @@ class Plan:
     world_size: int
     global_batch: int
     seq: int
-    param_dtype: str
+    param_dtype: str  # storage
     master_dtype: str
     activation_checkpointing: str
     memory: dict[str, int]  # params, grads, optimizer, activations, total (bytes per rank)
     formulas: dict[str, Any]  # textbook figure beside each predicted number
     comm: list[CommEntry] = field(default_factory=list)
+    compute_dtype: str = "float32"  # parameters at use, activations
+    reduce_dtype: str = "float32"  # gradient reductions
 
     def comm_summary(self, by_phase: bool = False) -> dict[tuple, dict[str, float]]:
         out: dict[tuple, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
@@ -208,12 +215,20 @@ def plan(
     param_dtype: "str | torch.dtype" = "float32",
     master_dtype: "str | torch.dtype | None" = None,
     grad_accum: int = 1,
+    compute_dtype: str | torch.dtype | None = None,
+    reduce_dtype: str | torch.dtype | None = None,
 ) -> Plan:
     """Predict per-rank memory and per-step communication (see the module docstring).
 
     ``global_batch`` sequences per optimizer step over all ranks, in ``grad_accum``
     micro-batches; activations are per micro-batch.  ``activation_checkpointing`` is
-    ``none``, ``selective`` or ``full`` (``train.activation_checkpointing``)."""
+    ``none``, ``selective`` or ``full`` (``train.activation_checkpointing``).  The dtypes
+    are ``meshlm.shard``'s and ``ShardedOptimizer``'s: ``param_dtype`` the storage,
+    ``compute_dtype`` the parameters at use and the activations (None: the storage),
+    ``reduce_dtype`` the gradient reductions (None: as ``shard``, float32 under a narrower
+    compute or storage dtype), ``master_dtype`` the optimizer's (None: the storage).
+    ``meshlm train`` stores float32 and computes in ``train.param_dtype`` (NOTE [mixed
+    precision] in meshlm/precision.py; :func:`_from_run_config`)."""
     name, cfg = model_config(model)
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
@@ -223,7 +238,10 @@ def plan(
     params_ = _param_plans(cfg, lay, sizes)
     pdt = _dtype(param_dtype)
     mdt = _dtype(master_dtype, pdt)
+    cdt = _dtype(compute_dtype, pdt)
+    rdt = _dtype(reduce_dtype, default_reduce_dtype(cdt, [pdt]) or pdt)
     B, MB = _bytes(pdt), _bytes(mdt)
+    CB, RB = _bytes(cdt), _bytes(rdt)
     batch_axes = _batch_axes(lay, sizes)
     n_batch = _prod(batch_axes, sizes) * grad_accum
     if global_batch % n_batch:
@@ -261,8 +279,8 @@ def plan(
     # ---------------------------------------------------------------- activations
     b_local = global_batch // n_batch
     regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
-    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, pdt)
-    gathered = _held_gathered(params_, sizes, regather, B)
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, cdt)
+    gathered = _held_gathered(params_, sizes, regather, CB, cdt != pdt)
     formulas["activations"] = act
     memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
               "gathered": gathered, "recompute": act["recompute"]}
@@ -272,10 +290,10 @@ def plan(
     # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing
     # (compiled) saves their outputs (lower.py _SAVED_COLLECTIVES).
     ckpt = activation_checkpointing != "none"
-    comm = _comm(cfg, lay, sizes, params_, b_local, seq, B, mdt != pdt, batch_axes, grad_accum, ckpt)
-    formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, B, batch_axes)
-    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, str(pdt).removeprefix("torch."),
-                str(mdt).removeprefix("torch."), activation_checkpointing, memory, formulas, comm)
+    comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
+    formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
+    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, _name(pdt), _name(mdt),
+                activation_checkpointing, memory, formulas, comm, _name(cdt), _name(rdt))
 
 
 def _regathers(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
@@ -283,18 +301,20 @@ def _regathers(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
     return any(a in DATA_AXES and a not in c and sizes.get(a, 1) > 1 for s_, c in zip(pp.storage, pp.compute) for a in s_)
 
 
-def _held_gathered(params_: list[_Param], sizes: Mapping[str, int], regather: bool, B: int) -> int:
+def _held_gathered(params_: list[_Param], sizes: Mapping[str, int], regather: bool, B: int, cast: bool) -> int:
     """Bytes of at-use copies of parameters that autograd keeps from forward to backward.
 
-    A parameter whose compute placements differ from its storage is redistributed (a new
-    tensor) at use, and ``F.linear``/the norm's multiply save that copy for backward.  Block
+    A parameter whose compute placements differ from its storage, or every parameter when
+    ``cast`` (the compute dtype differs from the storage's), is redistributed or cast (a
+    new tensor of ``B`` bytes per element) at use, and ``F.linear``/the norm's multiply save
+    that copy for backward.  Block
     parameters gathered over a data axis are not kept (NOTE [re-gather in backward]); the
     embedding table is not kept either (``F.embedding`` saves only the token ids), unless it
     is tied to the output head."""
     out = 0
     for prm in params_:
         pp = prm.plan
-        if [[a for a in d if sizes.get(a, 1) > 1] for d in pp.compute] == \
+        if not cast and [[a for a in d if sizes.get(a, 1) > 1] for d in pp.compute] == \
                 [[a for a in d if sizes.get(a, 1) > 1] for d in pp.storage]:
             continue  # used as stored: the saved tensor is (a view of) the parameter
         if prm.in_block and regather:
@@ -406,7 +426,12 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
             "korthikanti_gpt_16bit_per_layer": korthikanti}
 
 # --------------------------------------------------------------------------- communication
-def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> list[CommEntry]:
+def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> list[CommEntry]:
+    """``nbytes``: element bytes of the storage, compute, reduce and master dtypes: gathers
+    move the compute dtype (cast before the gather), gradient reductions the reduce dtype
+    (the master's at the optimizer step, ZeRO-1), the optimizer's all-gather the storage."""
+    B, CB, RB, MB = nbytes
+    mixed = MB != B
     out: dict[tuple, CommEntry] = {}
     flat: set[tuple] = set()
 
@@ -450,10 +475,10 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
         # mesh with a data axis (lower.py _block_spec)
         member = prm.in_block and bool(data_active) and all(a in DATA_AXES for a, _ in gathers)
         for ax, nb in gathers:
-            add("all_gather", ax, "forward", nb * B, "param gather at use", accum * k,
+            add("all_gather", ax, "forward", nb * CB, "param gather at use", accum * k,
                 bucket="gather" if member else None)
             if regather:
-                add("all_gather", ax, "backward", nb * B, "param re-gather in backward (ZeRO-3)", accum * k,
+                add("all_gather", ax, "backward", nb * CB, "param re-gather in backward (ZeRO-3)", accum * k,
                     bucket="gather" if member else None)
         # Gradient reduction (lower.py _AtUse.backward): the gradient is Partial over each
         # data axis that splits the batch but not the parameter, and, under sequence
@@ -478,14 +503,15 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
         if root_member and phase == "backward":
             rb = ("root", route)
         cur = _local_numel(pp, pp.compute, sizes)
+        GB = RB if phase == "backward" else MB  # ZeRO-1 reduces the master's dtype at the step
         for ax in partial:
             if ax in gaxes:
-                add("reduce_scatter", ax, phase, cur * B, "gradient reduce-scatter", cnt, bucket=rb)
+                add("reduce_scatter", ax, phase, cur * GB, "gradient reduce-scatter", cnt, bucket=rb)
                 cur //= sizes[ax]
         for ax in partial:
             if ax not in gaxes:
                 what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
-                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * B, what, cnt, bucket=rb)
+                add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * GB, what, cnt, bucket=rb)
         # optimizer: refresh the stored parameter from its (sharded) master
         direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
         if not direct:
@@ -500,7 +526,7 @@ def _comm(cfg, lay, sizes, params_, b, s, B, mixed, batch_axes, accum, ckpt) -> 
     # the loss and its weight under a local root)
     for ax in data_batch:
         add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
-    _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt)
+    _activation_comm(cfg, lay, sizes, b, s, CB, add, accum, ckpt)
     return list(out.values())
 
 
@@ -552,7 +578,9 @@ def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:
 
 
 
-def _comm_formula(lay, cfg, psi, sizes, b, s, B, batch_axes) -> dict[str, Any]:
+def _comm_formula(lay, cfg, psi, sizes, b, s, nbytes, batch_axes) -> dict[str, Any]:
+    """``nbytes``: element bytes of the storage, compute and reduce dtypes."""
+    B, CB, RB = nbytes
     out: dict[str, Any] = {}
     data = [a for a in batch_axes if a in DATA_AXES]
     n = _prod(data, sizes)
@@ -560,10 +588,16 @@ def _comm_formula(lay, cfg, psi, sizes, b, s, B, batch_axes) -> dict[str, Any]:
     if n > 1:
         stage3 = any(a in DATA_AXES for v in lay.params.values() for a in v)
         k = 3 if stage3 else 2
-        out["data"] = {"wire_bytes": k * (n - 1) / n * psi / t * B,
-                       "text": f"{k}(N-1)/N·Ψ·B/t with N={n}, t={t} ({'ZeRO-3' if stage3 else 'DDP/ZeRO-1/2'})"}
+        # ZeRO-3: two gathers in the compute dtype + a reduce-scatter in the reduce dtype;
+        # DDP: an all-reduce (reduce-scatter + all-gather) in the reduce dtype; ZeRO-1/2: a
+        # reduce-scatter in the reduce dtype + an all-gather of the stored parameters.
+        per = 2 * CB + RB if stage3 else RB + (RB if lay.name == "ddp" else B)
+        terms = f"2·{CB}+{RB}" if stage3 else f"{RB}+{RB if lay.name == 'ddp' else B}"
+        out["data"] = {"wire_bytes": (n - 1) / n * psi / t * per,
+                       "text": f"{k}(N-1)/N·Ψ·B/t, here (N-1)/N·Ψ/t·({terms} bytes) with N={n}, t={t} "
+                               f"({'ZeRO-3: gathers + reduce-scatter' if stage3 else 'DDP/ZeRO-1/2'})"}
     if t > 1:
-        out["tp"] = {"wire_bytes": 4 * 2 * (t - 1) / t * b * s * cfg.embed * B * cfg.layers,
+        out["tp"] = {"wire_bytes": 4 * 2 * (t - 1) / t * b * s * cfg.embed * CB * cfg.layers,
                      "text": f"4·2(t-1)/t·bsh·B per layer × L={cfg.layers} (TP and TP+SP alike)"}
     return out
 
@@ -580,7 +614,8 @@ def format_plan(p: Plan) -> str:
     gpt = a["korthikanti_gpt_16bit_per_layer"] * a["layers"]
     lines = [
         f"meshlm plan: {p.model}, layout {p.layout}, mesh {_mesh_str(p.mesh)} ({p.world_size} ranks), "
-        f"global batch {p.global_batch} x seq {p.seq}, {p.param_dtype} (master {p.master_dtype}), "
+        f"global batch {p.global_batch} x seq {p.seq}, {p.compute_dtype} compute, {p.param_dtype} storage (master "
+        f"{p.master_dtype}, reduce {p.reduce_dtype}), "
         f"activation checkpointing {p.activation_checkpointing} (blocks: {a['checkpointing']})",
         "",
         f"{'memory per rank':<20}{'predicted':>14}{'formula':>16}",
@@ -694,7 +729,8 @@ def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, s
                activation_checkpointing: str = "none", param_dtype: str = "float32",
                master_dtype: Optional[str] = None, grad_accum: int = 1,
                hardware: "str | Hardware" = "h100_nvlink_ib", overlap: bool = True,
-               layouts: Optional[list[str]] = None) -> list[Candidate]:
+               layouts: Optional[list[str]] = None, compute_dtype: str | None = None,
+               reduce_dtype: str | None = None) -> list[Candidate]:
     """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp) that
     applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
     planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order."""
@@ -714,7 +750,7 @@ def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, s
             try:
                 p = plan(mcfg, lay, m, global_batch=global_batch, seq=seq, grad_accum=grad_accum,
                          activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
-                         master_dtype=master_dtype)
+                         master_dtype=master_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
             except MeshlmError:  # a dim does not divide, or the batch does not split
                 continue
             p.model = name
@@ -733,7 +769,8 @@ def choose_layout(cfg=None, *, model: "str | LlamaConfig" = "llama_small", devic
                   activation_checkpointing: str = "none", param_dtype: str = "float32",
                   master_dtype: Optional[str] = None, grad_accum: int = 1, hardware: str = "auto",
                   overlap: bool = True, png: Optional[str] = None, out=None,
-                  top: int = 5) -> tuple[str, dict[str, int]]:
+                  top: int = 5, compute_dtype: str | None = None,
+                  reduce_dtype: str | None = None) -> tuple[str, dict[str, int]]:
     """``layout=auto``: plan every candidate (:func:`candidates`), drop what does not fit
     ``max_memory`` per device (default: the hardware profile's memory), rank the rest by
     :func:`step_time`, print a ranked table (and write a PNG of the memory of the shown
@@ -745,14 +782,14 @@ def choose_layout(cfg=None, *, model: "str | LlamaConfig" = "llama_small", devic
         kw = _from_run_config(cfg)
         model, devices, global_batch, seq = kw["model"], kw["devices"], kw["global_batch"], kw["seq"]
         activation_checkpointing, param_dtype, grad_accum = kw["ac"], kw["param_dtype"], kw["grad_accum"]
-        master_dtype = kw["master_dtype"]
+        master_dtype, compute_dtype, reduce_dtype = kw["master_dtype"], kw["compute_dtype"], kw["reduce_dtype"]
         max_memory, hardware, overlap, png, top = kw["max_memory"], kw["profile"], kw["overlap"], kw["png"], kw["top"]
     out = out or sys.stdout
     hw = _hardware(hardware)
     cap = parse_memory(max_memory) if max_memory is not None else hw.memory
     rows = candidates(model, devices, global_batch=global_batch, seq=seq, activation_checkpointing=activation_checkpointing,
                       param_dtype=param_dtype, master_dtype=master_dtype, grad_accum=grad_accum, hardware=hw,
-                      overlap=overlap)
+                      overlap=overlap, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     fits = sorted((r for r in rows if r.plan.memory["total"] <= cap),
                   key=lambda r: (r.time["step_s"], r.time["comm_s"], r.plan.memory["total"]))
     if png:
@@ -847,9 +884,11 @@ def _from_run_config(cfg) -> dict[str, Any]:
             raise ConfigError(f"mesh {cfg.mesh} has an axis of -1: set plan.devices to the number of devices")
         devices = math.prod(d.values())
     return {"model": (cfg.model.name, cfg.model.llama()), "devices": devices, "global_batch": t.batch_size,
-            "seq": t.seq_len, "ac": t.activation_checkpointing, "param_dtype": t.param_dtype, "grad_accum": t.grad_accum,
-            # as meshlm.train: float32 masters under lower-precision parameters
-            "master_dtype": "float32" if t.param_dtype != "float32" else None,
+            "seq": t.seq_len, "ac": t.activation_checkpointing, "grad_accum": t.grad_accum,
+            # as meshlm.train (train.shard_dtypes): float32 storage, which is the master copy,
+            # used in train.param_dtype; gradients reduced in train.reduce_dtype (null: float32)
+            "param_dtype": "float32", "master_dtype": None, "compute_dtype": t.param_dtype,
+            "reduce_dtype": t.reduce_dtype or "float32",
             "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
             "top": pc.top, "format": pc.format}
 
@@ -867,6 +906,7 @@ def plan_main(cfg) -> int:
         layout, mesh = choose_layout(model=kw["model"], devices=kw["devices"], max_memory=kw["max_memory"],
                                      global_batch=kw["global_batch"], seq=kw["seq"], activation_checkpointing=kw["ac"],
                                      param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+                                     compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
                                      grad_accum=kw["grad_accum"], hardware=kw["profile"],
                                      overlap=kw["overlap"], png=png, top=kw["top"],
                                      out=sys.stdout if kw["format"] == "text" else io.StringIO())
@@ -874,6 +914,7 @@ def plan_main(cfg) -> int:
             print(f"(memory breakdown of these candidates: {png})\n")
     p = plan(mcfg, layout, MeshSpec.parse(mesh, kw["devices"]), global_batch=kw["global_batch"], seq=kw["seq"],
              activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+             compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
              grad_accum=kw["grad_accum"])
     p.model = name
     if kw["format"] == "json":

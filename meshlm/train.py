@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
+from meshlm.precision import LossScaler
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 
 log = logging.getLogger("meshlm.train")
@@ -124,6 +125,15 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     return n
 
 
+def shard_dtypes(t: TrainConfig) -> dict[str, torch.dtype | None]:
+    """``meshlm.shard`` dtype arguments for ``t``: float32 storage (the master weights),
+    parameters used in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
+    (null: float32) and accumulated in float32 (NOTE [mixed precision] in precision.py)."""
+    cdt = _DTYPES[t.param_dtype]
+    return {"param_dtype": None, "compute_dtype": None if cdt == torch.float32 else cdt,
+            "reduce_dtype": _DTYPES[t.reduce_dtype or "float32"]}
+
+
 def _device(t: TrainConfig) -> torch.device:
     if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -194,11 +204,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     layout = meshlm.load_layout(cfg.layout.name)
     mcfg = cfg.model.llama()
-    pdt = _DTYPES[t.param_dtype]
-    cdt = _DTYPES[t.compute_dtype] if t.compute_dtype else (pdt if pdt != torch.float32 else None)
-    rdt = _DTYPES[t.reduce_dtype] if t.reduce_dtype else None
-    shard_kw = dict(param_dtype=pdt if pdt != torch.float32 else None, compute_dtype=cdt, reduce_dtype=rdt,
-                    overlap=t.overlap)
+    shard_kw = dict(shard_dtypes(t), overlap=t.overlap)
     if cfg.model.init_from:
         from meshlm.hf import load_hf
 
@@ -208,8 +214,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, master_dtype=torch.float32 if pdt != torch.float32 else None,
-                           lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    # fp32 storage is the master copy (NOTE [mixed precision] in meshlm/precision.py)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    scaler = LossScaler() if t.param_dtype == "float16" else None
 
     micro = t.batch_size // t.grad_accum
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
@@ -244,6 +251,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if extra:
             start = int(extra["step"])
             loader.load_state_dict(extra["loader"])
+            if scaler is not None and "loss_scaler" in extra:
+                scaler.load_state_dict(extra["loss_scaler"])
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
@@ -300,7 +309,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                     loss = loss * float("nan")
                 if t.inject_crash_step == step and rank == t.inject_crash_rank:
                     raise RuntimeError(f"injected crash on rank {rank} at step {step} (train.inject_crash_step)")
-                (loss / t.grad_accum).backward()
+                micro_loss = loss / t.grad_accum
+                (scaler.scale_loss(micro_loss) if scaler else micro_loss).backward()
                 loss_sum += float(loss.detach())
             loss_val = loss_sum / t.grad_accum
             if not math.isfinite(loss_val):
@@ -314,9 +324,22 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 if writer:
                     writer.write({"step": step, "loss": None, "lr": lr, "skipped": True})
                 continue
-            gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
-            opt.step()
-            opt.zero_grad()
+            if scaler is not None:  # unscale, one all-reduce for inf/nan, clip, step or skip
+                loss_scale = scaler.scale
+                gnorm, stepped = scaler.step(opt, t.grad_clip)
+                opt.zero_grad()
+                if not stepped:
+                    skipped += 1
+                    log.warning("step %d: float16 gradients overflowed at loss scale %g, step skipped; scale now %g",
+                                step, loss_scale, scaler.scale)
+                    if writer:
+                        writer.write({"step": step, "loss": loss_val, "lr": lr, "skipped": True,
+                                      "loss_scale": loss_scale})
+                    continue
+            else:
+                gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
+                opt.step()
+                opt.zero_grad()
         finally:
             if counter:
                 counter.__exit__(None, None, None)
@@ -341,6 +364,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                                "step_time_s": dt, "peak_mem_bytes": mem}
         if comm_bytes is not None:
             row["comm_bytes"] = comm_bytes
+        if scaler is not None:
+            row["loss_scale"] = scaler.scale
         if step == t.steps or (t.val_every and step % t.val_every == 0):
             val_loss = evaluate()
             row["val_loss"] = val_loss
@@ -356,7 +381,10 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {_fmt_bytes(mem)}", refresh=False)
             bar.update(1)
         if ckpt is not None:
-            ckpt.maybe_save(step, {"step": step, "loader": loader.state_dict()})
+            state = {"step": step, "loader": loader.state_dict()}
+            if scaler is not None:
+                state["loss_scaler"] = scaler.state_dict()
+            ckpt.maybe_save(step, state)
     if bar is not None:
         bar.close()
     if ckpt is not None:

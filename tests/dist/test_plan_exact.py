@@ -94,12 +94,14 @@ def _count_at_use() -> None:
         fn._test_counted = True
 
 
-def _measure(layout: str, mesh_shape: dict, ac: str = "none"):
+def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str = "float32"):
     from meshlm.comm import CommCounter
+    from meshlm.config import TrainConfig
     from meshlm.testing.setup import tiny_sharded
-    from meshlm.train import apply_activation_checkpointing
+    from meshlm.train import apply_activation_checkpointing, shard_dtypes
 
-    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
+    kw = shard_dtypes(TrainConfig(param_dtype=param_dtype))  # as meshlm train shards it
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **kw)
     apply_activation_checkpointing(model, ac)
     _count_at_use()
     cc = CommCounter(mesh)
@@ -140,12 +142,16 @@ MESHES = {
 }
 
 
-def _check(pool, world, layout, ac="none"):
-    from meshlm.plan import plan
+def _check(pool, world, layout, ac="none", param_dtype="float32"):
+    from meshlm.config import load_config
+    from meshlm.plan import _from_run_config, plan
 
     mesh = MESHES[world][layout]
-    got = pool.run(_measure, layout, mesh, ac)[0]
-    p = plan("llama_tiny", layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac)
+    got = pool.run(_measure, layout, mesh, ac, param_dtype)[0]
+    kw = _from_run_config(load_config([f"train.param_dtype={param_dtype}"]))  # the dtypes meshlm plan uses
+    p = plan("llama_tiny", layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac,
+             param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"], compute_dtype=kw["compute_dtype"],
+             reduce_dtype=kw["reduce_dtype"])
     for k in ("params", "grads", "optimizer"):
         assert p.memory[k] == got[k], f"{layout} {mesh} {k}: predicted {p.memory[k]} measured {got[k]}"
     pred_comm = {k: int(v["bytes"]) for k, v in p.comm_summary(by_phase=True).items()}
@@ -175,3 +181,11 @@ def test_plan_exact_checkpointed(pool4, ac):
     train's checkpoint alone decides what a block keeps (the lowering nests none of its
     own in eager mode), and the plan predicts that."""
     _check(pool4, 4, "fsdp_tp_sp", ac)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp_sp", "fsdp_tp"])
+def test_plan_exact_bf16(pool4, layout):
+    """``train.param_dtype=bfloat16`` as ``meshlm train`` runs it (float32 storage and
+    optimizer state, bf16 at use, float32 gradient reductions: NOTE [mixed precision] in
+    meshlm/precision.py): the plan ``meshlm plan`` makes for it is exact too."""
+    _check(pool4, 4, layout, param_dtype="bfloat16")

@@ -171,3 +171,27 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
     assert codes == [0, 0], "\n\n".join(f"node {i} (rc {codes[i]}):\n{outs[i][-3000:]}" for i in (0, 1))
     rows = _metrics(tmp_path)
     assert len(rows) == 5 and json.loads((tmp_path / "summary.json").read_text())["world_size"] == 4
+
+
+def test_float16_trains_with_loss_scaling_like_bfloat16(tmp_path):
+    """train.param_dtype=float16 trains under dynamic loss scaling (the scale in the metrics
+    and in the checkpoint, NOTE [mixed precision] in meshlm/precision.py), step by step
+    close to the same run in bfloat16 (tolerance: meshlm/testing/tolerances.py)."""
+    import torch
+
+    from meshlm.testing.tolerances import FP16_VS_BF16_LOSS_RTOL
+
+    common = [*TINY, "layout=ddp", "mesh=dp2", "train.steps=6", "train.grad_accum=2"]
+    rows = {}
+    for dt in ("bfloat16", "float16"):
+        run_dir = tmp_path / dt
+        extra = [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=3"] if dt == "float16" else []
+        r = meshlm("train", *common, f"train.param_dtype={dt}", *extra, f"hydra.run.dir={run_dir}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows[dt] = _metrics(run_dir)
+    assert [r["step"] for r in rows["float16"]] == list(range(1, 7)) and not any(r.get("skipped") for r in rows["float16"])
+    assert all(r["loss_scale"] == 2.0**16 for r in rows["float16"]), rows["float16"]
+    for a, b in zip(rows["bfloat16"], rows["float16"]):
+        assert abs(a["loss"] - b["loss"]) <= FP16_VS_BF16_LOSS_RTOL * a["loss"], (a, b)
+    saved = torch.load(tmp_path / "ck" / "step_00000006" / "extra.pt", weights_only=False)["extra"]
+    assert saved["loss_scaler"] == {"scale": 2.0**16, "good_steps": 6}, saved

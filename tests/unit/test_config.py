@@ -34,6 +34,7 @@ def test_every_shipped_layout_has_a_conf_entry():
     ("train.compile_comms=host", ["train.compile_comms", "graph", "eager"]),
     ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
     ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
+    ("train.compute_dtype=bfloat16", ["train.compute_dtype", "train.param_dtype=bfloat16", "float32"]),
     ("train.steps=0", ["train.steps", ">= 1"]),
     ("train.steps=abc", ["train.steps", "integer"]),
     ("model.name=gpt2", ["model.name", "llama_tiny"]),
