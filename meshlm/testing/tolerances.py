@@ -25,6 +25,13 @@ GRAD_ATOL_OF_MAX = 1e-5
 STEP_RTOL = 0.0
 STEP_ATOL = 0.0
 
+# One plain-SGD step checked against a reference that steps with its *own* one-device
+# gradients (tests/dist/test_layout_properties.py: the reference borrows nothing from
+# meshlm): p - lr*g differs from the reference by lr times the gradient difference (bounded
+# by GRAD_RTOL and GRAD_ATOL_OF_MAX above, scaled by lr) plus the rounding of the update on
+# each side, at most one ulp of the result each (2 * 2^-24 relative); we allow twice that.
+SGD_STEP_RTOL = 2.0 ** -22
+
 # Initialisation from a seed replays the one-device init order: exact.
 INIT_ATOL = 0.0
 
