@@ -454,7 +454,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
 
     data_batch = [a for a in batch_axes if a in DATA_AXES]
     data_active = [a for a in DATA_AXES if sizes.get(a, 1) > 1]
-    # NOTE [local root] in lower.py: under pure data parallelism the root runs on local
+    # NOTE [local root] in root.py: under pure data parallelism the root runs on local
     # tensors; its parameters that compute uses as stored share one flat gradient
     # reduction, and the loss is combined from (loss x weight, weight).
     local_root = bool(data_active) and _pure_data_parallel(lay, sizes)

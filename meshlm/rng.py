@@ -14,7 +14,7 @@ NOTE [dropout keys]
       element's linear index in the *global* tensor (``keep_mask``).  Each rank computes
       the indices of the elements it holds: from its DTensor placements under a DTensor
       root (``_Handler``), or from its rows of the global batch on local tensors (the local
-      root and local blocks, NOTE [local root] in lower.py, NOTE [local blocks] in
+      root and local blocks, NOTE [local root] in root.py, NOTE [local blocks] in
       bucket.py; ``_ROWS``).  So data-parallel ranks, which hold different rows, draw
       different masks, and the ranks of a tensor-parallel group, which hold the same
       elements of a replicated activation, draw the same mask (Megatron's and torchtitan's
@@ -24,8 +24,8 @@ NOTE [dropout keys]
       backend.  The output is ``x * (keep * 1/(1-p))``, an ordinary autograd multiply.
     - Recomputation redraws the same key: torch.utils.checkpoint restores the RNG state
       before its recompute (``preserve_rng_state``), which covers ``train.activation_
-      checkpointing`` and meshlm's re-gather checkpoints (NOTE [re-gather in backward]),
-      and the local root's fallback restores the RNG state before it runs again.
+      checkpointing`` and meshlm's re-gather checkpoints (NOTE [re-gather in backward]);
+      the root forward itself runs exactly once per call (NOTE [local root] in root.py).
     - torch.compile: the key draw is an ``aten.randint`` in the graph.  aot_eager runs it
       on the global generator, as eager does.  Inductor replaces random ops with its own
       generator unless ``torch._inductor.config.fallback_random`` is set, which
