@@ -7,26 +7,7 @@ on both: clipping and AdamW hide a gradient's scale from the loss curve, not fro
 The workers call ``meshlm.train.run`` (the loop ``meshlm train`` runs) on a module-scoped
 pool, so the 4-process runs share one process group.
 
-NOTE [invariance tolerance]
-    Each step's loss differs between layouts only by the order of fp32 additions (see
-    meshlm/testing/tolerances.py: ~1e-6 relative per reduction, bounded there by
-    LOSS_RTOL = 1e-5 for one step).  Over training these differences feed back through
-    the weights: AdamW's update m/sqrt(v) is O(lr) per element whatever the gradient's size,
-    so a rounding-level gradient difference moves each weight by at most ~lr·(relative
-    gradient error) per step, and the loss after k steps differs by about k times one step's
-    error.  For 12 steps at lr 3e-3 that is ~12 x 1e-5 = 1.2e-4 relative; we allow 3e-4
-    (loss ~5, i.e. 1.5e-3 absolute).  A real bug (a wrong shard, a missing reduction, a
-    batch fed to the wrong rank) changes the loss at step 1 by >1e-2.
-
-    The gradient norm at step 1 (identical weights): each element of the gradient is
-    within GRAD_RTOL·|g_i| + GRAD_ATOL_OF_MAX·max_p of the reference (max_p: the largest
-    entry of its parameter p), so the norm is within GRAD_RTOL·|g| + GRAD_ATOL_OF_MAX·
-    sqrt(Σ_p n_p·max_p²).  For llama_tiny at seed 0 on this config's first batch the second
-    term is 22.7·|g| (|g| = 2.29; computed on one device), so the bound is 1e-5 x 23.7 =
-    2.4e-4 relative: FIRST_NORM_RTOL = 3e-4.  Over 12 steps the same linear growth as for
-    the loss gives 12 x 2.4e-4 = 2.9e-3; with the loss curve's slack (2.5x) NORM_RTOL =
-    7e-3.  A gradient averaged twice or a missing 1/grad_accum doubles or halves the norm:
-    a relative error of 0.5 to 1, over 1000 times FIRST_NORM_RTOL.
+Tolerances: NOTE [invariance tolerance] in meshlm/testing/tolerances.py.
 """
 
 from __future__ import annotations
@@ -38,12 +19,12 @@ import torch.distributed as dist
 
 from meshlm.config import RunConfig, from_dict
 from meshlm.testing import dist_pool_fixture
+from meshlm.testing import tolerances as tol
 
-STEPS = 12
-INVARIANCE_RTOL = 3e-4  # NOTE [invariance tolerance]
-FIRST_STEP_RTOL = 1e-5  # step 1 is one forward on identical weights: LOSS_RTOL
-FIRST_NORM_RTOL = 3e-4  # NOTE [invariance tolerance]
-NORM_RTOL = 7e-3  # NOTE [invariance tolerance]
+STEPS = 12  # INVARIANCE_RTOL and NORM_RTOL are derived for 12 steps
+INVARIANCE_RTOL, NORM_RTOL = tol.INVARIANCE_RTOL, tol.NORM_RTOL
+FIRST_STEP_RTOL = tol.LOSS_RTOL  # step 1 is one forward on identical weights
+FIRST_NORM_RTOL = tol.FIRST_NORM_RTOL
 
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
@@ -53,8 +34,8 @@ CASES = [("ddp", {"dp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}), ("fsdp"
 
 def _cfg(layout: str, mesh: dict, **train) -> RunConfig:
     # min_lr = lr: a constant LR after warmup, so a shorter run follows the reference's first steps.
-    t = dict(steps=STEPS, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-3, warmup_steps=2, val_every=0, val_batches=1,
-             progress=False, count_comm=False, pg_timeout_s=60)
+    t = {"steps": STEPS, "batch_size": 8, "seq_len": 32, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 2,
+         "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False, "pg_timeout_s": 60}
     t.update(train)
     return from_dict({"model": {"name": "llama_tiny"}, "layout": {"name": layout}, "mesh": mesh, "train": t})
 
@@ -68,7 +49,8 @@ def _curves(cfg: RunConfig, run_dir: str) -> dict[str, list[float]]:
 
     run(cfg, run_dir)
     dist.barrier()
-    rows = [json.loads(l) for l in open(Path(run_dir) / "metrics.jsonl")]
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
 
 
