@@ -1,113 +1,277 @@
-"""Parity of a sharded training step against the same weights on one device.
+"""Parity of sharded training against the same training on one device, for any model.
 
-``check_step`` runs inside every rank of a gloo process group (``DistPool.run``): it builds
-the one-device reference and the sharded model from the same seed, runs forward, backward
-and one AdamW step on the same global batch, and asserts (tolerances in
-``meshlm.testing.tolerances``):
+``check_training(layout, mesh_shape, ...)`` runs inside every rank of a gloo process group
+(``DistPool.run``).  For each optimizer it builds two copies of the model from one seed:
+the *reference*, a plain torch model stepped by a plain ``torch.optim`` optimizer on one
+process, and the *sharded* model, lowered by ``meshlm.shard`` and stepped by
+``ShardedOptimizer``.  Both take ``steps`` optimizer steps, each accumulating
+``grad_accum`` micro-batches the way ``meshlm.train`` does (``(loss / grad_accum)
+.backward()``, then step, then ``zero_grad``), on the same global batches (the sharded
+model gets this rank's slice of each).  It asserts (tolerances and their derivation in
+``meshlm.testing.tolerances``, NOTE [tolerances after steps]):
 
 * the sharded initialisation equals the one-device one exactly;
-* the loss and every gradient (as a full tensor) match the reference;
-* every gradient sits where the layout's ``grads`` section puts it;
-* the AdamW step equals the reference step given the same gradients exactly.
+* after every backward, every gradient sits where the layout's ``grads`` section puts it
+  (or Partial over the data axes where it is reduced at the step, ZeRO-1) and none is an
+  ``AsyncCollectiveTensor`` still in flight;
+* at every step, each micro-batch's loss, and the gradient the optimizer actually steps
+  with (``opt.reduce_grads()``, then ``opt.masters()[fqn].grad``: after the ZeRO-1/2
+  reduction at the step, masters included), equal those of a plain torch copy of the model
+  holding the sharded model's current weights (the *probe*; at step 1 the reference itself),
+  within the one-step tolerances;
+* after every step, every parameter, every master and every optimizer state tensor
+  (``opt.inner.state[master]``: SGD's momentum buffer, AdamW's exp_avg, exp_avg_sq and step)
+  equal the reference's within bounds propagated through the optimizer's update rule.
+
+Nothing of the reference comes from the code under test: its gradients are its own, its
+optimizer is torch's, and the probe is a plain torch model given only the gathered weights.
+The model is anything ``build(device, seed)`` returns whose forward returns a scalar loss;
+Llama on token batches is the default (``LlamaBuild``, ``TokenBatches``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from meshlm.testing import tolerances as tol
 
+# The optimizers the harness knows bounds for (NOTE [tolerances after steps]).  SGD's lr is
+# large enough that a gradient off by 2x moves the weights by far more than rounding.
+OPTIMS: dict[str, tuple[type, dict]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}),
+}
 
-def check_step(layout: str, mesh_shape: str, *, compile: Optional[str] = None, model: str = "llama_tiny",
-               batch: int = 8, seq: int = 16, lr: float = 1e-2, seed: int = 0, overlap: Optional[bool] = None,
-               comms: str = "graph", ignored_targets: bool = False, activation_checkpointing: str = "none",
-               **overrides) -> dict:
-    """One training step of ``layout`` on ``mesh_shape`` against one device (loss, every
-    gradient, the AdamW step).  ``ignored_targets``: some label positions are -100
-    (``F.cross_entropy``'s ignore_index), unevenly over the batch rows, so the ranks' loss
-    means have different weights.  Returns the losses, the worst relative gradient error and
-    how many forwards ran on a local root or under DTensor (NOTE [local root] in root.py).
-    Both forwards start from the same global generator state, so a model with dropout
-    (``dropout=0.1`` in ``overrides``) draws the same keys (NOTE [dropout keys] in rng.py);
-    ``activation_checkpointing`` (none, full, selective) wraps the sharded model's blocks as
-    ``meshlm train`` does."""
+
+@dataclass(frozen=True)
+class LlamaBuild:
+    """``build`` for ``check_training``: ``meshlm.models.Llama`` of a named config."""
+
+    model: str = "llama_tiny"
+    overrides: tuple = ()  # (name, value) pairs for llama_config
+
+    def __call__(self, device: str, seed: int) -> nn.Module:
+        from meshlm.models import Llama, llama_config
+
+        return Llama(llama_config(self.model, **dict(self.overrides)), device=device, seed=seed)
+
+
+@dataclass(frozen=True)
+class TokenBatches:
+    """``batches`` for ``check_training``: (tokens, labels) of ``batch`` x ``seq`` random
+    ids, different for every (step, micro-batch).  ``ignored_targets``: some labels are
+    -100 (``F.cross_entropy``'s ignore_index), unevenly over the rows, so the ranks' loss
+    means have different weights."""
+
+    vocab: int = 256
+    batch: int = 8
+    seq: int = 16
+    ignored_targets: bool = False
+    seed: int = 1234
+
+    def __call__(self, step: int, micro: int) -> tuple[tuple, dict]:
+        gen = torch.Generator().manual_seed(self.seed + 1000 * step + micro)
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq), generator=gen)
+        labels = torch.randint(0, self.vocab, (self.batch, self.seq), generator=gen)
+        if self.ignored_targets:  # row 0 keeps 2 of its targets, row 1 none, the last row all but one
+            labels[0, 2:] = -100
+            labels[1] = -100
+            labels[-1, :1] = -100
+        return (tokens, labels), {}
+
+
+def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], nn.Module] | None = None,
+                   batches: Callable[[int, int], tuple[tuple, dict]] | None = None,
+                   input_axes: Mapping[Any, Sequence[str | None]] | None = None,
+                   optims: Sequence[str] = ("sgd", "adamw"), steps: int = 3, grad_accum: int = 2,
+                   compile: str | None = None, comms: str = "graph", overlap: bool | None = None,
+                   shard_kw: dict | None = None, hparams: dict | None = None, seed: int = 0,
+                   from_seed: bool = True, strict: bool = True, activation_checkpointing: str = "none") -> dict:
+    """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
+    side by side and check them (module docstring).
+
+    ``build(device, seed)``: the model on ``device`` ("cpu", or "meta" for a model that
+    ``meshlm.shard`` initialises from ``seed`` shard by shard; ``from_seed=False`` shards a
+    "cpu" model's own weights instead).  ``batches(step, micro)``: the global
+    ``(args, kwargs)`` of a micro-batch; every tensor in them is split with
+    ``meshlm.shard_batch``, along ``input_axes[i]`` (positional) or ``input_axes[name]``
+    (keyword) where given.  ``optims``: keys of ``OPTIMS``, each on its own pair of model
+    copies, its hyperparameters updated from ``hparams[name]``.  ``compile``: a
+    ``torch.compile`` backend for ``meshlm.compile.compile_blocks``; ``comms``, ``overlap``
+    and ``shard_kw`` go to it and to ``meshlm.shard``.  ``strict=False`` reports instead of
+    raising.
+
+    Returns per optimizer the worst error/tolerance ratio of each checked quantity
+    (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
+    on a local root or under DTensor (``root``; NOTE [local root] in meshlm/root.py).
+    """
     import meshlm
-    from meshlm.compile import compile_blocks
     from meshlm import root
-    from meshlm.lower import placements, shard_state
-    from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
     from meshlm.train import apply_activation_checkpointing
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     torch._dynamo.reset()
-    cfg = llama_config(model, **overrides)
-    gen = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
-    labels = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
-    if ignored_targets:  # row 0 keeps 2 of its targets, row 1 none, the last row all but one
-        labels[0, 2:] = -100
-        labels[1] = -100
-        labels[-1, :1] = -100
-
-    ref = Llama(cfg, seed=seed)
-    torch.manual_seed(seed)
-    ref_loss = ref(tokens, labels)
-    ref_loss.backward()
-    ref_params = dict(ref.named_parameters())
-
     mesh = meshlm.make_mesh(mesh_shape)
-    model_ = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=seed, overlap=overlap)
-    for n, p in model_.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=tol.INIT_ATOL,
-                                   msg=lambda m, n=n: f"init of {n}: {m}")
-    apply_activation_checkpointing(model_, activation_checkpointing)
-    if compile:
-        compile_blocks(model_, compile, comms=comms)
-    opt = ShardedOptimizer(model_, torch.optim.AdamW, lr=lr)
-    roots = dict(root.ROOT_STATS)
-    torch.manual_seed(seed)
-    loss = model_(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh))
-    roots = {k: root.ROOT_STATS[k] - v for k, v in roots.items()}
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    job = _Job(layout, mesh, build or LlamaBuild(), batches or TokenBatches(), dict(input_axes or {}),
+               grad_accum, strict)
+    before = dict(root.ROOT_STATS)
+    worst, losses = {}, {}
+    for name in optims:
+        cls, hp = OPTIMS[name]
+        hp = {**hp, **(hparams or {}).get(name, {})}
+        model = meshlm.shard(job.build("meta" if from_seed else "cpu", seed), layout, mesh, seed=seed,
+                             overlap=overlap, **(shard_kw or {}))
+        ref = job.build("cpu", seed)
+        refp = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(_full(p), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL,
+                                       msg=lambda m, n=n: f"init of {n}: {m}")
+        apply_activation_checkpointing(model, activation_checkpointing)
+        if compile:
+            from meshlm.compile import compile_blocks
 
-    st = shard_state(model_)
-    worst = 0.0
-    full_grads = {}
-    for n, p in model_.named_parameters():
-        g = p.grad
-        assert isinstance(g, DTensor), f"grad of {n} is not a DTensor"
-        plan = st.plans[n]
-        if plan.grads is not None:
-            want = placements(plan.grads, mesh)
-            assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
-        else:  # ZeRO-1: unreduced over the data axes until the step
-            assert any(pl.is_partial() for pl in g.placements) or mesh.size() == 1, f"grad of {n}: {g.placements}"
-        assert not isinstance(g._local_tensor, AsyncCollectiveTensor), f"grad of {n} is still in flight after backward"
-        full = g.full_tensor()
-        full_grads[n] = full
-        r = ref_params[n].grad
-        scale = float(r.abs().max())
-        torch.testing.assert_close(full, r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * scale,
-                                   msg=lambda m, n=n: f"grad of {n}: {m}")
-        worst = max(worst, float((full - r).abs().max()) / max(scale, 1e-30))
+            compile_blocks(model, compile, comms=comms)
+        worst[name], losses[name] = job.train(name, cls, hp, model, ref, seed, steps)
+    return {"worst": worst, "loss": losses, "root": {k: root.ROOT_STATS[k] - v for k, v in before.items()}}
 
-    # The step: the reference optimizer gets the gradients the sharded optimizer steps with
-    # (for ZeRO-1 those are reduced at the step, possibly in another summation order than
-    # full_tensor() used above), gathered whole: gathering moves bits without arithmetic.
-    opt.reduce_grads()
-    stepped = {n: m.grad for n, m in opt.masters().items()}
-    for n, p in ref_params.items():
-        g = stepped[n]
-        p.grad = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    ref_opt.step()
-    opt.step()
-    for n, p in model_.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=tol.STEP_RTOL, atol=tol.STEP_ATOL,
-                                   msg=lambda m, n=n: f"AdamW step of {n}: {m}")
-    return {"loss": float(loss), "ref_loss": float(ref_loss), "worst_grad_rel": worst, "root": roots}
+
+def _full(t: Tensor | None) -> Tensor | None:
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _forward_seed(seed: int, step: int, micro: int) -> int:
+    return 7919 * seed + 1000 * step + micro
+
+
+def _accumulate(model: nn.Module, micro_batches: list, grad_accum: int, seed: int, step: int) -> list[Tensor]:
+    """Forward and ``(loss / grad_accum).backward()`` per micro-batch, as meshlm.train does."""
+    losses = []
+    for j, (args, kwargs) in enumerate(micro_batches):
+        torch.manual_seed(_forward_seed(seed, step, j))
+        loss = model(*args, **kwargs)
+        (loss / grad_accum).backward()
+        losses.append(_full(loss))
+    return losses
+
+
+@dataclass
+class _Job:
+    layout: str
+    mesh: Any
+    build: Callable
+    batches: Callable
+    input_axes: dict
+    grad_accum: int
+    strict: bool
+
+    def _check(self, what: str, err: Tensor, bound: Tensor, worst: dict, key: str) -> None:
+        r = tol.ratio(err, bound)
+        worst[key] = max(worst.get(key, 0.0), r)
+        if self.strict and not r <= 1.0:
+            i = int(torch.argmax((err.abs() - bound).reshape(-1))) if err.numel() else 0
+            raise AssertionError(f"{self.layout} on {self.mesh.shape}: {what} exceeds its tolerance {r:.3g}x "
+                                 f"(element {i}: error {float(err.reshape(-1)[i]):.3g}, tolerance "
+                                 f"{float(bound.reshape(-1)[i]):.3g}; meshlm/testing/tolerances.py)")
+
+    def _shard(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
+        import meshlm
+
+        def one(key, x):
+            if not isinstance(x, Tensor):
+                return x
+            axes = self.input_axes.get(key)
+            return meshlm.shard_batch(x, self.layout, self.mesh, None if axes is None else tuple(axes))
+
+        return [one(i, a) for i, a in enumerate(args)], {k: one(k, v) for k, v in kwargs.items()}
+
+    def train(self, name: str, cls: type, hp: dict, model: nn.Module, ref: nn.Module, seed: int,
+              steps: int) -> tuple[dict, list]:
+        from meshlm.optim import ShardedOptimizer
+
+        opt = ShardedOptimizer(model, cls, **hp)
+        ref_opt = cls(ref.parameters(), **hp)
+        refp = dict(ref.named_parameters())
+        bounds = {n: tol.StepBounds() for n in refp}
+        probe: nn.Module | None = None
+        worst: dict = {}
+        losses = []
+        for k in range(1, steps + 1):
+            micro = [self.batches(k, j) for j in range(self.grad_accum)]
+            weights = {n: _full(p) for n, p in model.named_parameters()}
+            ref_losses = _accumulate(ref, micro, self.grad_accum, seed, k)
+            if all(torch.equal(weights[n], p) for n, p in refp.items()):
+                probe_losses, probe_grads = ref_losses, {n: p.grad for n, p in refp.items()}
+            else:  # the reference has drifted by rounding: a plain copy at the sharded weights
+                probe = probe or self.build("cpu", seed)
+                with torch.no_grad():
+                    for n, p in probe.named_parameters():
+                        p.copy_(weights[n])
+                        p.grad = None
+                probe_losses = _accumulate(probe, micro, self.grad_accum, seed, k)
+                probe_grads = {n: p.grad for n, p in probe.named_parameters()}
+            for j, (args, kwargs) in enumerate(micro):
+                a, kw = self._shard(args, kwargs)
+                torch.manual_seed(_forward_seed(seed, k, j))
+                loss = model(*a, **kw)
+                (loss / self.grad_accum).backward()
+                self._check_placed(model)
+                loss = _full(loss)
+                losses.append(float(loss))
+                self._check(f"{name} step {k} micro-batch {j}: loss", loss - probe_losses[j],
+                            tol.LOSS_RTOL * probe_losses[j].abs(), worst, "loss")
+            # the gradients the optimizer steps with: reduced at the step (ZeRO-1/2), on the masters
+            opt.reduce_grads()
+            masters = opt.masters()
+            for n, m in masters.items():
+                gp = probe_grads[n]
+                self._check(f"{name} step {k}: gradient of {n} the optimizer steps with", _full(m.grad) - gp,
+                            tol.grad_tol(gp), worst, "grad")
+            old = {n: p.detach().clone() for n, p in refp.items()}
+            ref_opt.step()
+            opt.step()
+            mine_p = dict(model.named_parameters())
+            for n, p in refp.items():
+                st = ref_opt.state[p]
+                bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach())
+                bound = bounds[n].bound
+                self._check(f"{name} step {k}: parameter {n}", _full(mine_p[n]) - p.detach(),
+                            bound["param"], worst, "param")
+                self._check(f"{name} step {k}: master of {n}", _full(masters[n]).to(p.dtype) - p.detach(),
+                            bound["param"], worst, "param")
+                mine = opt.inner.state[masters[n]]
+                for key, val in st.items():
+                    if key == "step":
+                        assert float(_full(mine[key])) == float(val), f"{name} step {k}: step count of {n}"
+                        continue
+                    self._check(f"{name} step {k}: optimizer state {key} of {n}", _full(mine[key]) - val,
+                                bound[key], worst, "state")
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        return worst, losses
+
+    def _check_placed(self, model: nn.Module) -> None:
+        """Every gradient where the layout's ``grads`` section puts it, settled."""
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        from meshlm.lower import placements, shard_state
+
+        st = shard_state(model)
+        for n, p in model.named_parameters():
+            g = p.grad
+            assert isinstance(g, DTensor), f"grad of {n} is not a DTensor"
+            plan = st.plans[n]
+            if plan.grads is not None:
+                want = placements(plan.grads, self.mesh)
+                assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
+            else:  # ZeRO-1: unreduced over the data axes until the step
+                assert any(pl.is_partial() for pl in g.placements) or self.mesh.size() == 1, \
+                    f"grad of {n}: {g.placements}"
+            assert not isinstance(g._local_tensor, AsyncCollectiveTensor), \
+                f"grad of {n} is still in flight after backward"

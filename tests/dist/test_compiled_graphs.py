@@ -6,14 +6,20 @@ another sharded model in the same process (the tp_sp layout on an fsdp x tp mesh
 blocks re-gather without checkpointing), the outputs of the compiled block came back
 on a DeviceMesh object Dynamo had not guarded on and the block compiled a second time
 (seen with torch 2.13; the mechanism inside DTensor is not pinned down yet).  A training
-process builds one model, which is what this checks.
+process builds one model, which is what this checks: every case gets fresh workers of its
+own (a function-scoped pool), so no case depends on which ran before it.
 """
 
 import pytest
 
-from meshlm.testing import dist_pool_fixture
+from meshlm.testing import DistPool
 
-pool4 = dist_pool_fixture(4, timeout_s=60)
+
+@pytest.fixture
+def pool4():
+    """4 fresh workers per test (module docstring)."""
+    with DistPool(4, timeout_s=60) as p:
+        yield p
 
 
 def _dynamo_graphs(layout, mesh, comms="graph"):

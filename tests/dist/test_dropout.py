@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import check_step
+from meshlm.testing.parity import LlamaBuild, TokenBatches, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -21,22 +21,22 @@ PARITY_4 = [("ddp", "dp=4"), ("fsdp_tp", "fsdp=2,tp=2")]
 
 
 def _ok(res):
-    for r in res:
-        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"])
-    assert len({r["loss"] for r in res}) == 1, "ranks disagree on the loss"
-    # The dropout really is on: the same step without it has another loss.
-    assert all(abs(r["loss"] - r["nodrop_loss"]) > 1e-4 for r in res), res
+    """check_training raised on any loss, gradient, parameter or optimizer-state mismatch;
+    here: every rank saw the same losses, and the dropout really is on (the same first
+    micro-batch without it has another loss)."""
+    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
+    assert all(abs(r["loss"]["sgd"][0] - r["nodrop_loss"]) > 1e-4 for r in res), res
 
 
 def _step(layout, mesh, **kw):
-    """check_step with dropout, and the loss of the same model without dropout."""
+    """check_training (plain SGD, 2 steps of 2 micro-batches) of a Llama with dropout, and
+    the first micro-batch's loss of the same model without dropout."""
     from meshlm.models import Llama, llama_config
 
-    out = check_step(layout, mesh, dropout=P, **kw)
-    gen = torch.Generator().manual_seed(1234)  # check_step's batch
-    tokens = torch.randint(0, 256, (8, 16), generator=gen)
-    labels = torch.randint(0, 256, (8, 16), generator=gen)
-    out["nodrop_loss"] = float(Llama(llama_config("llama_tiny")).forward(tokens, labels))
+    out = check_training(layout, mesh, build=LlamaBuild(overrides=(("dropout", P),)), optims=("sgd",), steps=2,
+                         **kw)
+    args, _kw = TokenBatches()(1, 0)
+    out["nodrop_loss"] = float(Llama(llama_config("llama_tiny")).forward(*args))
     return out
 
 
