@@ -609,7 +609,7 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    _materialize(model, plans, mesh, seed if init else None, param_dtype)
+    _materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype)
     if reduce_dtype is None:
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype)
@@ -788,7 +788,12 @@ def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
 
 
 def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
-                 param_dtype: Optional[torch.dtype] = None) -> None:
+                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+    """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
+    gradients, NOTE [main grads] in main_grad.py), each parameter also gets this rank's
+    optimizer-placement block of its initial weights in ``master_dtype``, before they are
+    rounded to the storage dtype (``main_grad.INIT_MASTER``), which ``ShardedOptimizer``
+    takes as the master: a bf16-stored model keeps its float32 initialisation."""
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
@@ -820,10 +825,18 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 full = p.detach()
             pl = placements(plans[fqn].storage, mesh)
             local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
+            src = full.to("cpu") if full.device.type != dev.type else full
             local = local.to(dev, dtype=param_dtype or p.dtype).clone().contiguous()
+            stride = torch.empty(plans[fqn].shape, device="meta").stride()
             dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
-                                    stride=torch.empty(plans[fqn].shape, device="meta").stride())
+                                    stride=stride)
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if master_dtype is not None and master_dtype != local.dtype and p.requires_grad:
+                opl = placements(plans[fqn].optimizer, mesh)
+                init = local_slice(src, mesh, opl).to(dev, dtype=master_dtype).clone().contiguous()
+                setattr(m._parameters[n], main_grad.INIT_MASTER,
+                        DTensor.from_local(init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                           stride=stride))
     _check_no_shared_params(model)
 
 

@@ -22,6 +22,11 @@ NOTE [main grads]
     (``grads``, ``grad_norm``, clipping, the loss scaler, ``opt.masters()[fqn].grad``)
     sees float32.
 
+    The master starts from the float32 initial weights, not from the bf16 parameters:
+    ``shard`` keeps this rank's optimizer block of them (4 bytes x Ψ/N, the master's own
+    memory, made early) until ``ShardedOptimizer`` takes it, so a bf16-stored model trains
+    from the same weights as a float32 one.
+
     With overlap (NOTE [overlapped reduction] in bucket.py) the reduced gradient may still
     be in flight when the bucket's backward returns: it is added at the end of the
     backward pass, after waiting for it.  The add runs in the backward's Python code, so
@@ -39,12 +44,23 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 ATTR = "main_grad"
+INIT_MASTER = "_meshlm_init_master"  # the initial weights in the master's dtype and placements
 _PENDING: list = []  # (parameter, reduced gradient still in flight)
 
 
 def get(p: Tensor) -> Optional[Tensor]:
     """The parameter's main gradient, or None (none yet, or not a main-grad parameter)."""
     return getattr(p, ATTR, None)
+
+
+def take_init_master(p: Tensor) -> Optional[DTensor]:
+    """The parameter's initial weights before rounding to its storage dtype (in the
+    optimizer's placements; ``lower._materialize``), once: the optimizer takes them as
+    its master."""
+    init = getattr(p, INIT_MASTER, None)
+    if init is not None:
+        setattr(p, INIT_MASTER, None)
+    return init
 
 
 def release(p: Tensor) -> None:

@@ -69,8 +69,11 @@ class ShardedOptimizer:
             mdt = master_dtype or (st.grad_dtype if st.grad_dtype is not None else p.dtype)
             direct = tuple(p.placements) == opt_pl and mdt == p.dtype and plan.grads is not None \
                 and placements(plan.grads, st.mesh) == opt_pl
+            init = main_grad.take_init_master(p)  # the unrounded initial weights (NOTE [main grads])
             if direct:
                 master = p
+            elif init is not None and init.dtype == mdt and tuple(init.placements) == opt_pl:
+                master = nn.Parameter(init)
             else:
                 view = _shard_view(p, opt_pl) if mdt == p.dtype else None
                 with torch.no_grad():
