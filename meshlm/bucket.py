@@ -41,7 +41,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops
+from meshlm import _dtensor_ops, main_grad
 
 
 # torch 2.13 renamed funcol.reduce_scatter_tensor (now a deprecated alias that warns on
@@ -75,6 +75,7 @@ class Bucket:
     reduce_dtype: Optional[torch.dtype]
     local: bool  # NOTE [local blocks]: may run on plain local tensors
     overlap: bool = False  # NOTE [overlapped reduction]
+    grad_dtype: Optional[torch.dtype] = None  # NOTE [main grads] in main_grad.py: where it differs from a member's
 
 
 # Buckets are referred to by index from traced code (an int is a constant to torch.compile).
@@ -493,6 +494,9 @@ class _Gather(torch.autograd.Function):
             g = _dtensor_ops.wrap(xs[j], b.mesh, pls[j], gshape, m.stride)
             if tuple(g.placements) != targets[j]:  # anything else: per parameter
                 g = g.redistribute(b.mesh, targets[j])
+            if b.grad_dtype is not None and b.grad_dtype != m.dtype:  # NOTE [main grads]: none to autograd
+                main_grad.accumulate(ctx.params[j], g, b.grad_dtype)
+                continue
             if g.dtype != m.dtype:
                 g = g.to(m.dtype)
             if isinstance(g._local_tensor, funcol.AsyncCollectiveTensor):

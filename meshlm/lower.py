@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate, bucket, precision, rng
+from meshlm import _dtensor_ops, annotate, bucket, main_grad, precision, rng
 from meshlm.annotate import is_block, param_axes_of
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
@@ -173,11 +173,13 @@ class _AtUse(torch.autograd.Function):
     reduce dtype; with local grads (ZeRO-1) Partial stays Partial until the optimizer step."""
 
     @staticmethod
-    def forward(ctx, p, compute, grads, dtype, reduce_dtype, regather):  # type: ignore[override]
+    def forward(ctx, p, compute, grads, dtype, reduce_dtype, regather, grad_dtype=None):  # type: ignore[override]
         ctx.storage = p.placements
         ctx.grads = grads
         ctx.pdtype = p.dtype
         ctx.reduce_dtype = reduce_dtype
+        # NOTE [main grads] in main_grad.py: the reduced gradient goes to p.main_grad
+        ctx.main = (p, grad_dtype) if grad_dtype is not None and grad_dtype != p.dtype else None
         _GATHERING[0] += int(regather)
         try:
             x = p if dtype is None or p.dtype == dtype else p.to(dtype)
@@ -206,20 +208,23 @@ class _AtUse(torch.autograd.Function):
             g = g.redistribute(g.device_mesh, first)
         # Unconditional: a no-op when the placements already agree at run time.
         g = g.redistribute(g.device_mesh, target)
+        if ctx.main is not None:
+            main_grad.accumulate(ctx.main[0], g, ctx.main[1])
+            return None, None, None, None, None, None, None
         if g.dtype != ctx.pdtype:
             g = g.to(ctx.pdtype)
-        return g, None, None, None, None, None
+        return g, None, None, None, None, None, None
 
 
-# What each at-use parameter does (compute, grads, dtype, reduce_dtype, regather), by key:
+# What each at-use parameter does (compute, grads, dtype, reduce_dtype, regather, grad_dtype), by key:
 # ``_at_use`` takes the key, not the placements, because torch 2.11's Dynamo cannot pass
 # Placement objects into an allow_in_graph function ("Missing as_proxy()"); an int it can.
 _AT_USE: list[tuple] = []
 _AT_USE_KEYS: dict[tuple, int] = {}
 
 
-def _at_use_key(compute, grads, dtype, reduce_dtype, regather) -> int:
-    args = (tuple(compute), None if grads is None else tuple(grads), dtype, reduce_dtype, bool(regather))
+def _at_use_key(compute, grads, dtype, reduce_dtype, regather, grad_dtype=None) -> int:
+    args = (tuple(compute), None if grads is None else tuple(grads), dtype, reduce_dtype, bool(regather), grad_dtype)
     if args not in _AT_USE_KEYS:
         _AT_USE_KEYS[args] = len(_AT_USE)
         _AT_USE.append(args)
@@ -507,6 +512,7 @@ class ShardState:
     plans: dict[str, ParamPlan]
     compute_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    grad_dtype: Optional[torch.dtype] = None  # NOTE [main grads] in main_grad.py
     # Plain copies of the mesh's names and sizes: traced code must not read attributes off
     # the DeviceMesh (an opaque object to torch.compile).
     sizes: dict[str, int] = field(default_factory=dict)
@@ -568,6 +574,7 @@ def shard(
     param_dtype: Optional[torch.dtype] = None,
     compute_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    grad_dtype: Optional[torch.dtype] = None,
     overlap: Optional[bool] = None,
     bucket: bool = True,
 ) -> nn.Module:
@@ -584,7 +591,13 @@ def shard(
     dtype is a float narrower than 32 bits (FSDP2's MixedPrecisionPolicy and Megatron reduce
     in fp32 too), else the gradient's own dtype; an explicit ``reduce_dtype`` wins.  Mixed
     precision as ``meshlm train`` runs it (FSDP2's semantics): fp32 storage (the master
-    weights), ``compute_dtype=torch.bfloat16``, so gradients reach ``.grad`` in fp32.  ``overlap`` leaves each block's gradient reduction in
+    weights), ``compute_dtype=torch.bfloat16``, so gradients reach ``.grad`` in fp32.
+    ``grad_dtype`` (None: each parameter's storage dtype) is the dtype gradients are
+    accumulated in: where it differs from a parameter's storage dtype, the reduced gradient
+    goes to ``param.main_grad`` in ``grad_dtype`` and ``.grad`` stays None (NOTE [main
+    grads] in main_grad.py; ``ShardedOptimizer`` reads it), as ``meshlm train`` runs ZeRO-1/2
+    under mixed precision: ``param_dtype=compute_dtype=torch.bfloat16``,
+    ``reduce_dtype=grad_dtype=torch.float32``.  ``overlap`` leaves each block's gradient reduction in
     flight while backward goes on (NOTE [overlapped reduction] in bucket.py; default: on
     for a CUDA mesh, off on CPU).  ``bucket=False`` turns off per-block flat collectives
     (NOTE [block buckets]): every parameter then moves on its own, a reference for the
@@ -596,17 +609,17 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    _materialize(model, plans, mesh, seed if init else None, param_dtype)
+    _materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype)
     if reduce_dtype is None:
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
-    st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype)
+    st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype)
     st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]
         use = _UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh),
                        regather=_needs_regather(pp))
-        use.key = _at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather)
+        use.key = _at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather, grad_dtype)
         by_module.setdefault(id(m), (m, {}))[1][name] = use
     for m, uses in by_module.values():
         m.__class__ = _sharded_class(type(m), tuple(uses), False)
@@ -711,7 +724,7 @@ def _register_bucket(st: ShardState, members: Sequence[bucket.Member], local: bo
     return bucket.register(bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
                                          tuple(st.sizes[n] for n in names),
                                          tuple(i for i, n in enumerate(names) if n in DATA_AXES), tuple(members),
-                                         st.compute_dtype, st.reduce_dtype, local, st.overlap))
+                                         st.compute_dtype, st.reduce_dtype, local, st.overlap, st.grad_dtype))
 
 
 def _allow_conduit_under_checkpoint() -> None:
@@ -775,7 +788,12 @@ def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
 
 
 def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
-                 param_dtype: Optional[torch.dtype] = None) -> None:
+                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+    """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
+    gradients, NOTE [main grads] in main_grad.py), each parameter also gets this rank's
+    optimizer-placement block of its initial weights in ``master_dtype``, before they are
+    rounded to the storage dtype (``main_grad.INIT_MASTER``), which ``ShardedOptimizer``
+    takes as the master: a bf16-stored model keeps its float32 initialisation."""
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
@@ -807,10 +825,18 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 full = p.detach()
             pl = placements(plans[fqn].storage, mesh)
             local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
+            src = full.to("cpu") if full.device.type != dev.type else full
             local = local.to(dev, dtype=param_dtype or p.dtype).clone().contiguous()
+            stride = torch.empty(plans[fqn].shape, device="meta").stride()
             dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
-                                    stride=torch.empty(plans[fqn].shape, device="meta").stride())
+                                    stride=stride)
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if master_dtype is not None and master_dtype != local.dtype and p.requires_grad:
+                opl = placements(plans[fqn].optimizer, mesh)
+                init = local_slice(src, mesh, opl).to(dev, dtype=master_dtype).clone().contiguous()
+                setattr(m._parameters[n], main_grad.INIT_MASTER,
+                        DTensor.from_local(init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                           stride=stride))
     _check_no_shared_params(model)
 
 

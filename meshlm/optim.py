@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from meshlm import main_grad
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
 
@@ -64,11 +65,15 @@ class ShardedOptimizer:
                 continue
             plan = st.plans[fqn]
             opt_pl = placements(plan.optimizer, st.mesh)
-            mdt = master_dtype or p.dtype
+            # a parameter with main gradients (NOTE [main grads]) gets a master in their dtype
+            mdt = master_dtype or (st.grad_dtype if st.grad_dtype is not None else p.dtype)
             direct = tuple(p.placements) == opt_pl and mdt == p.dtype and plan.grads is not None \
                 and placements(plan.grads, st.mesh) == opt_pl
+            init = main_grad.take_init_master(p)  # the unrounded initial weights (NOTE [main grads])
             if direct:
                 master = p
+            elif init is not None and init.dtype == mdt and tuple(init.placements) == opt_pl:
+                master = nn.Parameter(init)
             else:
                 view = _shard_view(p, opt_pl) if mdt == p.dtype else None
                 with torch.no_grad():
@@ -94,27 +99,32 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Bring every gradient into optimizer placements and dtype (once per step)."""
+        """Bring every gradient into optimizer placements and dtype (once per step).  A
+        parameter's gradient is its ``main_grad`` where it has one (NOTE [main grads]),
+        else its ``.grad``."""
         if self._ready:
             return
-        moving, targets, keys = [], [], []
+        moving: dict = {}  # chunk -> [(param, master)]
         for (_fqn, p, m), key in zip(self._pairs, self._keys):
             if m is p:
                 continue
-            g = p.grad
+            g = main_grad.get(p)
+            g = p.grad if g is None else g
             if g is None:
                 m.grad = None
-                continue
-            g = g.to(m.dtype)
-            if tuple(g.placements) != tuple(m.placements):
-                moving.append((m, g))
-                targets.append(m.placements)
-                keys.append(key)
+            elif tuple(g.placements) != tuple(m.placements):
+                moving.setdefault(key, []).append((p, m))
             else:
+                m.grad = g.to(m.dtype)
+        # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), chunk by
+        # chunk: a chunk's main gradients are released once it is reduced (NOTE [main grads])
+        for key, pms in moving.items():
+            gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in pms]
+            out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
+            del gs
+            for (p, m), g in zip(pms, out):
                 m.grad = g
-        # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks])
-        for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets, keys)):
-            m.grad = g
+                main_grad.release(p)
         self._ready = True
 
     def grads(self) -> list[Tensor]:
@@ -210,6 +220,7 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _fqn, p, m in self._pairs:
             p.grad = None
+            main_grad.release(p)
             if m is not p:
                 m.grad = None
         self._ready = False

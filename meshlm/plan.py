@@ -37,7 +37,7 @@ from meshlm.lower import ParamPlan, _pure_data_parallel, plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import Llama, LlamaConfig, llama_config
 from meshlm.optim import outside_chunks
-from meshlm.precision import default_reduce_dtype
+from meshlm.precision import default_reduce_dtype, train_dtypes
 
 SCHEMA_VERSION = 1
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -227,8 +227,11 @@ def plan(
     ``compute_dtype`` the parameters at use and the activations (None: the storage),
     ``reduce_dtype`` the gradient reductions (None: as ``shard``, float32 under a narrower
     compute or storage dtype), ``master_dtype`` the optimizer's (None: the storage).
-    ``meshlm train`` stores float32 and computes in ``train.param_dtype`` (NOTE [mixed
-    precision] in meshlm/precision.py; :func:`_from_run_config`)."""
+    ``param_dtype="auto"`` is what ``meshlm train`` chooses for this layout and mesh
+    (``precision.train_dtypes``, NOTE [mixed precision] in meshlm/precision.py;
+    :func:`_from_run_config`): float32 storage used in ``compute_dtype``, or for ZeRO-1/2
+    under a narrower ``compute_dtype`` storage in it with float32 main gradients (NOTE
+    [main grads] in meshlm/main_grad.py) and a float32 master."""
     name, cfg = model_config(model)
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
@@ -236,11 +239,18 @@ def plan(
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: choose none, selective or full")
     params_ = _param_plans(cfg, lay, sizes)
+    gdt = None  # main gradients' dtype (NOTE [main grads] in main_grad.py), None: none
+    if param_dtype == "auto":
+        td = train_dtypes(_dtype(compute_dtype), _dtype(reduce_dtype) if reduce_dtype else None, lay, sizes)
+        param_dtype, compute_dtype, reduce_dtype = td["param_dtype"] or "float32", td["compute_dtype"], td["reduce_dtype"]
+        gdt = td["grad_dtype"]
     pdt = _dtype(param_dtype)
-    mdt = _dtype(master_dtype, pdt)
+    gdt = gdt if gdt != pdt else None
+    mdt = _dtype(master_dtype, gdt or pdt)
     cdt = _dtype(compute_dtype, pdt)
     rdt = _dtype(reduce_dtype, default_reduce_dtype(cdt, [pdt]) or pdt)
     B, MB = _bytes(pdt), _bytes(mdt)
+    GB = _bytes(gdt) if gdt is not None else B  # gradients as accumulated
     CB, RB = _bytes(cdt), _bytes(rdt)
     batch_axes = _batch_axes(lay, sizes)
     n_batch = _prod(batch_axes, sizes) * grad_accum
@@ -257,7 +267,7 @@ def plan(
         n_opt = _local_numel(pp, pp.optimizer, sizes)
         params += k * n_store * B
         gplan = pp.grads if pp.grads is not None else pp.storage  # ZeRO-1: whole local grads
-        grads += k * _local_numel(pp, gplan, sizes) * B
+        grads += k * _local_numel(pp, gplan, sizes) * GB
         direct = pp.optimizer == pp.storage and pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt
         # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
         optim += k * (2 * n_opt * MB + 4)
@@ -265,15 +275,17 @@ def plan(
             if not (mdt == pdt and _master_is_view(pp, sizes)):
                 optim += k * n_opt * MB  # the master copy
             # the master's gradient is a new buffer unless the grad already is in optimizer
-            # placements and dtype (ZeRO-2 in fp32: the same tensor)
-            if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt):
+            # placements and dtype (ZeRO-2 in fp32: the same tensor), or main gradients
+            # become it (ZeRO-2: the same tensor; ZeRO-1: each chunk's main gradients are
+            # released as it is reduce-scattered, so the shards never add to their peak)
+            if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt) and gdt is None:
                 grads += k * n_opt * MB
 
     psi = cfg.num_params()
     t = sizes.get("tp", 1)
     formulas: dict[str, Any] = {
         "psi": psi,
-        "zero": _zero_formula(lay, psi, _shard_n(lay, sizes), t, B, MB),
+        "zero": _zero_formula(lay, psi, _shard_n(lay, sizes), t, B, MB, GB if gdt is not None else None),
     }
 
     # ---------------------------------------------------------------- activations
@@ -336,9 +348,10 @@ def _batch_axes(lay: Layout, sizes: Mapping[str, int]) -> list[str]:
     return [a for a in lay.compute.get("batch", ()) if sizes.get(a, 1) > 1]
 
 
-def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dict[str, Any]:
+def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int, GB: Optional[int] = None) -> dict[str, Any]:
     """ZeRO-paper model-state bytes per rank for this layout's stage, TP dividing by t.
-    (Uses Ψ of the whole model; replicated norms make the exact figure a little larger.)"""
+    (Uses Ψ of the whole model; replicated norms make the exact figure a little larger.)
+    ``GB``: main gradients of that many bytes (NOTE [main grads]), None: none."""
     stage = {"zero1": 1, "zero2": 2}.get(lay.name)
     if stage is None:
         stage = 3 if any(a in DATA_AXES for v in lay.params.values() for a in v) else 0
@@ -346,11 +359,15 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int) -> dic
     # hsdp shards over fsdp only
     p = psi / t
     params = p * B / (nn_ if stage == 3 else 1)
-    grads = p * B / (nn_ if stage >= 2 else 1) + (p * MB / nn_ if MB != B else 0)  # + the master's grad
+    if GB is not None:  # main gradients become the master's: no second buffer
+        grads = p * GB / (nn_ if stage >= 2 else 1)
+    else:
+        grads = p * B / (nn_ if stage >= 2 else 1) + (p * MB / nn_ if MB != B else 0)  # + the master's grad
     opt = p * (2 * MB) / (nn_ if stage >= 1 else 1) + (p * MB / nn_ if (stage in (1, 2) or MB != B) else 0)
+    gtext = (f"main grads {GB}Ψ/{'N' if stage >= 2 else '1'}" if GB is not None else
+             f"grads {B}Ψ/{'N' if stage >= 2 else '1'}{f' + master grads {MB}Ψ/N' if MB != B else ''}")
     return {"stage": stage, "params": params, "grads": grads, "optimizer": opt,
-            "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, grads {B}Ψ/{'N' if stage >= 2 else '1'}"
-                    f"{f' + master grads {MB}Ψ/N' if MB != B else ''}, "
+            "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, {gtext}, "
                     f"Adam {2 * MB}Ψ/{'N' if stage >= 1 else '1'} (+ master {MB}Ψ/N if separate), Ψ/t with t={t}"}
 
 
@@ -876,6 +893,8 @@ def _plot(plans: list[Plan], path: str, cap: Optional[float] = None) -> None:
 # --------------------------------------------------------------------------- entry point
 def _from_run_config(cfg) -> dict[str, Any]:
     """What the planner needs from a :class:`meshlm.config.RunConfig`."""
+    from meshlm.train import main_grads_allowed
+
     t, pc = cfg.train, cfg.plan
     devices = pc.devices
     if devices is None:
@@ -886,8 +905,11 @@ def _from_run_config(cfg) -> dict[str, Any]:
     return {"model": (cfg.model.name, cfg.model.llama()), "devices": devices, "global_batch": t.batch_size,
             "seq": t.seq_len, "ac": t.activation_checkpointing, "grad_accum": t.grad_accum,
             # as meshlm.train (train.shard_dtypes): float32 storage, which is the master copy,
-            # used in train.param_dtype; gradients reduced in train.reduce_dtype (null: float32)
-            "param_dtype": "float32", "master_dtype": None, "compute_dtype": t.param_dtype,
+            # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
+            # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
+            # gradients reduced in train.reduce_dtype (null: float32)
+            "param_dtype": "auto" if main_grads_allowed(t) else "float32", "master_dtype": None,
+            "compute_dtype": t.param_dtype,
             "reduce_dtype": t.reduce_dtype or "float32",
             "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
             "top": pc.top, "format": pc.format}

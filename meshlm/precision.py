@@ -2,15 +2,39 @@
 
 NOTE [mixed precision]
     ``meshlm train`` runs mixed precision with FSDP2's semantics (its MixedPrecisionPolicy;
-    Megatron's fp32 gradient reduction and accumulation are the same): the stored shards
-    are float32 and are the master weights (the optimizer keeps no second copy); parameters
-    are cast to ``train.param_dtype`` at use, before any gather (so ZeRO-3's gathers move
-    half the bytes); the cast's backward returns the gradient to float32 before it is
-    reduced (``reduce_dtype``: float32), so gradients are reduced, accumulated over
-    micro-batches in ``.grad``, clipped and applied in float32.  The at-use cast is
-    ``lower._AtUse`` (per parameter) and ``bucket._compute_locals`` (a block's flat gather);
-    their backwards (``_AtUse.backward``, ``bucket._Gather.backward``) cast to the reduce
-    dtype, reduce, and cast to the storage dtype.
+    Megatron's fp32 gradient reduction and accumulation are the same): parameters are cast
+    to ``train.param_dtype`` at use, before any gather (so ZeRO-3's gathers move half the
+    bytes); the cast's backward returns the gradient to float32 before it is reduced
+    (``reduce_dtype``: float32), so gradients are reduced, accumulated over micro-batches,
+    clipped and applied in float32, and the optimizer's master weights and AdamW state are
+    float32.  Where the parameters are stored is chosen per layout and mesh so that the
+    model state is at its floor (:func:`train_dtypes`, :func:`splits_master`):
+
+    * the optimizer keeps its state where the parameters are stored (ddp, fsdp, hsdp, tp,
+      fsdp_tp...): the stored shards are float32 and are the master (the optimizer keeps no
+      second copy); ``.grad`` is float32.  4 bytes of storage per stored element, where a
+      bf16 copy plus a float32 master would take 2 + 4.
+    * the optimizer shards over a data axis what the parameters store whole (zero1, zero2
+      on more than one rank): the stored parameters are bf16 (the at-use copy is then the
+      parameter itself: nothing is cast or kept), and the optimizer keeps a sharded float32
+      master (``ShardedOptimizer``'s master dtype follows the gradients').  Autograd would
+      give a bf16 parameter a bf16 ``.grad``, so gradients go to float32 *main gradients*
+      instead (NOTE [main grads] in main_grad.py): ZeRO-2 reduce-scatters in float32
+      straight into a sharded float32 main gradient, ZeRO-1 accumulates its local float32
+      gradient and reduce-scatters it at the step.  2 bytes per element stored whole plus
+      (4 + 12)/N per element sharded, where float32 storage took 4 whole (+ 4/N or 4
+      whole of gradient).  Under ``torch.compile`` with ``compile_comms=graph`` the
+      reductions are traced into the block graphs, where main gradients cannot be added
+      to: those runs keep float32 storage.
+
+    Per-rank model state with AdamW, Ψ parameters, N data-parallel ranks: ddp 16Ψ (+2Ψ of
+    bf16 at-use copies autograd keeps for backward), zero1 2Ψ + 4Ψ + 12Ψ/N, zero2
+    2Ψ + 16Ψ/N, fsdp 16Ψ/N (+ one block's gathered bf16 copy while it runs), tensor
+    parallel divided by t (``tests/dist/test_memory_floor.py`` measures it, peak
+    included).  The at-use cast is ``lower._AtUse`` (per parameter) and
+    ``bucket._compute_locals`` (a block's flat gather); their backwards
+    (``_AtUse.backward``, ``bucket._Gather.backward``) cast to the reduce dtype, reduce,
+    and cast to the storage dtype or add into the main gradient.
 
     float16 also needs loss scaling (its smallest normal number is 6e-5: small gradients of
     activations underflow, large ones overflow at 65504): :class:`LossScaler`.  bfloat16 has
@@ -21,12 +45,39 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 log = logging.getLogger("meshlm.precision")
+
+
+def splits_master(layout, sizes: Mapping[str, int]) -> bool:
+    """Whether ``layout``'s optimizer shards, over a data axis of size > 1 in ``sizes``, a
+    parameter dimension that its storage (``params``) keeps whole: ZeRO-1/2 (NOTE [mixed
+    precision])."""
+    from meshlm.axes import DATA_AXES
+
+    stored = {a for v in layout.params.values() for a in v}
+    return any(a in DATA_AXES and a not in stored and sizes.get(a, 1) > 1
+               for v in layout.optimizer_rules.values() for a in v)
+
+
+def train_dtypes(param_dtype: torch.dtype, reduce_dtype: torch.dtype | None = None, layout=None,
+                 sizes: Mapping[str, int] | None = None, main_grads: bool = True) -> dict[str, torch.dtype | None]:
+    """``meshlm.shard`` dtype arguments for training in ``param_dtype`` (NOTE [mixed
+    precision]): float32 storage, used in ``param_dtype``, or, where ``layout`` on a mesh
+    of ``sizes`` :func:`splits_master` (and ``main_grads``: the reductions run eagerly),
+    storage in ``param_dtype`` with float32 main gradients.  Gradients are reduced in
+    ``reduce_dtype`` (None: float32)."""
+    rdt = reduce_dtype or torch.float32
+    narrow = param_dtype.is_floating_point and param_dtype.itemsize < 4
+    if narrow and main_grads and layout is not None and splits_master(layout, sizes or {}):
+        return {"param_dtype": param_dtype, "compute_dtype": param_dtype, "reduce_dtype": rdt,
+                "grad_dtype": torch.float32}
+    return {"param_dtype": None, "compute_dtype": None if param_dtype == torch.float32 else param_dtype,
+            "reduce_dtype": rdt, "grad_dtype": None}
 
 
 def default_reduce_dtype(compute_dtype: torch.dtype | None,

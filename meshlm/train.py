@@ -125,13 +125,23 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     return n
 
 
-def shard_dtypes(t: TrainConfig) -> dict[str, torch.dtype | None]:
-    """``meshlm.shard`` dtype arguments for ``t``: float32 storage (the master weights),
-    parameters used in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
-    (null: float32) and accumulated in float32 (NOTE [mixed precision] in precision.py)."""
-    cdt = _DTYPES[t.param_dtype]
-    return {"param_dtype": None, "compute_dtype": None if cdt == torch.float32 else cdt,
-            "reduce_dtype": _DTYPES[t.reduce_dtype or "float32"]}
+def shard_dtypes(t: TrainConfig, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
+    """``meshlm.shard`` dtype arguments for ``t`` under ``layout`` on a mesh of ``sizes``
+    (NOTE [mixed precision] in precision.py, ``precision.train_dtypes``): parameters used
+    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype`` (null: float32)
+    and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
+    under a narrower ``train.param_dtype``, storage in that dtype with float32 main
+    gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
+    from meshlm.precision import train_dtypes
+
+    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype or "float32"], layout, sizes,
+                        main_grads=main_grads_allowed(t))
+
+
+def main_grads_allowed(t: TrainConfig) -> bool:
+    """Main gradients are added in eager Python code (NOTE [main grads] in main_grad.py):
+    not inside compiled block graphs (``train.compile`` with ``compile_comms=graph``)."""
+    return t.compile == "none" or t.compile_comms == "eager"
 
 
 def _device(t: TrainConfig) -> torch.device:
@@ -204,7 +214,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     layout = meshlm.load_layout(cfg.layout.name)
     mcfg = cfg.model.llama()
-    shard_kw = dict(shard_dtypes(t), overlap=t.overlap)
+    from meshlm.mesh import mesh_spec
+
+    shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
     if cfg.model.init_from:
         from meshlm.hf import load_hf
 
@@ -214,7 +226,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
-    # fp32 storage is the master copy (NOTE [mixed precision] in meshlm/precision.py)
+    # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
+    # (NOTE [mixed precision] in meshlm/precision.py)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     scaler = LossScaler() if t.param_dtype == "float16" else None
 

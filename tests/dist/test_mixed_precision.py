@@ -23,12 +23,18 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 DATA_AXES = ("dp", "fsdp")
 
 
-def _train_shard_kwargs(param_dtype: str) -> dict:
-    """What ``meshlm train`` passes to ``meshlm.shard`` for ``train.param_dtype``."""
+def _train_shard_kwargs(param_dtype: str, layout: str | None = None, mesh=None) -> dict:
+    """What ``meshlm train`` passes to ``meshlm.shard`` for ``train.param_dtype`` under
+    ``layout`` on ``mesh`` (a dict or ``"dp=2"``; NOTE [mixed precision] in precision.py)."""
+    import meshlm
     from meshlm.config import TrainConfig
+    from meshlm.mesh import MeshSpec
     from meshlm.train import shard_dtypes
 
-    return shard_dtypes(TrainConfig(param_dtype=param_dtype))
+    if layout is None:
+        return shard_dtypes(TrainConfig(param_dtype=param_dtype))
+    sizes = dict(MeshSpec.parse(mesh).axes)
+    return shard_dtypes(TrainConfig(param_dtype=param_dtype), meshlm.load_layout(layout), sizes)
 
 
 # --------------------------------------------------------------------------- (a) collective dtypes
@@ -40,7 +46,7 @@ def _collectives_job(layout: str, mesh_shape: dict, how: str):
     from meshlm.comm import CommCounter
     from meshlm.testing.setup import tiny_sharded
 
-    kw = _train_shard_kwargs("bfloat16") if how == "train" else {"compute_dtype": torch.bfloat16}
+    kw = _train_shard_kwargs("bfloat16", layout, mesh_shape) if how == "train" else {"compute_dtype": torch.bfloat16}
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=4, seq=8, **kw)
     cc = CommCounter(mesh)
     with cc:
@@ -123,7 +129,8 @@ def _accumulate_job(layout: str, mesh_shape: str, accum: int, kw: dict, small: f
     for x, y in zip(xs, ys):
         loss = model(meshlm.shard_batch(x, layout, mesh), meshlm.shard_batch(y, layout, mesh))
         (loss / accum * loss_scale).backward()
-    g = model._parameters["w"].grad  # the stored parameter (model.w is its at-use copy)
+    p = model._parameters["w"]  # the stored parameter (model.w is its at-use copy)
+    g = p.grad if getattr(p, "main_grad", None) is None else p.main_grad  # NOTE [main grads]
     dtype = str(g._local_tensor.dtype)
     got = g.full_tensor().double() / loss_scale
     # the fp32 one-device reference, the same micro-batches accumulated in float32; and the
@@ -141,7 +148,7 @@ def _accumulate_job(layout: str, mesh_shape: str, accum: int, kw: dict, small: f
     return dtype, got, ref.w.grad.double(), abs_sum
 
 
-@pytest.mark.parametrize("layout,mesh", [("ddp", "dp=2"), ("fsdp", "fsdp=2")])
+@pytest.mark.parametrize("layout,mesh", [("ddp", "dp=2"), ("fsdp", "fsdp=2"), ("zero1", "dp=2"), ("zero2", "dp=2")])
 def test_bf16_accumulation_is_fp32(pool2, layout, mesh):
     """grad_accum=4 on 2 ranks (K = 8 terms): the gradient ``meshlm train`` accumulates is
     float32 and within ``accumulated_grad_atol`` of the fp32 one-device gradient; storing
@@ -156,7 +163,8 @@ def test_bf16_accumulation_is_fp32(pool2, layout, mesh):
     from meshlm.testing.tolerances import accumulated_grad_atol
 
     accum, terms = 4, 8
-    dtype, got, ref, abs_sum = pool2.run(_accumulate_job, layout, mesh, accum, _train_shard_kwargs("bfloat16"))[0]
+    kw = _train_shard_kwargs("bfloat16", layout, mesh)  # zero1/zero2: bf16 storage, fp32 main grads
+    dtype, got, ref, abs_sum = pool2.run(_accumulate_job, layout, mesh, accum, kw)[0]
     assert dtype == "torch.float32", f"{layout}: gradient accumulated in {dtype}"
     atol = accumulated_grad_atol(abs_sum, terms)
     err = (got - ref).abs()
@@ -269,3 +277,76 @@ def test_grad_norm_reduces_over_the_mesh_groups(pool4):
     for records, device, norm, ref_norm in pool4.run(_norm_job):
         assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
         assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
+
+
+# --------------------------------------------------------------------------- (d) ZeRO-1/2 at the floor
+def _zero_bf16_job(layouts, steps: int = 3, accum: int = 2):
+    """llama_tiny, ``steps`` AdamW steps of ``accum`` micro-batches, as ``meshlm train``
+    shards each of ``layouts`` in bf16 on dp=2: per step the loss, the float32 gradients
+    the optimizer steps with (gathered), and the parameters at the end (as float32)."""
+    import meshlm
+    from meshlm.models import llama_config
+    from meshlm.testing.setup import tiny_sharded
+
+    cfg = llama_config("llama_tiny")
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab, (4, 9), generator=gen) for _ in range(steps * accum)]
+    out = {}
+    for layout in layouts:
+        kw = _train_shard_kwargs("bfloat16", layout, {"dp": 2})
+        mesh, model, opt, _x, _y = tiny_sharded(layout, {"dp": 2}, batch=4, seq=8, **kw)
+        losses, grads = [], []
+        for s in range(steps):
+            total = 0.0
+            for k in range(accum):
+                toks = batches[s * accum + k]
+                x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
+                y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+                loss = model(x, y)
+                (loss / accum).backward()
+                total += float(loss.detach()) / accum
+            opt.reduce_grads()
+            grads.append({f: m.grad.full_tensor().float() for f, m in opt.masters().items()})
+            assert all(m.grad.dtype == torch.float32 for m in opt.masters().values())
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        params = {n: p.full_tensor().float() for n, p in model.named_parameters()}
+        out[layout] = {"losses": losses, "grads": grads, "params": params,
+                       "dtype": str(next(iter(model.parameters())).dtype)}
+    return out
+
+
+def test_zero_bf16_storage_matches_fp32_storage(pool2):
+    """ZeRO-1/2 in bf16 store bf16 parameters with a sharded fp32 master (started from the
+    fp32 initial weights) and fp32 main gradients; ddp stores fp32 (the master) and casts
+    at use.  Both compute with the same bf16 weights (the stored bf16 parameter is the fp32
+    master rounded once, as the at-use cast rounds it), make the same local bf16
+    gradients, and reduce and accumulate them in float32; what differs is the order of the
+    float32 sums (ddp and zero2 reduce each micro-batch and then accumulate, zero1
+    accumulates locally and reduces at the step).  So over 3 steps of 2 micro-batches the
+    losses and the optimizer's gradients agree within the fp32 summation-order tolerances
+    (``LOSS_RTOL``, ``GRAD_RTOL``/``GRAD_ATOL_OF_MAX``, meshlm/testing/tolerances.py), and
+    the stored parameters equal the fp32 reference's rounded to bf16, within one bf16 ulp
+    (2·``BF16_UNIT_ROUNDOFF`` relative) where an fp32-order difference in the master moves
+    it across a rounding boundary.  Measured (2 ranks): losses and zero2's gradients
+    bitwise equal, zero1's gradients within 7.2e-9 of the largest entry at step 3,
+    parameters bitwise equal.  A master started from the bf16-rounded weights instead
+    fails the loss check from step 2 on (3e-5 relative)."""
+    from meshlm.testing.tolerances import BF16_UNIT_ROUNDOFF, GRAD_ATOL_OF_MAX, GRAD_RTOL, LOSS_RTOL
+
+    r = pool2.run(_zero_bf16_job, ["ddp", "zero1", "zero2"])[0]
+    ref = r["ddp"]
+    assert ref["dtype"] == "torch.float32"
+    for layout in ("zero1", "zero2"):
+        got = r[layout]
+        assert got["dtype"] == "torch.bfloat16", f"{layout}: stored in {got['dtype']}"
+        for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), f"{layout} step {s}: loss {a} vs {b}"
+        for s, (g, h) in enumerate(zip(got["grads"], ref["grads"])):
+            for f, want in h.items():
+                tol = GRAD_RTOL * want.abs() + GRAD_ATOL_OF_MAX * want.abs().max()
+                assert bool(((g[f] - want).abs() <= tol).all()), f"{layout} step {s} {f}: {(g[f] - want).abs().max()}"
+        for n, want in ref["params"].items():
+            err = (got["params"][n] - want.bfloat16().float()).abs()
+            assert bool((err <= 2 * BF16_UNIT_ROUNDOFF * want.abs()).all()), f"{layout} {n}: {err.max()}"

@@ -100,7 +100,10 @@ def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str =
     from meshlm.testing.setup import tiny_sharded
     from meshlm.train import apply_activation_checkpointing, shard_dtypes
 
-    kw = shard_dtypes(TrainConfig(param_dtype=param_dtype))  # as meshlm train shards it
+    import meshlm
+
+    # as meshlm train shards it (NOTE [mixed precision] in meshlm/precision.py)
+    kw = shard_dtypes(TrainConfig(param_dtype=param_dtype), meshlm.load_layout(layout), mesh_shape)
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **kw)
     apply_activation_checkpointing(model, ac)
     _count_at_use()
@@ -112,6 +115,7 @@ def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str =
         ptrs = {_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), x, y, loss]}
         act, gathered = held.held(ptrs)
         loss.backward()
+        grads_bwd = _grad_storages(model, opt)
         with cc.phase("optimizer"):
             opt.step()
 
@@ -124,13 +128,27 @@ def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str =
         return seen
 
     params = nbytes(model.parameters())
-    grads = nbytes([p.grad for p in model.parameters()] + [m.grad for m in opt.masters().values()])
+    # gradients at whichever of the end of backward and the step holds more (ZeRO-1's main
+    # gradients are released as the step reduces them: NOTE [main grads] in meshlm/main_grad.py)
+    grads = _grad_storages(model, opt)  # live now (a freed one's address may be reused since)
+    grad_bytes = max(sum(v for k, v in d.items() if k not in params) for d in (grads_bwd, grads))
     state = nbytes([v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
                    + [m for fqn, m in opt.masters().items() if all(m is not p for p in model.parameters())])
     comm = {k: int(v["bytes"]) for k, v in cc.summary(by_phase=True).items()}
-    return {"params": sum(params.values()), "grads": sum(v for k, v in grads.items() if k not in params),
+    return {"params": sum(params.values()), "grads": grad_bytes,
             "optimizer": sum(v for k, v in state.items() if k not in params and k not in grads),
             "activations": act, "gathered": gathered, "comm": comm}
+
+
+def _grad_storages(model, opt) -> dict[int, int]:
+    """Storage pointer -> bytes of every gradient: ``.grad``, ``main_grad`` and the masters'."""
+    out = {}
+    for t in ([p.grad for p in model.parameters()] + [getattr(p, "main_grad", None) for p in model.parameters()]
+              + [m.grad for m in opt.masters().values()]):
+        if t is not None:
+            st = _local(t).untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
 
 
 MESHES = {
