@@ -61,3 +61,92 @@ def test_reduced_loss_gradients_on_batch_sharded_inputs(pool4, mesh, rows):
     (shard_batch refuses uneven row splits, so only even ones are checked)."""
     for r in pool4.run(_losses_job, mesh, rows):
         assert r == {name: True for name in LOSSES}
+
+
+# --------------------------------------------------------------------------- NOTE [local view]
+def _local_view_job(mesh_shape):
+    """A user's attention-style ``o.transpose(1, 2).flatten(2, 3)`` on a DTensor whose local
+    tensor a redistribute left contiguous while its global strides say (b, s, h, d)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshlm
+    from meshlm import _dtensor_ops
+    from meshlm.testing import tolerances as tol
+
+    _dtensor_ops.install()
+    mesh = meshlm.make_mesh(mesh_shape)
+    n = mesh.size()
+    g = torch.Generator().manual_seed(0)
+    x0, w = torch.randn(2, 3, 4 * n, generator=g), torch.randn(5, 4 * n, generator=g)
+
+    def f(x, w, heads):  # (b, s, heads * d) -> heads -> back, then a projection
+        o = x.unflatten(-1, (heads, -1)).transpose(1, 2) * 2.0
+        return F.linear(o.transpose(1, 2).flatten(2, 3), w)
+
+    x = x0.clone().requires_grad_()
+    ref = f(x, w, 2 * n).sin().sum()
+    ref.backward()
+    xd = distribute_tensor(x0, mesh, [Replicate()] * mesh.ndim).requires_grad_()
+    wd = distribute_tensor(w, mesh, [Replicate()] * mesh.ndim)
+    o = xd.unflatten(-1, (2 * n, -1)).transpose(1, 2)  # (b, h, s, d), strides of (b, s, h, d)
+    # Shard the heads and gather them back: the local tensor comes back contiguous in
+    # (b, h, s, d) while the DTensor keeps the global strides of the transpose.
+    o = o.redistribute(mesh, [Shard(1)] * mesh.ndim).redistribute(mesh, [Replicate()] * mesh.ndim) * 2.0
+    assert o.transpose(1, 2).is_contiguous() and not o._local_tensor.transpose(1, 2).is_contiguous()
+    got = F.linear(o.transpose(1, 2).flatten(2, 3), wd).sin().sum()
+    got.backward()
+    torch.testing.assert_close(got.full_tensor(), ref, rtol=tol.LOSS_RTOL, atol=0)
+    torch.testing.assert_close(xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL,
+                               atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max()))
+    # Where the local tensor can be viewed, the result is still a view of it (no copy).
+    v = distribute_tensor(x0, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
+    assert v.view(2, 3 * 4 * n)._local_tensor.data_ptr() == v._local_tensor.data_ptr()
+    return True
+
+
+@pytest.mark.parametrize("mesh", ["tp=4", "dp=2,tp=2"])
+def test_view_of_a_gathered_transpose(pool4, mesh):
+    """NOTE [local view]: the view DTensor allows from its global strides, on a local
+    tensor whose layout differs, is a copy (as reshape) with one device's values and
+    gradients, not a raw "view size is not compatible" error."""
+    assert all(pool4.run(_local_view_job, mesh))
+
+
+# --------------------------------------------------------------------------- NOTE [strided unflatten]
+def _strided_unflatten_job(mesh_shape):
+    """(batch, seq, vocab) with seq sharded over both mesh dims, flattened to rows for a
+    loss (DTensor: two _StridedShards) and unflattened back, as the flatten's backward does."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import meshlm
+    from meshlm import _dtensor_ops
+    from meshlm.testing import tolerances as tol
+
+    _dtensor_ops.install()
+    mesh = meshlm.make_mesh(mesh_shape)
+    g = torch.Generator().manual_seed(0)
+    x0, t = torch.randn(3, 8, 5, generator=g), torch.randn(3, 8, 5, generator=g)
+    x = x0.clone().requires_grad_()
+    ref = (x.flatten(0, 1).sin() * t.flatten(0, 1)).sum()
+    ref.backward()
+    pl = [Shard(1)] * mesh.ndim
+    xd = distribute_tensor(x0, mesh, pl).requires_grad_()
+    flat = xd.flatten(0, 1)
+    assert all(type(p).__name__ == "_StridedShard" for p in flat.placements), flat.placements
+    back = flat.view(3, 8, 5)  # DTensor's own view rule raises here (torch 2.13)
+    assert tuple(back.placements) == tuple(pl)
+    assert back._local_tensor.data_ptr() == xd._local_tensor.data_ptr()  # still a view
+    torch.testing.assert_close(back.full_tensor(), x0, rtol=0, atol=0)
+    got = (flat.sin() * distribute_tensor(t, mesh, pl).flatten(0, 1)).sum()
+    got.backward()
+    torch.testing.assert_close(got.full_tensor(), ref, rtol=tol.LOSS_RTOL, atol=0)
+    torch.testing.assert_close(xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL,
+                               atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max()))
+    return True
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=2,fsdp=2"])
+def test_unflatten_of_seq_sharded_over_two_mesh_dims(pool4, mesh):
+    """NOTE [strided unflatten]: the view back of rows flattened from a sequence sharded
+    over two mesh dims, and the gradient through the flatten, as on one device."""
+    assert all(pool4.run(_strided_unflatten_job, mesh))

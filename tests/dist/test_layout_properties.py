@@ -24,7 +24,7 @@ more (with ``MESHLM_HYPOTHESIS_SEED=<int>`` for other, still reproducible, draws
 
 Real bugs it found that are not fixed yet are listed in ``KNOWN_BUGS`` (a generated case
 failing with one of those signatures is tallied, not failed) and pinned by minimal repros
-marked ``xfail(strict=True)``.  The default run takes about a minute on a loaded 2-core machine.
+marked ``xfail(strict=True)``; the fixed ones keep their repros as plain tests.  The default run takes about a minute on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -228,17 +228,12 @@ def _fqns(model_kwargs: dict) -> set:
 # A generated case that fails with one of these signatures counts as "known bug" instead of
 # failing the run (so the property keeps guarding everything else); each has a minimal
 # repro below that runs strictly, as xfail(strict=True): fixing the bug turns it into an
-# XPASS failure, and then its entry here goes.
-KNOWN_BUGS = {
-    "view size is not compatible with input tensor's size and stride":
-        "a raw RuntimeError from DTensor's local aten.view at Attention's "
-        "o.transpose(1, 2).flatten(2, 3) (in forward, or in backward) when attention's q and k/v "
-        "get different compute placements (heads sharded but not kv_heads, or the reverse, with "
-        "heads == kv_heads), or when compute shards embed or head_dim (see BUG_VIEW_* below)",
-    "Cannot unflatten tensor with _StridedShard placement":
-        "a raw RuntimeError from DTensor's view sharding propagation in backward when compute "
-        "shards seq over two mesh axes (seq: [dp, tp] or [dp, fsdp] on a 2-D mesh; BUG_STRIDED_SEQ)",
-}
+# XPASS failure, and then its entry here goes.  None is open: the two found so far (a raw
+# "view size is not compatible" from DTensor's local aten.view, NOTE [local view], and a raw
+# "Cannot unflatten tensor with _StridedShard placement" in backward with seq over two mesh
+# axes, NOTE [strided unflatten], both in meshlm/_dtensor_ops.py) are fixed, and their
+# repros are FIXED_BUGS below, held to one device's numbers.
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _event(in_hypothesis: bool, what: str) -> None:
@@ -310,12 +305,16 @@ EXAMPLES = {
         _case("fsdp=2,tp=2", FSDP_TP, heads=4, kv_heads=2, vocab=30, embed=12, mlp=20, layers=2)],
 }
 
-# Minimal repros of KNOWN_BUGS (found by this property), run without tolerance.
-BUG_VIEW_HEADS = _case("tp=2", {"params": {}, "compute": {"heads": "tp"}})
+# Minimal repros of bugs this property found, now fixed; each must match one device.
+# Raw "view size is not compatible ..." from DTensor's local aten.view (NOTE [local view]):
+BUG_VIEW_HEADS = _case("tp=2", {"params": {}, "compute": {"heads": "tp"}})  # q sharded, k/v not
 BUG_VIEW_KV_HEADS = _case("tp=2", {"params": {}, "compute": {"kv_heads": "tp"}})
 BUG_VIEW_EMBED = _case("dp=2", {"params": {}, "compute": {"embed": "dp"}})
 BUG_VIEW_HEAD_DIM = _case("tp=2", {"params": {}, "compute": {"head_dim": "tp"}}, head_dim=4)
+BUG_VIEW_FORWARD = _case("dp=2,fsdp=2", {"params": {}, "compute": {"batch": ["dp", "tp"], "embed": "fsdp"}})
+# Raw "Cannot unflatten tensor with _StridedShard placement" in backward (NOTE [strided unflatten]):
 BUG_STRIDED_SEQ = _case("dp=2,tp=2", {"params": {}, "compute": {"seq": ["dp", "tp"]}})
+BUG_STRIDED_SEQ_FSDP = _case("dp=2,fsdp=2", {"params": {}, "compute": {"seq": ["dp", "fsdp"]}})
 
 
 def _run_property(pool, n: int) -> Counter:
@@ -353,25 +352,31 @@ def test_layout_property_4_ranks(pool4):
     _covers_both(_run_property(pool4, 4))
 
 
-_BUG = "attention's q and k/v (or embed, head_dim) sharded differently in compute: raw RuntimeError " \
-       "'view size is not compatible ...' in backward instead of one device's gradients or a MeshlmError"
-
-
-_XFAIL = pytest.mark.xfail(strict=True, raises=WorkerError, reason=_BUG)
+def _matches_one_device(pool, case) -> None:
+    """The property for ``case`` with no tolerance, and its outcome must be one device's
+    numbers (loss, gradients, an SGD step), not an error."""
+    outcomes: Counter = Counter()
+    check_case(pool, case, outcomes, tolerate_known=False)
+    assert outcomes == Counter(ok=1), dict(outcomes)
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(BUG_VIEW_HEADS, id="heads-not-kv_heads", marks=_XFAIL),
-    pytest.param(BUG_VIEW_KV_HEADS, id="kv_heads-not-heads", marks=_XFAIL),
-    pytest.param(BUG_VIEW_EMBED, id="embed", marks=_XFAIL),
-    pytest.param(BUG_VIEW_HEAD_DIM, id="head_dim", marks=_XFAIL),
+    pytest.param(BUG_VIEW_HEADS, id="heads-not-kv_heads"),
+    pytest.param(BUG_VIEW_KV_HEADS, id="kv_heads-not-heads"),
+    pytest.param(BUG_VIEW_EMBED, id="embed"),
+    pytest.param(BUG_VIEW_HEAD_DIM, id="head_dim"),
 ])
-def test_known_bug_repros(pool2, case):
-    """The minimal cases of KNOWN_BUGS, held to the property with no tolerance."""
-    check_case(pool2, case, Counter(), tolerate_known=False)
+def test_fixed_bug_repros_2_ranks(pool2, case):
+    """Once raw DTensor errors (NOTE [local view]); now one device's numbers."""
+    _matches_one_device(pool2, case)
 
 
-@pytest.mark.xfail(strict=True, raises=WorkerError, reason="seq sharded over two mesh axes: a raw _StridedShard "
-                   "RuntimeError in backward instead of one device's gradients or a MeshlmError")
-def test_known_bug_repro_seq_over_two_axes(pool4):
-    check_case(pool4, BUG_STRIDED_SEQ, Counter(), tolerate_known=False)
+@pytest.mark.parametrize("case", [
+    pytest.param(BUG_VIEW_FORWARD, id="view-in-forward"),
+    pytest.param(BUG_STRIDED_SEQ, id="seq-over-dp-tp"),
+    pytest.param(BUG_STRIDED_SEQ_FSDP, id="seq-over-dp-fsdp"),
+])
+def test_fixed_bug_repros_4_ranks(pool4, case):
+    """Once raw DTensor errors (NOTE [local view], NOTE [strided unflatten]); now one
+    device's numbers."""
+    _matches_one_device(pool4, case)
