@@ -157,14 +157,16 @@ def apply_tp(model: BaselineLlama, tp_mesh, sequence_parallel: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_fsdp(model: BaselineLlama, dp_mesh, reshard_after_forward: bool = True) -> None:
-    """FSDP2 per block, then the root (embedding, final norm, output head), as torchtitan."""
+def apply_fsdp(model: BaselineLlama, dp_mesh, reshard_after_forward: bool = True, mp_policy=None) -> None:
+    """FSDP2 per block, then the root (embedding, final norm, output head), as torchtitan
+    (``mp_policy``: a ``MixedPrecisionPolicy``; None: fully_shard's default, fp32)."""
     from torch.distributed.fsdp import fully_shard
 
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
     # The root is used last in forward and first in backward: torchtitan keeps it gathered.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **kw)
 
 
 def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
