@@ -363,7 +363,10 @@ def _gather_locals(b: Bucket, params, prefetch: bool) -> list[Tensor]:
 #     (``_Regather``) whose backward, which runs before any of the block's own backward
 #     nodes, re-allocates those storages and all-gathers the parameters into them again.
 #     Nothing is recomputed, and backward moves the same bytes as the re-gather by
-#     checkpointing did.  Under torch.compile (storage resizing does not trace) blocks
+#     checkpointing did.  When the block's backward is done (its gather's backward node has
+#     run) the storages are freed again (``free_after_backward``), so backward, like forward,
+#     holds one block's gathered parameters at a time (two with a prefetch in flight).
+#     Under torch.compile (storage resizing does not trace) blocks
 #     re-gather by checkpointing instead (NOTE [re-gather in backward] in lower.py), and under
 #     train's activation checkpointing by that checkpoint's recompute.
 class Freed:
@@ -416,6 +419,18 @@ class _Regather(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         ctx.freed.regather()
         return (None, *grads)
+
+
+def free_after_backward(freed: Freed, gathered) -> None:
+    """Free the block's re-gathered tensors again once the block's backward is done: a hook
+    on the node of its gather (``_Gather``), which runs last in the block's backward (NOTE
+    [free and re-gather]).  Without it every block's re-gathered parameters stayed alive
+    until the end of backward (autograd's saved views keep the storages), so a ZeRO-3
+    backward peaked at all of them at once, ZeRO-2's memory (found by
+    benchmarks/memory_floor.py on 4 blocks)."""
+    node = getattr(gathered[0], "grad_fn", None) if len(gathered) else None
+    if node is not None and freed.slots:
+        node.register_hook(lambda _grad_inputs, _grad_outputs: freed.free())
 
 
 def free_after(freed: Freed, out):

@@ -432,8 +432,10 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
     gathered = bucket.gather(spec.key, local, *params)
     if _keep is not None:
-        _keep.append(bucket.Freed(spec.key, params, [t._local_tensor if isinstance(t, DTensor) else t
-                                                     for t in gathered], local))
+        freed = bucket.Freed(spec.key, params, [t._local_tensor if isinstance(t, DTensor) else t
+                                                for t in gathered], local)
+        _keep.append(freed)
+        bucket.free_after_backward(freed, gathered)
     for m, (_p, n), t in zip(mods, spec.entries, gathered):
         m._meshlm_now[n] = t
     # NOTE [compiled body] in compile.py: only the math is compiled; the gather above and

@@ -193,7 +193,4 @@ def test_masks_fsdp_tp(pool4):
     _check_masks(pool4.run(_masks, "fsdp_tp", "fsdp=2,tp=2"), "fsdp")
 
 
-def test_dropout_parity_compiled_inductor(pool2):
-    """Inductor draws the eager keys only with fallback_random, which compile_blocks sets
-    (meshlm/compile.py); without it the loss is that of other masks."""
-    _ok(pool2.run(_step, "ddp", "dp=2", compile="inductor"))
+# Inductor with dropout: tests/dist/test_parity.py::test_parity_compiled_inductor.

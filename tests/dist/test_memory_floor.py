@@ -83,13 +83,26 @@ class _ModelStatePeak(TorchDispatchMode):
 
     def __init__(self, seed):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, weakref.ref] = {}
+        self.sizes: dict[int, int] = {}
         self.cur = self.peak = 0
         for t in seed:
             self._track(t)
 
     def _free(self, key: int) -> None:
-        self.cur -= self.live.pop(key, 0)
+        self.live.pop(key, None)
+        self.cur -= self.sizes.pop(key, 0)
+
+    def _refresh(self) -> None:
+        """ZeRO-3 frees gathered parameters with ``storage.resize_(0)`` and re-gathers into
+        the same storage (NOTE [free and re-gather] in meshlm/bucket.py): no op returns them
+        and no finalizer runs, so each tracked storage's size is read again after every op."""
+        for key, ref in list(self.live.items()):
+            st = ref()
+            n = st.nbytes() if st is not None else 0
+            if key in self.sizes and n != self.sizes[key]:
+                self.cur += n - self.sizes[key]
+                self.sizes[key] = n
 
     def _track(self, t) -> None:
         t = _local(t)
@@ -99,13 +112,16 @@ class _ModelStatePeak(TorchDispatchMode):
         key = st._cdata
         if key in self.live or not st.nbytes():
             return
-        self.live[key] = st.nbytes()
+        self.live[key] = weakref.ref(st)
+        self.sizes[key] = st.nbytes()
         self.cur += st.nbytes()
         self.peak = max(self.peak, self.cur)
         weakref.finalize(st, self._free, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._refresh()
+        self.peak = max(self.peak, self.cur)
         if self.active[0]:
             for t in torch.utils._pytree.tree_leaves(out):
                 self._track(t)
@@ -278,3 +294,45 @@ def test_memory_floor_catches_fp32_storage(pool2, pool4, layout, world):
     the measurement can fail."""
     r, b, steady, line = _check(pool2 if world == 2 else pool4, world, layout, old=True)
     assert steady > b, f"fp32 storage is within the floor: the test cannot fail: {line}"
+
+
+def _regathered_job(layers: int):
+    """How many blocks' re-gathered parameters a ZeRO-3 backward holds at once (eager, NOTE
+    [free and re-gather] in meshlm/bucket.py): counted by wrapping Freed.regather/free."""
+    import meshlm
+    from meshlm import bucket
+    from meshlm.models import Llama, llama_config
+
+    live, most = set(), [0]
+    regather, free = bucket.Freed.regather, bucket.Freed.free
+
+    def counting_regather(self):
+        was = self.freed
+        regather(self)
+        if was:
+            live.add(id(self))
+            most[0] = max(most[0], len(live))
+
+    def counting_free(self):
+        free(self)
+        live.discard(id(self))
+
+    bucket.Freed.regather, bucket.Freed.free = counting_regather, counting_free
+    try:
+        cfg = llama_config("llama_tiny", layers=layers)
+        mesh = meshlm.make_mesh("fsdp=2")
+        model = meshlm.shard(Llama(cfg, device="meta"), "fsdp", mesh)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, cfg.vocab, (4, 8), generator=g)
+        model(meshlm.shard_batch(x, "fsdp", mesh), meshlm.shard_batch(x, "fsdp", mesh)).backward()
+    finally:
+        bucket.Freed.regather, bucket.Freed.free = regather, free
+    return most[0]
+
+
+def test_backward_holds_one_block_regathered(pool2):
+    """ZeRO-3's backward re-gathers a block's parameters when its backward starts and frees
+    them again when it ends, so it holds one block's at a time whatever the depth (before:
+    every block's until the end of backward, ZeRO-2's memory; found by
+    benchmarks/memory_floor.py)."""
+    assert pool2.run(_regathered_job, 4) == [1, 1]

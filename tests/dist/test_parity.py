@@ -96,9 +96,12 @@ def test_parity_compiled_aot_eager(pool4, layout, mesh):
 
 
 def test_parity_compiled_inductor(pool2):
-    """Inductor compiles for tens of seconds on this machine: SGD only (the step itself is
-    eager; the AdamW step is covered above)."""
-    _ok(pool2.run(check_training, "tp_sp", "tp=2", compile="inductor", optims=("sgd",)))
+    """Inductor compiles for tens of seconds on this machine: one case, SGD only (the step
+    itself is eager; the AdamW step is covered above), with dropout, whose keys inductor
+    draws as eager does only with fallback_random, which compile_blocks sets (NOTE [dropout
+    keys] in meshlm/rng.py; without it the masks, and so the losses, differ)."""
+    _ok(pool2.run(check_training, "tp_sp", "tp=2", compile="inductor", optims=("sgd",),
+                  build=LlamaBuild(overrides=(("dropout", 0.1),))))
 
 
 @pytest.mark.parametrize("layout,mesh", OVERLAP_4, ids=_ids(OVERLAP_4))
