@@ -92,53 +92,55 @@ class ShardedOptimizer:
         """FQN -> the tensor the optimizer updates (the parameter itself, or its master)."""
         return {fqn: m for fqn, _p, m in self._pairs}
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Bring every gradient into optimizer placements and dtype (once per step)."""
-        if self._ready:
-            return
-        moving, targets, keys = [], [], []
-        for (_fqn, p, m), key in zip(self._pairs, self._keys):
-            if m is p:
-                continue
-            g = p.grad
-            if g is None:
-                m.grad = None
-                continue
-            g = g.to(m.dtype)
-            if tuple(g.placements) != tuple(m.placements):
-                moving.append((m, g))
-                targets.append(m.placements)
-                keys.append(key)
-            else:
+        # `with torch.no_grad()` in these three, not the decorator: mutmut (docs/mutation.md)
+        # skips decorated functions.
+        with torch.no_grad():
+            if self._ready:
+                return
+            moving, targets, keys = [], [], []
+            for (_fqn, p, m), key in zip(self._pairs, self._keys):
+                if m is p:
+                    continue
+                g = p.grad
+                if g is None:
+                    m.grad = None
+                    continue
+                g = g.to(m.dtype)
+                if tuple(g.placements) != tuple(m.placements):
+                    moving.append((m, g))
+                    targets.append(m.placements)
+                    keys.append(key)
+                else:
+                    m.grad = g
+            # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks])
+            for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets, keys)):
                 m.grad = g
-        # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks])
-        for (m, _g), g in zip(moving, redistribute_flat([g for _m, g in moving], targets, keys)):
-            m.grad = g
-        self._ready = True
+            self._ready = True
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
         return [m.grad._local_tensor if isinstance(m.grad, DTensor) else m.grad
                 for _f, _p, m in self._pairs if m.grad is not None]
 
-    @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """The global gradient norm (over all shards, every rank the same value)."""
-        self.reduce_grads()
-        return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
+        with torch.no_grad():
+            self.reduce_grads()
+            return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
         """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
         before clipping.  One all-reduce per mesh dim (``grad_norm``), none when ``norm``
         (this step's ``grad_norm()``) is given."""
-        total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        if coef < 1.0:
-            for g in self.grads():
-                g.mul_(coef)
-        return total
+        with torch.no_grad():
+            total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
+            coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            if coef < 1.0:
+                for g in self.grads():
+                    g.mul_(coef)
+            return total
 
     def step(self) -> None:
         self.reduce_grads()
