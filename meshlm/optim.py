@@ -97,58 +97,60 @@ class ShardedOptimizer:
         """FQN -> the tensor the optimizer updates (the parameter itself, or its master)."""
         return {fqn: m for fqn, _p, m in self._pairs}
 
-    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Bring every gradient into optimizer placements and dtype (once per step).  A
         parameter's gradient is its ``main_grad`` where it has one (NOTE [main grads]),
         else its ``.grad``."""
-        if self._ready:
-            return
-        moving: dict = {}  # chunk -> [(param, master)]
-        for (_fqn, p, m), key in zip(self._pairs, self._keys):
-            if m is p:
-                continue
-            g = main_grad.get(p)
-            g = p.grad if g is None else g
-            if g is None:
-                m.grad = None
-            elif tuple(g.placements) != tuple(m.placements):
-                moving.setdefault(key, []).append((p, m))
-            else:
-                m.grad = g.to(m.dtype)
-        # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), chunk by
-        # chunk: a chunk's main gradients are released once it is reduced (NOTE [main grads])
-        for key, pms in moving.items():
-            gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in pms]
-            out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
-            del gs
-            for (p, m), g in zip(pms, out):
-                m.grad = g
-                main_grad.release(p)
-        self._ready = True
+        # `with torch.no_grad()` in these methods, not the decorator: mutmut (docs/mutation.md)
+        # skips decorated functions.
+        with torch.no_grad():
+            if self._ready:
+                return
+            moving: dict = {}  # chunk -> [(param, master)]
+            for (_fqn, p, m), key in zip(self._pairs, self._keys):
+                if m is p:
+                    continue
+                g = main_grad.get(p)
+                g = p.grad if g is None else g
+                if g is None:
+                    m.grad = None
+                elif tuple(g.placements) != tuple(m.placements):
+                    moving.setdefault(key, []).append((p, m))
+                else:
+                    m.grad = g.to(m.dtype)
+            # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), chunk by
+            # chunk: a chunk's main gradients are released once it is reduced (NOTE [main grads])
+            for key, pms in moving.items():
+                gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in pms]
+                out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
+                del gs
+                for (p, m), g in zip(pms, out):
+                    m.grad = g
+                    main_grad.release(p)
+            self._ready = True
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
         return [m.grad._local_tensor if isinstance(m.grad, DTensor) else m.grad
                 for _f, _p, m in self._pairs if m.grad is not None]
 
-    @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """The global gradient norm (over all shards, every rank the same value)."""
-        self.reduce_grads()
-        return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
+        with torch.no_grad():
+            self.reduce_grads()
+            return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
         """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
         before clipping.  One all-reduce per mesh dim (``grad_norm``), none when ``norm``
         (this step's ``grad_norm()``) is given."""
-        total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        if coef < 1.0:
-            for g in self.grads():
-                g.mul_(coef)
-        return total
+        with torch.no_grad():
+            total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
+            coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            if coef < 1.0:
+                for g in self.grads():
+                    g.mul_(coef)
+            return total
 
     def step(self) -> None:
         self.reduce_grads()

@@ -153,10 +153,36 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def _mutmut_state() -> Any:
+    """mutmut's state while it maps tests to the functions they run (docs/mutation.md), else None.
+
+    mutmut learns which tests cover a function from the hits its trampolines record in the
+    pytest process. A job runs in a worker, so the worker sends its hits back with the result
+    and the parent adds them to the running test's. Inert unless MUTANT_UNDER_TEST=stats.
+    """
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return None
+    try:
+        from mutmut.state import state
+    except ImportError:
+        return None
+    return state()
+
+
+def _mutmut_hits() -> list[str]:
+    """The functions this worker ran since the last call, under mutmut's stats (else [])."""
+    mutmut_state = _mutmut_state()
+    if mutmut_state is None:
+        return []
+    hits = sorted(mutmut_state._stats)
+    mutmut_state._stats.clear()
+    return hits
+
+
 def _run_job(rank: int, job: bytes) -> bytes:
     try:
         fn, args, kwargs = pickle.loads(job)
-        return pickle.dumps(("ok", _to_cpu(fn(*args, **kwargs))))
+        return pickle.dumps(("ok", _to_cpu(fn(*args, **kwargs)), _mutmut_hits()))
     except Exception as exc:  # everything goes back to the parent; KeyboardInterrupt ends the worker
         if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
             exc = exc.with_traceback(exc.__traceback__.tb_next)  # drop this frame: start at fn
@@ -168,7 +194,7 @@ def _run_job(rank: int, job: bytes) -> bytes:
             time=time.time(),
             is_comm=_is_comm_error(exc),
         )
-        return pickle.dumps(("err", failure))
+        return pickle.dumps(("err", failure, _mutmut_hits()))
 
 
 def _join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
@@ -497,7 +523,9 @@ class DistPool:
                 )
             for rank in ready:
                 try:
-                    status, payload = pickle.loads(workers.recv(rank))
+                    status, payload, hits = pickle.loads(workers.recv(rank))
+                    if hits and (mutmut_state := _mutmut_state()) is not None:
+                        mutmut_state._stats.update(hits)
                 except _WorkerDied as exc:
                     self._kill(dump_stacks_of=sorted(pending - {rank}))
                     earlier = f" (ranks {sorted(f.rank for f in failures)} had raised)" if failures else ""

@@ -350,3 +350,33 @@ def test_zero_bf16_storage_matches_fp32_storage(pool2):
         for n, want in ref["params"].items():
             err = (got["params"][n] - want.bfloat16().float()).abs()
             assert bool((err <= 2 * BF16_UNIT_ROUNDOFF * want.abs()).all()), f"{layout} {n}: {err.max()}"
+
+
+def _clip_job():
+    """clip_grad_norm_ given this step's norm: no collective, the gradients scaled to max_norm."""
+    from meshlm.comm import CommCounter
+    from meshlm.testing.setup import tiny_sharded
+
+    mesh, model, opt, x, y = tiny_sharded("fsdp_tp", {"fsdp": 2, "tp": 2}, batch=4, seq=8)
+    model(x, y).backward()
+    norm = opt.grad_norm()
+    with CommCounter(mesh) as cc:
+        total = opt.clip_grad_norm_(float(norm) / 2, norm=norm.double())  # any dtype: the norm comes back float32
+    clipped = float(opt.grad_norm())
+    # the coefficient is max_norm / (norm + 1e-6), as torch.nn.utils.clip_grad_norm_'s: 1/3 here
+    opt.clip_grad_norm_(1e-6, norm=torch.tensor(2e-6))
+    return len(cc.records), total.dtype, float(norm), float(total), clipped, float(opt.grad_norm())
+
+
+def test_clip_with_a_given_norm_scales_without_collectives(pool4):
+    """``clip_grad_norm_(max_norm, norm=grad_norm())`` reuses the norm (no all-reduce),
+    returns it as float32, and leaves gradients whose global norm is ``max_norm``; a given
+    norm near the epsilon scales by ``max_norm / (norm + 1e-6)``."""
+    from meshlm.testing.tolerances import NORM_RTOL
+
+    for n_collectives, dtype, norm, total, clipped, clipped_again in pool4.run(_clip_job):
+        assert n_collectives == 0
+        assert dtype == torch.float32 and total == norm
+        assert abs(clipped - norm / 2) <= NORM_RTOL * norm, (clipped, norm)
+        assert abs(clipped_again - clipped / 3) <= NORM_RTOL * clipped, (clipped_again, clipped)
+

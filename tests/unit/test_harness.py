@@ -110,6 +110,19 @@ def _worker_env() -> tuple:
     )
 
 
+def _mutmut_hit_in_worker(name: "str | None", mode: "str | None") -> int:
+    """Record a hit as mutmut's trampolines do in stats mode, under MUTANT_UNDER_TEST=mode."""
+    from mutmut.state import state
+
+    if mode is None:
+        os.environ.pop("MUTANT_UNDER_TEST", None)
+    else:
+        os.environ["MUTANT_UNDER_TEST"] = mode
+    if name is not None:
+        state()._stats.add(name)
+    return dist.get_rank()
+
+
 # --- results ---
 
 
@@ -266,3 +279,19 @@ def test_forgotten_pool_is_killed_when_collected():
 
 def test_run_distributed_is_a_one_shot_pool():
     assert run_distributed(_all_reduce_rank, 2, timeout_s=TIMEOUT_S) == [1.0, 1.0]
+
+
+def test_mutmut_stats_hits_come_back_from_the_workers(pool2, monkeypatch):
+    """docs/mutation.md: under mutmut's stats, what a job ran counts for the running test."""
+    mutmut_state = pytest.importorskip("mutmut.state").state()
+    hit, ignored = "meshlm.x_probe_hit", "meshlm.x_probe_ignored"
+    try:
+        monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+        assert pool2.run(_mutmut_hit_in_worker, hit, "stats") == [0, 1]
+        assert hit in mutmut_state._stats
+        monkeypatch.delenv("MUTANT_UNDER_TEST")  # not mutmut's stats: the parent records nothing
+        pool2.run(_mutmut_hit_in_worker, ignored, "stats")
+        assert ignored not in mutmut_state._stats
+    finally:
+        pool2.run(_mutmut_hit_in_worker, None, None)
+        mutmut_state._stats -= {hit, ignored}

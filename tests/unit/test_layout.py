@@ -45,6 +45,15 @@ def test_resolve_table(axes, section, mesh, expected):
     assert resolve(axes, FSDP_TP.rules(section), mesh) == expected
 
 
+
+def test_rules_of_each_section():
+    lay = parse_layout({"params": {"embed": "fsdp"}, "compute": {"batch": "dp"}, "grads": {"embed": "dp"},
+                        "optimizer": {"embed": ["dp", "fsdp"]}})
+    assert [lay.rules(s) for s in ("params", "compute", "grads", "optimizer")] == [
+        {"embed": ("fsdp",)}, {"batch": ("dp",)}, {"embed": ("dp",)}, {"embed": ("dp", "fsdp")}]
+    local = parse_layout({"params": {"embed": "fsdp"}, "grads": "local"})  # the optimizer defaults to params
+    assert local.rules("grads") == "local" and local.rules("optimizer") == {"embed": ("fsdp",)}
+
 def test_shipped_layouts_all_present_and_documented():
     names = set(shipped_layouts())
     want = {"single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp"}
