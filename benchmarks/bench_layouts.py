@@ -42,11 +42,12 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+
+from meshlm.testing.memory import PeakStorage  # noqa: F401  (re-exported for the other benchmarks)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -60,63 +61,7 @@ LR = 1e-3
 
 
 # --------------------------------------------------------------------------- measuring
-class PeakStorage(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of live tensor storage: those ``seed`` holds, plus every storage an op
-    returns while the mode is active, each until it is freed.
-
-    A storage's bytes are read again after every op, not only when it is first seen: FSDP2
-    and meshlm's ZeRO-3 blocks free gathered parameters with ``storage.resize_(0)`` and
-    gather them again into the same storage (``resize_(n)``), which no op returns and no
-    finalizer sees (counting each storage at its first size kept freed parameters live)."""
-
-    def __init__(self, seed=()):
-        super().__init__()
-        self.live: dict[int, weakref.ref] = {}
-        self.sizes: dict[int, int] = {}
-        self.cur = self.peak = 0
-        for t in seed:
-            self._track(t)
-        self.base = self.cur
-
-    def _free(self, key: int) -> None:
-        self.live.pop(key, None)
-        self.cur -= self.sizes.pop(key, 0)
-
-    def _refresh(self) -> None:
-        for key, ref in list(self.live.items()):  # a finalizer may run (and pop) meanwhile
-            st = ref()
-            n = st.nbytes() if st is not None else 0
-            if key in self.sizes and n != self.sizes[key]:
-                self.cur += n - self.sizes[key]
-                self.sizes[key] = n
-
-    def _track(self, t) -> None:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        # a collective in flight (AsyncCollectiveTensor) is a wrapper whose own storage holds
-        # no data: count the tensor it wraps
-        t = getattr(t, "elem", t)
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live:
-            return
-        self.live[key] = weakref.ref(st)
-        self.sizes[key] = st.nbytes()
-        self.cur += st.nbytes()
-        self.peak = max(self.peak, self.cur)
-        weakref.finalize(st, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._refresh()
-        self.peak = max(self.peak, self.cur)
-        for t in torch.utils._pytree.tree_leaves(out):
-            self._track(t)
-        return out
+# PeakStorage lives in meshlm.testing.memory (shared with the memory tests); imported above.
 
 
 def _state_tensors(model, opt):

@@ -55,6 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layouts import PeakStorage, _global_batch, write_report  # noqa: E402
 
+from meshlm.testing.memory import local_data as _local  # noqa: E402
+from meshlm.testing.memory import storage_bytes  # noqa: E402
+
 LAYOUTS = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4},
            "hsdp": {"dp": 2, "fsdp": 2}}
 TORCH = {
@@ -69,27 +72,12 @@ LR = 1e-3
 KINDS = ("params", "grads", "master", "adam")
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return getattr(t, "elem", t)
-
-
 def _kinds(params, grads, masters, adam) -> dict[str, int]:
     """Bytes by kind, each storage counted once (in the order of KINDS)."""
     seen: set[int] = set()
 
     def count(ts) -> int:
-        n = 0
-        for t in ts:
-            if t is None:
-                continue
-            st = _local(t).untyped_storage()
-            if st.nbytes() and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                n += st.nbytes()
-        return n
+        return storage_bytes(ts, seen)
 
     out = {"params": count(params), "grads": count(grads), "master": count(masters), "adam": count(adam)}
     out["total"] = sum(out.values())

@@ -43,13 +43,11 @@ against 2Ψ + 16Ψ/N).
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.testing import dist_pool_fixture
+from meshlm.testing.memory import PeakStorage, storage_bytes
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 pool4 = dist_pool_fixture(4, timeout_s=120)
@@ -68,64 +66,14 @@ MESHES = {
 }
 
 
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return getattr(t, "elem", t)  # an AsyncCollectiveTensor wraps the tensor that holds the data
-
-
-class _ModelStatePeak(TorchDispatchMode):
+class _ModelStatePeak(PeakStorage):
     """NOTE [measuring model state]: live bytes of the model state at the start and of what
     the model-state code paths make while ``active[0]`` > 0, and their peak."""
 
     active = [0]
 
-    def __init__(self, seed):
-        super().__init__()
-        self.live: dict[int, weakref.ref] = {}
-        self.sizes: dict[int, int] = {}
-        self.cur = self.peak = 0
-        for t in seed:
-            self._track(t)
-
-    def _free(self, key: int) -> None:
-        self.live.pop(key, None)
-        self.cur -= self.sizes.pop(key, 0)
-
-    def _refresh(self) -> None:
-        """ZeRO-3 frees gathered parameters with ``storage.resize_(0)`` and re-gathers into
-        the same storage (NOTE [free and re-gather] in meshlm/bucket.py): no op returns them
-        and no finalizer runs, so each tracked storage's size is read again after every op."""
-        for key, ref in list(self.live.items()):
-            st = ref()
-            n = st.nbytes() if st is not None else 0
-            if key in self.sizes and n != self.sizes[key]:
-                self.cur += n - self.sizes[key]
-                self.sizes[key] = n
-
-    def _track(self, t) -> None:
-        t = _local(t)
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live or not st.nbytes():
-            return
-        self.live[key] = weakref.ref(st)
-        self.sizes[key] = st.nbytes()
-        self.cur += st.nbytes()
-        self.peak = max(self.peak, self.cur)
-        weakref.finalize(st, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._refresh()
-        self.peak = max(self.peak, self.cur)
-        if self.active[0]:
-            for t in torch.utils._pytree.tree_leaves(out):
-                self._track(t)
-        return out
+    def tracking(self) -> bool:
+        return self.active[0] > 0
 
 
 def _instrument() -> None:
@@ -160,15 +108,7 @@ def _kinds(model, opt) -> dict[str, int]:
     seen: set[int] = set()
 
     def count(ts) -> int:
-        n = 0
-        for t in ts:
-            if t is None:
-                continue
-            st = _local(t).untyped_storage()
-            if st.data_ptr() not in seen and st.nbytes():
-                seen.add(st.data_ptr())
-                n += st.nbytes()
-        return n
+        return storage_bytes(ts, seen)
 
     params = list(model.parameters())
     out = {"params": count(params)}
