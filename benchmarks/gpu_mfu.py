@@ -12,7 +12,7 @@ After warm-up (compile), the two run `--steps` steps each, interleaved for `--re
 step time is the median (synchronised).  Overhead = meshlm / plain - 1 (target <= 3%).
 
 MFU = tokens/s x FLOPs per token / peak, with FLOPs per token as torchtitan counts them
-(REFERENCE.md): 6 (Psi - Psi_embedding) + 12 L h s, where Psi_embedding is the token
+: 6 (Psi - Psi_embedding) + 12 L h s, where Psi_embedding is the token
 embedding only (the untied output head is counted as a matmul), L layers, h = embed, s = seq.
 Peak: --peak-tflops, default 989 (dense bf16 H100/H200) on CUDA; none on CPU (no MFU).
 Writes benchmarks/results/gpu_mfu.json.
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def flops_per_token(cfg, seq: int) -> int:
-    """6 (Psi - Psi_embedding) + 12 L h s (torchtitan's count; REFERENCE.md)."""
+    """6 (Psi - Psi_embedding) + 12 L h s (torchtitan's count)."""
     psi = cfg.num_params(embedding=True)
     psi_emb = cfg.vocab * cfg.embed  # the token embedding (a lookup, no FLOPs)
     return 6 * (psi - psi_emb) + 12 * cfg.layers * cfg.embed * seq

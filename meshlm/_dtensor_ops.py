@@ -17,7 +17,7 @@ What it adds (installed once, on the first ``shard``):
   vocab-sharded loss never all-gathers the logits, and backward need not run inside a
   context manager.
 * Vocab-parallel ``F.embedding``: DTensor's own rule yields a MaskPartial output whose
-  gradient cannot come back through a Partial(sum) (REFERENCE.md).  Ours looks up the local
+  gradient cannot come back through a Partial(sum).  Ours looks up the local
   vocab rows with out-of-range ids masked to zero and returns Partial(sum) (the next
   ``constrain`` all-reduces or reduce-scatters it), and its backward returns the vocab
   shard of the gradient.

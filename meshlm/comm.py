@@ -13,7 +13,7 @@ NOTE [logical bytes]
     rank: the gathered output of an all-gather, the (unscattered) input of a
     reduce-scatter, the input of an all-reduce or all-to-all.  ``wire_bytes`` is what a
     ring algorithm sends per rank for it: (N-1)/N of that for all-gather, reduce-scatter
-    and all-to-all, 2(N-1)/N for all-reduce (REFERENCE.md).  Gloo emulates reduce-scatter
+    and all-to-all, 2(N-1)/N for all-reduce (README, shipped layouts).  Gloo emulates reduce-scatter
     with an all-reduce, so its real traffic and time differ: count, never time, gloo.
 
 Phases: a collective issued while autograd runs a backward pass is ``"backward"``; any

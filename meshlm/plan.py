@@ -4,7 +4,7 @@ without the hardware, and automatic layout choice under a memory limit.
 Everything is computed analytically from the per-parameter plans of
 ``meshlm.lower.plan_params`` on a meta-device model (no tracing, no process group), so
 Llama 3 405B on 16,384 ranks plans in seconds.  Each figure sits beside its textbook
-formula (REFERENCE.md): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
+formula (README, shipped layouts): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
 and the activation formula re-derived for our Llama block (docs/plan.md).
 
 NOTE [plan = lowering]

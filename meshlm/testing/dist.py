@@ -6,7 +6,7 @@ calls `fn(*args, **kwargs)` on every rank and returns the per-rank results, inde
 rank. Inside `fn`, `torch.distributed` is initialised: use `dist.get_rank()`,
 collectives, `init_device_mesh("cpu", ...)` as usual.
 
-One pool per test module, as STYLE.md section 6 asks::
+One pool per test module::
 
     import pytest
     import torch

@@ -1,7 +1,7 @@
 """meshlm.plan against a counted training step on 3-D fake meshes (8 ranks, one process):
 the fake process group runs every collective as a no-op with the right shapes, so the
 collectives DTensor issues, their mesh axes and their bytes are real while the numbers in
-the tensors are not (STYLE.md: the fake process group checks layout and shapes, never
+the tensors are not (the fake process group checks layout and shapes, never
 numerics).  Extends tests/dist/test_plan_exact.py (2 and 4 gloo ranks) to meshes with dp,
 fsdp and tp all present."""
 
