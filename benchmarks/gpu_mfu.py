@@ -11,8 +11,8 @@ training, no master copy):
 After warm-up (compile), the two run `--steps` steps each, interleaved for `--reps` rounds;
 step time is the median (synchronised).  Overhead = meshlm / plain - 1 (target <= 3%).
 
-MFU = tokens/s x FLOPs per token / peak, with FLOPs per token as torchtitan counts them
-: 6 (Psi - Psi_embedding) + 12 L h s, where Psi_embedding is the token
+MFU = tokens/s x FLOPs per token / peak, with FLOPs per token as torchtitan counts them:
+6 (Psi - Psi_embedding) + 12 L h s, where Psi_embedding is the token
 embedding only (the untied output head is counted as a matmul), L layers, h = embed, s = seq.
 Peak: --peak-tflops, default 989 (dense bf16 H100/H200) on CUDA; none on CPU (no MFU).
 Writes benchmarks/results/gpu_mfu.json.
