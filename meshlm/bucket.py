@@ -136,12 +136,18 @@ def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: 
     that collective, already in flight (NOTE [prefetch]).  ``into[j]``: a contiguous tensor
     of the gathered shape to write result j into (no intermediate copy), or None."""
     out = _wait(issued if issued is not None else _issue_gather(xs, group)).view(n, -1)
+    # In eager mode, when some tensor must be reordered (gathered along a dim other than the
+    # first: a copy), every tensor is copied out, so that no view keeps the collective's
+    # buffer alive beside the copies (that held a block's gathered parameters twice).
+    own = _eager() and len(xs) > 1 and any(dims)
     res, off = [], 0
     for j, (x, d) in enumerate(zip(xs, dims)):
         k = x.numel()
         shape = tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1:])
         piece = out[:, off:off + k].view((n,) + tuple(x.shape))  # rank r's block at [r]
         dst = into[j] if into is not None else None
+        if dst is None and own:
+            dst = torch.empty(shape, dtype=out.dtype, device=out.device)
         if dst is not None:
             dst.view(tuple(x.shape[:d]) + (n, x.shape[d]) + tuple(x.shape[d + 1:])).movedim(d, 0).copy_(piece)
             res.append(dst)
@@ -151,26 +157,71 @@ def _gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: 
     return res
 
 
-def _reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, wait: bool = True) -> list[Tensor]:
+def _pack(gs: list[Tensor], dims: Optional[list[int]], n: int, dtype: Optional[torch.dtype]) -> tuple[Tensor, bool]:
+    """(The flat buffer a reduce collective sends: ``gs`` concatenated (``dims`` None: an
+    all-reduce), or, for a reduce-scatter, rank r's block of every tensor along its
+    ``dims[j]`` at row r, in ``dtype`` (default: the tensors' own); whether it is a buffer
+    of our own, made here in eager mode, that nothing else reads).
+
+    NOTE [reduce in place of the casts]
+        In eager mode each gradient is cast and reordered straight into its slot of one
+        buffer made for the collective (one ``copy_`` per gradient), so a block's gradient
+        reduction holds, besides the gradients autograd hands it, only that buffer and the
+        collective's result: no float32 cast of each gradient, no reordered copy of it and
+        no second, concatenated copy (what ``.to``, ``reshape`` and ``cat`` made before,
+        12 bytes per element of the block over the 4 of the buffer;
+        benchmarks/memory_floor.py).  FSDP2 packs its reduce-scatter input the same way.
+        Traced code keeps the functional form (cast, ``reshape``, ``cat``): the compiler
+        plans those buffers itself, and in-place writes into slices would be functionalized
+        into whole-buffer copies."""
+    dtype = dtype or gs[0].dtype
+    if not _eager():
+        if any(g.dtype != dtype for g in gs):
+            gs = [g.to(dtype) for g in gs]
+        if dims is None:
+            return (torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)), False
+        rows = []
+        for g, d in zip(gs, dims):
+            s = tuple(g.shape)
+            rows.append(g.reshape(s[:d] + (n, s[d] // n) + s[d + 1:]).movedim(d, 0).reshape(n, -1))
+        return (torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)), False
+    if len(gs) == 1 and gs[0].dtype == dtype and gs[0].is_contiguous() and (dims is None or dims[0] == 0):
+        return gs[0].reshape(-1), False  # already laid out as the collective wants: no copy
+    total = sum(g.numel() for g in gs)
+    flat = torch.empty(total, dtype=dtype, device=gs[0].device)
+    off = 0
+    for j, g in enumerate(gs):
+        s, k = tuple(g.shape), g.numel()
+        if dims is None:
+            flat[off:off + k].view(s).copy_(g)
+        else:
+            d = dims[j]
+            m = s[d] // n
+            dst = flat.view(n, total // n)[:, off // n:(off + k) // n].view((n,) + s[:d] + (m,) + s[d + 1:])
+            dst.copy_(g.reshape(s[:d] + (n, m) + s[d + 1:]).movedim(d, 0))
+        off += k
+    return flat, True
+
+
+def _reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, wait: bool = True,
+                         dtype: Optional[torch.dtype] = None) -> list[Tensor]:
     """Sum over ``group`` and keep this rank's 1/n block of each tensor along its dim, in one
-    collective (the inverse layout of ``_gather_flat``)."""
-    rows, shapes = [], []
+    collective (the inverse layout of ``_gather_flat``), in ``dtype`` (default: the
+    tensors' own; NOTE [reduce in place of the casts])."""
+    shapes = []
     for g, d in zip(gs, dims):
         s = tuple(g.shape)
-        m = s[d] // n
-        shapes.append(s[:d] + (m,) + s[d + 1:])
-        rows.append(g.reshape(s[:d] + (n, m) + s[d + 1:]).movedim(d, 0).reshape(n, -1))
-    flat = torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-    out = _REDUCE_SCATTER(flat, "sum", 0, group)
+        shapes.append(s[:d] + (s[d] // n,) + s[d + 1:])
+    out = _REDUCE_SCATTER(_pack(gs, dims, n, dtype)[0], "sum", 0, group)
     out = _wait(out) if wait else out
     return _split(out, shapes)
 
 
-def _all_reduce_flat(gs: list[Tensor], group: str, wait: bool = True) -> list[Tensor]:
+def _all_reduce_flat(gs: list[Tensor], group: str, wait: bool = True, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
     shapes = [tuple(g.shape) for g in gs]
-    flat = torch.cat([g.reshape(-1) for g in gs]) if len(gs) > 1 else gs[0].reshape(-1)
-    if len(gs) > 1 and _eager():
-        # The concatenation is a fresh buffer of our own: reduce it in place.  funcol's
+    flat, own = _pack(gs, None, 1, dtype)
+    if own:
+        # The packed buffer is a fresh buffer of our own: reduce it in place.  funcol's
         # all_reduce would allocate and fill a second buffer of the same size; on 4 gloo
         # ranks of a 2-core machine, four 2.9 MB all-reduces took 50 ms out of place against
         # 39 ms in place (benchmarks/gloo_collectives.py).  Traced code keeps the
@@ -204,23 +255,25 @@ def _by_dtype(idx: list[int], xs: list[Tensor]) -> list[list[int]]:
     return _groups(idx, xs, {})
 
 
-def _groups(idx: list[int], xs: list[Tensor], key: dict) -> list[list[int]]:
-    """Indices grouped by dtype and ``key[j]``."""
+def _groups(idx: list[int], xs: list[Tensor], key: dict, dtype: Optional[torch.dtype] = None) -> list[list[int]]:
+    """Indices grouped by dtype (``dtype``, where given, for all) and ``key[j]``."""
     out: dict[tuple, list[int]] = {}
     for j in idx:
-        out.setdefault((xs[j].dtype, key.get(j)), []).append(j)
+        out.setdefault((dtype or xs[j].dtype, key.get(j)), []).append(j)
     return list(out.values())
 
 
 def _flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequence[str],
                 order: Sequence[tuple[str, int]], key: Optional[dict] = None, wait: bool = True,
-                into: Optional[dict] = None) -> None:
+                into: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> None:
     """Move local tensors ``xs[j]`` (None: skipped), placed ``pls[j]``, toward ``tg[j]`` with
     flat collectives, in place on ``xs`` and ``pls``.  For each (kind, mesh dim) of
     ``order``, kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard ->
     Replicate): one collective for each group of the tensors that make that move and share
     their dtype and ``key[j]``.  ``into[j]``: where tensor j's last move, an all-gather, is
-    written (``_gather_flat``).  Moves not in ``order`` are left to the caller."""
+    written (``_gather_flat``).  ``dtype``: the dtype the reductions ("rs", "ar") sum in,
+    each tensor cast as it is packed into the collective's buffer (NOTE [reduce in place of
+    the casts]).  Moves not in ``order`` are left to the caller."""
     key = key or {}
     live = [j for j in range(len(xs)) if xs[j] is not None]
     for kind, i in order:
@@ -229,12 +282,12 @@ def _flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Seq
         else:
             want = Shard if kind == "rs" else Replicate
             idx = [j for j in live if _partial(pls[j][i]) and isinstance(tg[j][i], want)]
-        for grp in _groups(idx, xs, key):
+        for grp in _groups(idx, xs, key, dtype if kind != "ag" else None):
             part = [xs[j] for j in grp]
             if kind == "rs":
-                ys = _reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i], wait)
+                ys = _reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i], wait, dtype)
             elif kind == "ar":
-                ys = _all_reduce_flat(part, groups[i], wait)
+                ys = _all_reduce_flat(part, groups[i], wait, dtype)
             else:
                 last = [into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
                         for j in grp]
@@ -479,8 +532,6 @@ class _Gather(torch.autograd.Function):
         for j, g in enumerate(grads):
             if g is None:
                 continue
-            if b.reduce_dtype is not None and g.dtype != b.reduce_dtype:
-                g = g.to(b.reduce_dtype)
             if ctx.local:  # NOTE [local blocks]: this rank's share of a sum over every mesh axis
                 m = b.members[j]
                 xs[j], pls[j] = g, [_SUM if n > 1 else (m.grads or m.storage)[i] for i, n in enumerate(b.sizes)]
@@ -498,10 +549,14 @@ class _Gather(torch.autograd.Function):
         # norm weights' tp reduction under sequence parallelism), again on the shards.
         order = [(k, i) for dims_ in (b.data_dims, other) for k in ("rs", "ar") for i in dims_]
         tg = [targets.get(j) for j in range(n)]
-        _flat_moves(xs, pls, tg, b.sizes, b.groups, order, key=route, wait=not b.overlap)
+        # The reductions sum in the reduce dtype, each gradient cast as it is packed (NOTE
+        # [reduce in place of the casts]); one that no flat collective moved is cast here.
+        _flat_moves(xs, pls, tg, b.sizes, b.groups, order, key=route, wait=not b.overlap, dtype=b.reduce_dtype)
         out: list = [None] * n
         for j in live:
             m = b.members[j]
+            if b.reduce_dtype is not None and xs[j].dtype != b.reduce_dtype:
+                xs[j] = xs[j].to(b.reduce_dtype)
             gshape = list(xs[j].shape)
             for i, pl in enumerate(pls[j]):
                 if isinstance(pl, Shard):

@@ -33,8 +33,10 @@ NOTE [mixed precision]
     parallel divided by t (``tests/dist/test_memory_floor.py`` measures it, peak
     included).  The at-use cast is ``lower._AtUse`` (per parameter) and
     ``bucket._compute_locals`` (a block's flat gather); their backwards
-    (``_AtUse.backward``, ``bucket._Gather.backward``) cast to the reduce dtype, reduce,
-    and cast to the storage dtype or add into the main gradient.
+    (``_AtUse.backward``, ``bucket._Gather.backward``) cast to the reduce dtype (a block's
+    gradients as they are packed into its flat reduction buffer: NOTE [reduce in place of
+    the casts] in bucket.py), reduce, and cast to the storage dtype or add into the main
+    gradient.
 
     float16 also needs loss scaling (its smallest normal number is 6e-5: small gradients of
     activations underflow, large ones overflow at 65504): :class:`LossScaler`.  bfloat16 has

@@ -23,18 +23,21 @@ NOTE [measuring model state]
     storage an op makes in the model-state code paths (the parameters' gathers and casts at
     use, the gradients' reductions and main-gradient adds, the optimizer), until it is
     freed (``weakref.finalize``); the peak of their live bytes is the model-state peak.
-    Activations, their gradients and the compute-dtype weight gradients autograd makes
-    before a reduction node takes them are not model state and are not counted.  Over the
+    Activations and their gradients are not model state and are not counted.  Over the
     steady state the peak may exceed the bound by the transients of one block (or
     optimizer chunk) at a time, per local element of the largest one: its gathered
     compute-dtype parameters (2 bytes, ZeRO-3, from the block's re-gather to the end of its
-    backward), during its gradient reduction (``bucket._Gather.backward``) the float32
-    casts of its gradients (4), their rows reordered for the reduce-scatter (4: a copy where
-    the scattered dim is not the first, ``_reduce_scatter_flat``), the flat buffer (4) and
-    the reduced shards (4/N, N the smallest data axis; 4 with none), until the reduction
-    returns; plus the output head's and final norm's gathered copies that ZeRO-3 keeps from
-    forward to backward (2 bytes per element).  (Writing the casts straight into the flat
-    buffer would save 8 of these bytes per element of one block: not done here.)
+    backward), and during its gradient reduction (``bucket._Gather.backward``) the
+    compute-dtype weight gradients autograd hands it (2; counted once the reduction reads
+    them through a view), the flat buffer they are cast and packed into (4, NOTE [reduce in
+    place of the casts] in meshlm/bucket.py) and the reduced shards (4/N, N the smallest
+    data axis; 4 with none), until the reduction returns; plus the output head's and final
+    norm's gathered copies that ZeRO-3 keeps from forward to backward (2 bytes per
+    element).  Before the casts were packed straight into the flat buffer the reduction
+    also held a float32 cast of every gradient (4) and a reordered copy of it (4): 14 bytes
+    of transients per element where 8 are now allowed, and that code fails this test: fsdp
+    on 2 ranks peaked 755,840 bytes over the steady state (20.4 per element of its largest
+    block), now 369,920 (10.0: the 8, and the shards' 4/2).
 
 The old mixed precision (float32 storage for every layout) fails here for zero1 (both
 meshes: 8Ψ + 12Ψ/N after the step against 6Ψ + 12Ψ/N) and zero2 on 4 ranks (4Ψ + 12Ψ/N
@@ -53,9 +56,9 @@ pool2 = dist_pool_fixture(2, timeout_s=120)
 pool4 = dist_pool_fixture(4, timeout_s=120)
 
 B, S, ACCUM = 4, 8, 2
-# gathered compute-dtype copy 2 + float32 casts 4 + reordered rows 4 + flat buffer 4, per
-# element of the largest block (NOTE [measuring model state]); + the shards' 4/N
-TRANSIENT_BYTES_PER_ELEMENT = 14
+# gathered compute-dtype copy 2 + compute-dtype gradients 2 + flat buffer 4, per element of
+# the largest block (NOTE [measuring model state]); + the shards' 4/N
+TRANSIENT_BYTES_PER_ELEMENT = 8
 
 MESHES = {
     2: {"single": {"dp": 2}, "ddp": {"dp": 2}, "zero1": {"dp": 2}, "zero2": {"dp": 2}, "fsdp": {"fsdp": 2},
