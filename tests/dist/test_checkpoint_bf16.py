@@ -28,7 +28,7 @@ from meshlm.testing import DistPool, dist_pool_fixture
 pool2 = dist_pool_fixture(2, timeout_s=60)
 
 # The same tolerance as test_checkpoint_reshard.py: another layout sums in another order.
-LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 BEFORE, AFTER, ACCUM = 2, 2, 2
 
 
@@ -79,7 +79,9 @@ def _state(model, opt) -> dict[str, torch.Tensor]:
 
     from meshlm.lower import full_state_dict
 
-    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()  # noqa: E731
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
     out = {f"model/{k}": v.clone() for k, v in full_state_dict(model).items()}
     for fqn, m in opt.masters().items():
         out[f"master/{fqn}"] = full(m)
@@ -113,10 +115,14 @@ def _saved_keys(path: str) -> list[str]:
     return sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def _equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
 def _same(got: dict, want: dict, what: str) -> None:
     assert sorted(got) == sorted(want), what
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m: f"{what}: {k}: {m}")
+    for k, v in want.items():
+        _equal(got[k], v, f"{what}: {k}")
 
 
 def _weights_follow_masters(got: dict, want: dict, what: str, optimizer: bool = True) -> None:
@@ -126,11 +132,11 @@ def _weights_follow_masters(got: dict, want: dict, what: str, optimizer: bool = 
     for k, v in want.items():
         if k.startswith("model/") or not optimizer:
             continue
-        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=lambda m: f"{what}: {k}: {m}")
+        _equal(got[k], v, f"{what}: {k}")
     for k, p in got.items():
         if k.startswith("model/"):
             master = want["master/" + k[len("model/"):]]
-            torch.testing.assert_close(p, master.to(p.dtype), rtol=0, atol=0, msg=lambda m: f"{what}: {k}: {m}")
+            _equal(p, master.to(p.dtype), f"{what}: {k}")
 
 
 @pytest.fixture(scope="module")
