@@ -11,9 +11,10 @@ What is saved (flat keys, so nothing depends on parameter order or rank count):
 
 * ``model/<fqn>``: every parameter (DTensor, storage placements);
 * ``master/<fqn>``: the optimizer's master copy when its dtype differs from the
-  parameter's (``ShardedOptimizer(master_dtype=...)``; ``meshlm train`` makes none: its
-  fp32 parameters are the masters); same-dtype masters (ZeRO-1/2) are
-  rebuilt from the parameter on load;
+  parameter's (bf16 ZeRO-1/2 under ``meshlm train``: the fp32 weights, which the bf16
+  parameter rounds); a load takes the weights from it where saved (NOTE [checkpoint
+  weights] in _ckpt_weights.py); same-dtype masters (fp32 ZeRO-1/2) are rebuilt from the
+  parameter on load;
 * ``optim/<fqn>/<key>``: each tensor of the torch optimizer's per-parameter state, keyed
   by parameter FQN, never by index (so it reshards and survives a reordering);
 * ``meta.json`` (rank 0): step, model config, layout, mesh, world size, the caller's
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
 from meshlm.errors import CheckpointError
 
 __all__ = [
@@ -408,7 +410,6 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
     cfg_note = ""
     if meta.get("model", {}).get("config"):
         cfg_note = f" (saved model config: {meta['model']['config']})"
-    sd: dict[str, Tensor] = {}
     for fqn, p in params.items():
         key = f"model/{fqn}"
         if key not in saved:
@@ -420,22 +421,18 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
             raise CheckpointError(f"checkpoint {path}: parameter `{fqn}` has shape {got} there but the model "
                                   f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
                                   "model with the saved config, or start without checkpoint.resume")
-        sd[key] = p.detach()
+        if f"master/{fqn}" in saved and tuple(saved[f"master/{fqn}"].size) != tuple(p.shape):
+            raise CheckpointError(f"checkpoint {path}: the master of `{fqn}` has shape "
+                                  f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}")
     extra_keys = sorted(k[len("model/"):] for k in saved if k.startswith("model/") and k[len("model/"):] not in params)
     if extra_keys:
         raise CheckpointError(f"checkpoint {path}: has parameters the model lacks ({', '.join(extra_keys[:5])}); "
                               f"it was saved from a different model{cfg_note}")
-    post: list = []  # (master, param) pairs to refresh after loading
+    masters = _masters(optimizer)
+    sd, post = weight_targets(saved, params, masters)  # NOTE [checkpoint weights]
     if optimizer is not None:
-        masters = _masters(optimizer)
         inner = _inner(optimizer)
         for fqn, m in masters.items():
-            p = params[fqn]
-            if m is not p:
-                if f"master/{fqn}" in saved and m.dtype != p.dtype:
-                    sd[f"master/{fqn}"] = m.detach()
-                else:
-                    post.append((m, p))
             prefix = f"optim/{fqn}/"
             keys = [k for k in saved if k.startswith(prefix)]
             if not keys:
@@ -501,22 +498,8 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any = None, verif
         dcp.load(sd, storage_reader=FileSystemReader(path))
     except Exception as e:  # noqa: BLE001 (DCP gathers every rank's error, so all ranks land here)
         raise CheckpointError(f"checkpoint {path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
-    with torch.no_grad():
-        for m, p in post:
-            src = p.detach()
-            if isinstance(src, DTensor) and tuple(src.placements) != tuple(m.placements):
-                src = src.redistribute(src.device_mesh, m.placements)
-            m.copy_(src.to(m.dtype))
-        # a master of another dtype was loaded: the parameter follows it
-        if optimizer is not None:
-            params = _params(model)
-            for fqn, m in _masters(optimizer).items():
-                p = params[fqn]
-                if m is not p and f"master/{fqn}" in sd:
-                    src = m.detach().to(p.dtype)
-                    if isinstance(src, DTensor) and tuple(src.placements) != tuple(p.placements):
-                        src = src.redistribute(src.device_mesh, p.placements)
-                    p.copy_(src)
+    copy_followers(post)  # NOTE [checkpoint weights]: what did not load the weights follows them
+    drop_grads(_params(model), optimizer)  # gradients of the replaced weights
     try:
         blob = torch.load(os.path.join(path, EXTRA), weights_only=True)
     except Exception as e:  # noqa: BLE001

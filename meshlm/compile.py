@@ -14,7 +14,10 @@ NOTE [compiled body]
     the flat gathers, the free and re-gather (NOTE [free and re-gather]), the prefetch
     (NOTE [prefetch]) and the gradient reductions run eagerly around the compiled graph, as
     FSDP2's hooks do around torchtitan's per-block compile.  Tensor-parallel blocks are
-    compiled whole either way: their collectives are part of the math.  Measured on this
+    compiled whole either way: their collectives are part of the math.  Main gradients
+    (NOTE [main grads] in main_grad.py: bf16 ZeRO-1/2) are added in the reductions' eager
+    backward, so they need ``comms="eager"``; a block compiled whole whose parameters have
+    them is refused (ConfigError; traced, its parameters would get no gradient).  Measured on this
     project's 2-core CPU machine (benchmarks/step_phases.py --comms both, docs/benchmarks.md)
     the two are within noise of each other; "graph" stays the default until a GPU
     measurement says otherwise.
@@ -44,12 +47,12 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
     [compiled body])."""
     if comms not in COMPILE_COMMS:
         raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMPILE_COMMS)}")
+    _check_main_grads(model, comms)
     n = 0
     bodies: dict = {}  # one compiled body per block class, shared by its layers
     for m in model.modules():
         if is_block(m):
-            spec = getattr(m, "_meshlm_block", None)
-            if comms == "eager" and spec is not None and spec.local and spec.key is not None:
+            if _eager_body(m, comms):
                 cls = type(m)
                 if cls not in bodies:
                     bodies[cls] = torch.compile(cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph,
@@ -64,6 +67,40 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
     # recompiles per block for the first calls (grad mode, shapes) without warnings.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     return n
+
+
+def _eager_body(m: nn.Module, comms: str) -> bool:
+    """Whether block ``m`` gets only its math compiled, its collectives eager (NOTE
+    [compiled body]); else it is compiled whole."""
+    spec = getattr(m, "_meshlm_block", None)
+    return comms == "eager" and spec is not None and spec.local and spec.key is not None
+
+
+def _check_main_grads(model: nn.Module, comms: str) -> None:
+    """Refuse to compile whole a block whose parameters have main gradients (NOTE [main
+    grads] in main_grad.py): its gradient reductions, and the adds into the main gradients
+    in their backward, would be traced into the block's graph, and its parameters would get
+    no gradient at all (measured: a bf16 ZeRO-1/2 model trained only its embedding, final
+    norm and head)."""
+    from meshlm.errors import ConfigError
+
+    gdt = getattr(getattr(model, "_meshlm_state", None), "grad_dtype", None)
+    if gdt is None:
+        return
+    bad = [name for name, m in model.named_modules() if is_block(m) and not _eager_body(m, comms)
+           and any(p.requires_grad and p.dtype != gdt for p in m.parameters())]
+    if not bad:
+        return
+    dt = next(p.dtype for p in model.get_submodule(bad[0]).parameters() if p.dtype != gdt)
+    why = ("comms='graph' traces the gradient reductions into the block graphs" if comms == "graph" else
+           "their collectives are part of their math (tensor parallel), so they are compiled whole")
+    raise ConfigError(
+        f"compile_blocks(comms={comms!r}): blocks {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} store "
+        f"parameters in {str(dt).removeprefix('torch.')} with {str(gdt).removeprefix('torch.')} main gradients "
+        f"(NOTE [main grads] in meshlm/main_grad.py), which are added in eager code; {why}, where they would get "
+        "no gradient. Use compile_blocks(comms='eager') (meshlm train: train.compile_comms=eager) on a layout "
+        "whose blocks run on local tensors, or shard with float32 storage "
+        "(meshlm.precision.train_dtypes(..., main_grads=False); meshlm train does so for compile_comms=graph)")
 
 
 def _mode(backend: str, mode: str | None) -> dict:

@@ -31,7 +31,9 @@ NOTE [main grads]
     be in flight when the bucket's backward returns: it is added at the end of the
     backward pass, after waiting for it.  The add runs in the backward's Python code, so
     main gradients need the data-parallel reductions to run eagerly: ``compile_comms=eager``
-    under ``torch.compile`` (``meshlm train`` keeps float32 storage otherwise).
+    under ``torch.compile`` (``meshlm train`` keeps float32 storage otherwise;
+    ``compile.compile_blocks`` refuses to compile whole a block whose parameters have main
+    gradients, which would get no gradient at all: tests/dist/test_compiled_main_grads.py).
 """
 
 from __future__ import annotations

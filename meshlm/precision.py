@@ -25,7 +25,7 @@ NOTE [mixed precision]
       (4 + 12)/N per element sharded, where float32 storage took 4 whole (+ 4/N or 4
       whole of gradient).  Under ``torch.compile`` with ``compile_comms=graph`` the
       reductions are traced into the block graphs, where main gradients cannot be added
-      to: those runs keep float32 storage.
+      to: those runs keep float32 storage (``compile_blocks`` refuses the combination).
 
     Per-rank model state with AdamW, Ψ parameters, N data-parallel ranks: ddp 16Ψ (+2Ψ of
     bf16 at-use copies autograd keeps for backward), zero1 2Ψ + 4Ψ + 12Ψ/N, zero2
