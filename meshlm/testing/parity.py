@@ -10,7 +10,8 @@ process, and the *sharded* model, lowered by ``meshlm.shard`` and stepped by
 model gets this rank's slice of each).  It asserts (tolerances and their derivation in
 ``meshlm.testing.tolerances``, NOTE [tolerances after steps]):
 
-* the sharded initialisation equals the one-device one exactly;
+* the sharded initialisation equals the one-device one exactly, and so do the optimizer's
+  masters;
 * after every backward, every gradient sits where the layout's ``grads`` section puts it
   (or Partial over the data axes where it is reduced at the step, ZeRO-1) and none is an
   ``AsyncCollectiveTensor`` still in flight;
@@ -23,6 +24,17 @@ model gets this rank's slice of each).  It asserts (tolerances and their derivat
   (``opt.inner.state[master]``: SGD's momentum buffer, AdamW's exp_avg, exp_avg_sq and step)
   equal the reference's within bounds propagated through the optimizer's update rule.
 
+``precision="bf16"`` checks mixed precision as ``meshlm train`` runs it under
+``train.param_dtype=bfloat16`` (the sharded model gets ``meshlm.train.shard_dtypes``: bf16
+compute over float32 storage, or bf16 storage with float32 masters and main gradients for
+ZeRO-1/2), against the same recipe in plain torch: a bf16 copy of the model at the float32
+weights, its gradients accumulated in float32, a float32 optimizer (``meshlm.testing.
+parity_mp``).  The checks are the ones above, with the probe loaded with the sharded float32
+masters and one-step tolerances in units of the probe's own bf16 rounding error (NOTE
+[mixed-precision parity] in tolerances.py); a parameter stored in bf16 is bounded as its
+master rounded; and every gradient must be float32 after backward, and every gradient
+reduction over a data axis float32 (eager runs).
+
 Nothing of the reference comes from the code under test: its gradients are its own, its
 optimizer is torch's, and the probe is a plain torch model given only the gathered weights.
 The model is anything ``build(device, seed)`` returns whose forward returns a scalar loss;
@@ -31,6 +43,7 @@ Llama on token batches is the default (``LlamaBuild``, ``TokenBatches``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +105,8 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
                    optims: Sequence[str] = ("sgd", "adamw"), steps: int = 3, grad_accum: int = 2,
                    compile: str | None = None, comms: str = "graph", overlap: bool | None = None,
                    shard_kw: dict | None = None, hparams: dict | None = None, seed: int = 0,
-                   from_seed: bool = True, strict: bool = True, activation_checkpointing: str = "none") -> dict:
+                   from_seed: bool = True, strict: bool = True, activation_checkpointing: str = "none",
+                   precision: str = "fp32") -> dict:
     """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
     side by side and check them (module docstring).
 
@@ -105,7 +119,8 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
     copies, its hyperparameters updated from ``hparams[name]``.  ``compile``: a
     ``torch.compile`` backend for ``meshlm.compile.compile_blocks``; ``comms``, ``overlap``
     and ``shard_kw`` go to it and to ``meshlm.shard``.  ``strict=False`` reports instead of
-    raising.
+    raising.  ``precision``: "fp32", or "bf16" for mixed precision as ``meshlm train`` runs
+    it, against the same recipe in plain torch (``meshlm.testing.parity_mp``).
 
     Returns per optimizer the worst error/tolerance ratio of each checked quantity
     (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
@@ -117,19 +132,21 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
 
     torch._dynamo.reset()
     mesh = meshlm.make_mesh(mesh_shape)
+    recipe = _recipe(precision, mesh)
     job = _Job(layout, mesh, build or LlamaBuild(), batches or TokenBatches(), dict(input_axes or {}),
-               grad_accum, strict)
+               grad_accum, strict, recipe)
+    dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
     before = dict(root.ROOT_STATS)
     worst, losses = {}, {}
     for name in optims:
         cls, hp = OPTIMS[name]
         hp = {**hp, **(hparams or {}).get(name, {})}
         model = meshlm.shard(job.build("meta" if from_seed else "cpu", seed), layout, mesh, seed=seed,
-                             overlap=overlap, **(shard_kw or {}))
+                             overlap=overlap, **{**dtypes, **(shard_kw or {})})
         ref = job.build("cpu", seed)
         refp = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(_full(p), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL,
+        for n, p in model.named_parameters():  # a narrower storage holds the weights rounded to it
+            torch.testing.assert_close(_full(p), refp[n].detach().to(p.dtype), rtol=0, atol=tol.INIT_ATOL,
                                        msg=lambda m, n=n: f"init of {n}: {m}")
         apply_activation_checkpointing(model, activation_checkpointing)
         if compile:
@@ -138,6 +155,49 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
             compile_blocks(model, compile, comms=comms)
         worst[name], losses[name] = job.train(name, cls, hp, model, ref, seed, steps)
     return {"worst": worst, "loss": losses, "root": {k: root.ROOT_STATS[k] - v for k, v in before.items()}}
+
+
+class FP32:
+    """The float32 recipe: the model as built, float32 throughout; one-step tolerances of
+    float32 summation order (``tolerances.LOSS_RTOL``, ``grad_tol``).  The interface of a
+    recipe (``parity_mp.BF16`` is the other one)."""
+
+    grad_dtype: torch.dtype | None = None  # the dtype every gradient must reach backward's end in (None: any)
+
+    def shard_dtypes(self, layout: str, mesh, compile: str | None, comms: str) -> dict:
+        """``meshlm.shard`` dtype arguments of the sharded model."""
+        return {}
+
+    def accumulate(self, model: nn.Module, micro: list, grad_accum: int, seed: int, step: int) -> list[Tensor]:
+        """One step's micro-batches through a plain torch model: the losses; the accumulated
+        gradients in its parameters' ``.grad``."""
+        return _accumulate(model, micro, grad_accum, seed, step)
+
+    def probe_weights(self, model: nn.Module, opt) -> dict[str, Tensor]:
+        """The weights (gathered, as the probe's float32 parameters) the sharded model steps from."""
+        return {n: _full(p) for n, p in model.named_parameters()}
+
+    @contextlib.contextmanager
+    def watching(self, mesh, what: str):
+        """Around a step's forwards, backwards and gradient reduction, which it may check;
+        gives a context to enter around the reduction at the step."""
+        yield contextlib.nullcontext
+
+    def tolerances(self, job: _Job, weights: dict, micro: list, losses: list, grads: dict, seed: int,
+                   step: int) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """The one-step tolerances (per micro-batch loss, per parameter gradient) at the
+        probe's ``weights``, given the probe's ``losses`` and ``grads``."""
+        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g) for n, g in grads.items()}
+
+
+def _recipe(precision: str, mesh) -> FP32:
+    if precision == "fp32":
+        return FP32()
+    if precision == "bf16":
+        from meshlm.testing.parity_mp import BF16
+
+        return BF16(mesh)
+    raise ValueError(f"check_training(precision={precision!r}): 'fp32' or 'bf16'")
 
 
 def _full(t: Tensor | None) -> Tensor | None:
@@ -170,6 +230,18 @@ class _Job:
     input_axes: dict
     grad_accum: int
     strict: bool
+    recipe: FP32
+
+    def plain(self, weights: dict[str, Tensor], seed: int, slot: dict, key: str) -> nn.Module:
+        """A plain torch copy of the model holding ``weights`` (built once per ``key`` in ``slot``)."""
+        m = slot.get(key)
+        if m is None:
+            m = slot[key] = self.build("cpu", seed)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.copy_(weights[n])
+                p.grad = None
+        return m
 
     def _check(self, what: str, err: Tensor, bound: Tensor, worst: dict, key: str) -> None:
         r = tol.ratio(err, bound)
@@ -199,50 +271,54 @@ class _Job:
         ref_opt = cls(ref.parameters(), **hp)
         refp = dict(ref.named_parameters())
         bounds = {n: tol.StepBounds() for n in refp}
-        probe: nn.Module | None = None
+        plain: dict = {}  # the probe, and whatever plain copies the recipe needs
         worst: dict = {}
         losses = []
+        rcp = self.recipe
+        for n, m in opt.masters().items():  # the master starts from the float32 initial weights
+            torch.testing.assert_close(_full(m), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL,
+                                       msg=lambda s, n=n: f"initial master of {n}: {s}")
         for k in range(1, steps + 1):
             micro = [self.batches(k, j) for j in range(self.grad_accum)]
-            weights = {n: _full(p) for n, p in model.named_parameters()}
-            ref_losses = _accumulate(ref, micro, self.grad_accum, seed, k)
+            weights = rcp.probe_weights(model, opt)
+            ref_losses = rcp.accumulate(ref, micro, self.grad_accum, seed, k)
             if all(torch.equal(weights[n], p) for n, p in refp.items()):
                 probe_losses, probe_grads = ref_losses, {n: p.grad for n, p in refp.items()}
             else:  # the reference has drifted by rounding: a plain copy at the sharded weights
-                probe = probe or self.build("cpu", seed)
-                with torch.no_grad():
-                    for n, p in probe.named_parameters():
-                        p.copy_(weights[n])
-                        p.grad = None
-                probe_losses = _accumulate(probe, micro, self.grad_accum, seed, k)
+                probe = self.plain(weights, seed, plain, "probe")
+                probe_losses = rcp.accumulate(probe, micro, self.grad_accum, seed, k)
                 probe_grads = {n: p.grad for n, p in probe.named_parameters()}
-            for j, (args, kwargs) in enumerate(micro):
-                a, kw = self._shard(args, kwargs)
-                torch.manual_seed(_forward_seed(seed, k, j))
-                loss = model(*a, **kw)
-                (loss / self.grad_accum).backward()
-                self._check_placed(model)
-                loss = _full(loss)
-                losses.append(float(loss))
-                self._check(f"{name} step {k} micro-batch {j}: loss", loss - probe_losses[j],
-                            tol.LOSS_RTOL * probe_losses[j].abs(), worst, "loss")
-            # the gradients the optimizer steps with: reduced at the step (ZeRO-1/2), on the masters
-            opt.reduce_grads()
+            loss_tols, grad_tols = rcp.tolerances(self, weights, micro, probe_losses, probe_grads, seed, k)
+            with rcp.watching(self.mesh, f"{self.layout} on {self.mesh.shape}, {name} step {k}") as at_step:
+                for j, (args, kwargs) in enumerate(micro):
+                    a, kw = self._shard(args, kwargs)
+                    torch.manual_seed(_forward_seed(seed, k, j))
+                    loss = model(*a, **kw)
+                    (loss / self.grad_accum).backward()
+                    self._check_placed(model)
+                    loss = _full(loss)
+                    losses.append(float(loss))
+                    self._check(f"{name} step {k} micro-batch {j}: loss", loss.float() - probe_losses[j].float(),
+                                loss_tols[j], worst, "loss")
+                # the gradients the optimizer steps with: reduced at the step (ZeRO-1/2), on the masters
+                with at_step():
+                    opt.reduce_grads()
             masters = opt.masters()
             for n, m in masters.items():
                 gp = probe_grads[n]
                 self._check(f"{name} step {k}: gradient of {n} the optimizer steps with", _full(m.grad) - gp,
-                            tol.grad_tol(gp), worst, "grad")
+                            grad_tols[n], worst, "grad")
             old = {n: p.detach().clone() for n, p in refp.items()}
             ref_opt.step()
             opt.step()
             mine_p = dict(model.named_parameters())
             for n, p in refp.items():
                 st = ref_opt.state[p]
-                bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach())
+                bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
                 bound = bounds[n].bound
-                self._check(f"{name} step {k}: parameter {n}", _full(mine_p[n]) - p.detach(),
-                            bound["param"], worst, "param")
+                stored = _full(mine_p[n])
+                self._check(f"{name} step {k}: parameter {n}", stored.float() - p.detach(),
+                            tol.stored_bound(bound["param"], p.detach(), stored.dtype), worst, "param")
                 self._check(f"{name} step {k}: master of {n}", _full(masters[n]).to(p.dtype) - p.detach(),
                             bound["param"], worst, "param")
                 mine = opt.inner.state[masters[n]]
@@ -260,12 +336,15 @@ class _Job:
         """Every gradient where the layout's ``grads`` section puts it, settled."""
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+        from meshlm import main_grad
         from meshlm.lower import placements, shard_state
 
         st = shard_state(model)
         for n, p in model.named_parameters():
-            g = p.grad
+            g = p.grad if main_grad.get(p) is None else main_grad.get(p)  # NOTE [main grads]
             assert isinstance(g, DTensor), f"grad of {n} is not a DTensor"
+            want_dtype = self.recipe.grad_dtype
+            assert want_dtype is None or g.dtype == want_dtype, f"grad of {n} in {g.dtype}, not {want_dtype}"
             plan = st.plans[n]
             if plan.grads is not None:
                 want = placements(plan.grads, self.mesh)

@@ -83,6 +83,80 @@ NOTE [invariance tolerance]
     the loss gives 12 x 2.4e-4 = 2.9e-3; with the loss curve's slack (2.5x) INVARIANCE_NORM_RTOL =
     7e-3.  A gradient averaged twice or a missing 1/grad_accum doubles or halves the norm:
     a relative error of 0.5 to 1, over 1000 times FIRST_NORM_RTOL.
+
+NOTE [mixed-precision parity]
+    ``check_training(precision="bf16")`` (meshlm/testing/parity_mp.py) runs the sharded
+    model with the dtypes ``meshlm train`` uses under ``param_dtype=bfloat16`` against the
+    same recipe in plain torch: a bf16 copy of the model holding the float32 masters rounded
+    to nearest, forward and backward through it, its bf16 gradients cast to float32 and
+    accumulated over the micro-batches, a float32 ``torch.optim`` step on the masters.
+
+    What differs.  On the CPU (torch 2.13, checked with oneDNN's kernel and with the native
+    one) a bf16 matmul accumulates in float32 and rounds each output once to bf16 (4096
+    products 1·(1 + 2^-7) sum to 4128 exactly; a bf16 accumulator would stall at 256), and
+    an output row does not depend on the other rows (a kernel whose float32 order did would
+    still round each output once: a different rounding at the same site, which the bound
+    below counts).  The tensor-parallel activations are all-reduced in bf16 (counted with
+    ``CommCounter``).  Both runs use the same bf16 weights (meshlm casts before it gathers,
+    and gathers move bits) and run the same operations in the same dtypes on every row, so
+    they differ only (a) at *split sums*: a sum whose terms lie on R ranks (a weight
+    gradient over a batch split over data axes; a row-parallel matmul output, or the input
+    gradient of a column-parallel one, over tp) is R partial sums, each rounded to bf16,
+    then added (in float32 for gradient reductions; in bf16, R - 1 more roundings, for
+    activations), where the reference rounds the whole sum once; and (b) in the order of
+    float32 additions (``grad_tol``, ``LOSS_RTOL``, as in float32).
+
+    The bound.  A rounding is x -> x(1 + δ), |δ| <= u16 = 2^-8.  To first order a computed
+    gradient is the exact one plus Σ_i c_i·δ_i over its rounding sites i.  The reference's
+    own error e = g16 - g32, against float32 at the same bf16-rounded weights (so the weight
+    rounding, the same in both runs, is left out; plain torch, nothing from meshlm), is one
+    such sum over all its sites.  The sharded run's is a sum over the same sites with at
+    most 2R - 1 roundings where the reference has one, so if ε is the effect of one pattern
+    of bf16 roundings, |g_sh - g32| <= (2R - 1)·ε and
+
+        |g_sh - g16| <= |g_sh - g32| + |g16 - g32| <= 2R·ε.
+
+    ε is not known element by element (one element's e can vanish by chance), so it is taken
+    per parameter as max|e| over its elements, thousands of samples of the same rounding
+    process (as ``grad_tol`` scales its absolute term by the parameter's largest gradient),
+    and R as the world size (no sum is split over more ranks):
+
+        tol(g) = grad_tol(g16) + 2R·max_p |g16 - g32|                (``bf16_grad_tol``)
+
+    A micro-batch's loss is a mean over its rows (weights >= 0 summing to 1), so its error
+    is at most its worst row's; each row alone, in bf16 and in float32 (plain torch), gives
+    that row's e:
+
+        tol(L) = LOSS_RTOL·|L| + 2R·max_rows |L16_row - L32_row|     (``bf16_loss_tols``)
+
+    This is a first-order bound whose scale is measured, at every step on the probe's
+    weights, rather than a number fixed once.  After steps the propagation of NOTE
+    [tolerances after steps] applies unchanged with Δg = tol(g) + |g_probe - g|; the drift
+    is larger than in float32, since masters that differ by float32 rounding can round to
+    neighbouring bf16 weights, and the probe measures it.  A parameter stored in bf16
+    (ZeRO-1/2) is its master rounded to nearest: ``stored_bound``.
+
+    What the bound cannot see: one more bf16 rounding per split sum, such as a gradient
+    reduced in bf16, is within 2R·ε by construction (measured on 2 ranks: the gradient's
+    ratio goes from 0.19 to 0.32 on zero2 and ddp).  So the bf16 harness also fails any
+    gradient reduction over a data axis that is not float32 (``meshlm.comm.CommCounter``,
+    eager runs) and any gradient (``.grad`` or main gradient) not float32 after backward.
+
+    Measured (llama_tiny, 3 steps of 2 micro-batches, SGD and AdamW; worst error/tolerance):
+    gradient 0.19 for ddp, zero1, zero2, fsdp, hsdp on 2 ranks, overlapped or not, 0.51 for
+    tp and tp_sp on tp=2, 0.14 for zero1 and hsdp on dp=2,fsdp=2, 0.26 for fsdp_tp on
+    fsdp=2,tp=2, 0.24 for tp=4 (0.21-0.23 and 0.39-0.51 with other seeds, ignored targets,
+    dropout or 5 steps); loss 4e-4 to 6e-4 data parallel (float32 order only), 0.02-0.09
+    with tp; parameters 0.1-0.37 where stored in float32, 0.95-0.96 where stored in bf16 (an
+    element whose master lies near a rounding midpoint, where ``stored_bound`` is tight by
+    construction); optimizer state <= 0.87 (exp_avg_sq, as in float32).  Bugs
+    (tests/dist/test_parity.py, test_parity_bf16_catches_bugs): a main gradient added twice,
+    main gradients replaced instead of accumulated over micro-batches, and a missing
+    1/grad_accum (zero1, ddp) each fail the first gradient they reach (tok_emb's, step 1) by
+    35x; over a whole run (strict=False) the worst gradient is 80x, 48x and 80x (SGD), 65x,
+    43x and 65x (AdamW).  A doubled gradient leaves AdamW's parameters within bounds (0.63x:
+    its update is blind to a gradient's scale, NOTE [tolerances after steps]) but not its
+    state (75x); lost accumulation fails its parameters too (21x).
 """
 
 from __future__ import annotations
@@ -179,6 +253,27 @@ def grad_tol(g: Tensor) -> Tensor:
     return GRAD_RTOL * g.abs() + GRAD_ATOL_OF_MAX * float(g.abs().max())
 
 
+def bf16_split_factor(ranks: int) -> int:
+    """2R of NOTE [mixed-precision parity]: a sum split over R <= ``ranks`` ranks rounds at
+    most 2R - 1 times where one device rounds once; plus the reference's own rounding."""
+    return 2 * ranks
+
+
+def bf16_grad_tol(g: Tensor, g32: Tensor, ranks: int) -> Tensor:
+    """One-step tolerance of a gradient whose bf16-recipe value at the probe's weights is
+    ``g`` and float32 value at the same bf16-rounded weights ``g32`` (NOTE [mixed-precision
+    parity])."""
+    return grad_tol(g) + bf16_split_factor(ranks) * float((g - g32).abs().max())
+
+
+def bf16_loss_tols(losses: list, row_errors: list, ranks: int) -> list:
+    """One-step tolerances of a step's micro-batch losses whose bf16-recipe values are
+    ``losses``, given ``row_errors``: |bf16 - float32| of the loss of each row of the step's
+    micro-batches on its own (NOTE [mixed-precision parity])."""
+    e = max(row_errors, default=0.0)
+    return [LOSS_RTOL * a.float().abs() + bf16_split_factor(ranks) * e for a in losses]
+
+
 def _round(*xs: Tensor) -> Tensor:
     return STEP_ULPS * U * sum(x.abs() for x in xs)
 
@@ -187,15 +282,16 @@ class StepBounds:
     """Bounds on |sharded - reference| of one parameter and its optimizer state, carried
     from step to step (NOTE [tolerances after steps]).  ``update(kind, hp, k, g, g_probe,
     ref_state, w_old, w_new)`` advances them by step ``k`` given the reference's gradient
-    ``g``, the probe's ``g_probe`` and the reference's state after the step; the bounds are
-    then in ``self.bound`` keyed like the optimizer state, plus ``"param"``."""
+    ``g``, the probe's ``g_probe`` and the reference's state after the step (``one_step``:
+    the one-step gradient tolerance at the probe, default ``grad_tol(g_probe)``); the bounds
+    are then in ``self.bound`` keyed like the optimizer state, plus ``"param"``."""
 
     def __init__(self):
         self.bound: dict[str, Tensor] = {}
 
     def update(self, kind: str, hp: dict, k: int, g: Tensor, g_probe: Tensor, state: dict,
-               w_old: Tensor, w_new: Tensor) -> None:
-        dg = grad_tol(g_probe) + (g_probe - g).abs()
+               w_old: Tensor, w_new: Tensor, one_step: Tensor | None = None) -> None:
+        dg = (grad_tol(g_probe) if one_step is None else one_step) + (g_probe - g).abs()
         b = self.bound
         zero = torch.zeros_like(g)
         lr = hp["lr"]
@@ -225,6 +321,16 @@ class StepBounds:
             b["param"] = (1 - lr * wd) * b.get("param", zero) + lr * du + _round(w_old, w_new, lr * u)
         else:
             raise ValueError(f"StepBounds: no bounds derived for optimizer {kind!r}")
+
+
+def stored_bound(bound: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bound on |stored - w| of a parameter stored in ``dtype`` whose float32 master is
+    within ``bound`` of the reference's ``w``: the master rounded to nearest in a narrower
+    storage moves by at most u·|master| <= u·(|w| + bound) more (u: that dtype's unit
+    roundoff; ZeRO-1/2 under mixed precision, NOTE [mixed precision] in meshlm/precision.py)."""
+    if dtype == torch.float32:
+        return bound
+    return bound + (torch.finfo(dtype).eps / 2) * (w.abs() + bound)
 
 
 def ratio(err: Tensor, tol: Tensor) -> float:

@@ -3,6 +3,8 @@ bf16 compute over fp32 storage, gradients reduced and accumulated in fp32; float
 dynamic loss scaling; the global gradient norm reduced over the mesh's own groups.
 
 On 2 and 4 gloo processes.  Tolerances and their derivations: meshlm/testing/tolerances.py.
+Whole bf16 training steps against the same recipe in plain torch, with accumulation, SGD
+and AdamW: ``check_training(precision="bf16")`` in tests/dist/test_parity.py.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@ accumulated micro-batches, with SGD (momentum) and AdamW, checked on the loss, t
 each optimizer steps with, the parameters, the masters and the optimizer state.
 
 Meshes of 2 and 4 gloo processes, 1-D and 2-D; every layout eager on both and under
-torch.compile (aot_eager per block) on 4, inductor for one; the overlapped reduction.  The
-checks run inside the workers (meshlm.testing.parity.check_training); tolerances and their
-derivation are in meshlm/testing/tolerances.py (NOTE [tolerances after steps]).
+torch.compile (aot_eager per block) on 4, inductor for one; the overlapped reduction; bf16
+mixed precision as ``meshlm train`` runs it (ddp, zero1, zero2, fsdp, tp; overlapped too)
+against the same recipe in plain torch.  The checks run inside the workers
+(meshlm.testing.parity.check_training); tolerances and their derivation are in
+meshlm/testing/tolerances.py (NOTE [tolerances after steps], NOTE [mixed-precision parity]).
 """
 
 from typing import ClassVar
@@ -260,13 +262,14 @@ def test_parity_model_meshlm_did_not_shape(pool2, layout, mesh):
     _ok(res, layout, mesh)
 
 
-def _with_bug(layout: str, mesh: str, bug: str):
+def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
     """check_training (SGD, 2 steps) with ``bug`` injected into this worker only; the
     AssertionError it raises (None if none)."""
-    from meshlm import root
+    from meshlm import main_grad, root
     from meshlm.optim import ShardedOptimizer
 
-    saved = ShardedOptimizer.reduce_grads, root._BatchReduce.backward
+    saved = ShardedOptimizer.reduce_grads, root._BatchReduce.backward, main_grad._add
+    kw = {}
     if bug == "zero_grad_averaged_twice":  # the ZeRO-1/2 gradient divided by the data-parallel size again
         def reduce_grads(self):
             fresh = not self._ready
@@ -280,13 +283,22 @@ def _with_bug(layout: str, mesh: str, bug: str):
         root._BatchReduce.backward = staticmethod(lambda ctx, g: (torch.ones_like(g) * ctx.scale.to(g.dtype)
                                                                   if ctx.scale is not None else torch.ones_like(g),
                                                                   None, None, None))
+    elif bug == "main_grad_doubled":  # NOTE [main grads]: the reduced gradient added twice
+        main_grad._add = lambda p, g, dtype: saved[2](p, g * 2, dtype)
+    elif bug == "main_grad_not_accumulated":  # each micro-batch's gradient replaces the last one's
+        def add(p, g, dtype):
+            main_grad.release(p)
+            saved[2](p, g, dtype)
+        main_grad._add = add
+    elif bug == "reduced_in_bf16":  # the gradient reductions in bf16 instead of float32
+        kw["shard_kw"] = {"reduce_dtype": torch.bfloat16}
     try:
-        check_training(layout, mesh, optims=("sgd",), steps=2)
+        check_training(layout, mesh, optims=("sgd",), steps=2, precision=precision, **kw)
         return None
     except AssertionError as e:
         return str(e)
     finally:
-        ShardedOptimizer.reduce_grads, root._BatchReduce.backward = saved
+        ShardedOptimizer.reduce_grads, root._BatchReduce.backward, main_grad._add = saved
 
 
 @pytest.mark.parametrize("layout,bug", [("zero1", "zero_grad_averaged_twice"), ("zero2", "zero_grad_averaged_twice"),
@@ -299,3 +311,45 @@ def test_parity_catches_gradient_scale_bugs(pool2, layout, bug):
     for msg in pool2.run(_with_bug, layout, "dp=2", bug):
         assert msg is not None and "gradient of" in msg, msg
         assert float(msg.split("exceeds its tolerance ")[1].split("x")[0]) > 1e3, msg
+
+
+# Mixed precision as ``meshlm train`` runs it under train.param_dtype=bfloat16 (NOTE [mixed
+# precision] in meshlm/precision.py): bf16 compute over float32 storage (ddp, fsdp, tp), bf16
+# storage with float32 masters and main gradients (zero1, zero2), against the same recipe in
+# plain torch on one device (meshlm/testing/parity_mp.py; tolerances: NOTE [mixed-precision
+# parity] in meshlm/testing/tolerances.py).
+BF16_2 = [("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "dp=2"), ("fsdp", "fsdp=2"), ("tp", "tp=2")]
+
+
+@pytest.mark.parametrize("layout,mesh", BF16_2, ids=_ids(BF16_2))
+def test_parity_bf16(pool2, layout, mesh):
+    _ok(pool2.run(check_training, layout, mesh, precision="bf16"), layout, mesh)
+
+
+def test_parity_bf16_2d(pool4):
+    """bf16 on a 2-D mesh: tensor-parallel activations summed in bf16 across tp, gradients
+    reduced in float32 across fsdp."""
+    _ok(pool4.run(check_training, "fsdp_tp", "fsdp=2,tp=2", precision="bf16"), "fsdp_tp", "fsdp=2,tp=2")
+
+
+@pytest.mark.parametrize("layout,mesh", [("zero2", "dp=2"), ("fsdp", "fsdp=2")])
+def test_parity_bf16_overlapped_reduction(pool2, layout, mesh):
+    """The overlapped reduction under bf16: zero2's float32 main gradients are added after
+    backward waits for them (NOTE [main grads]), fsdp's float32 ``.grad`` as in float32."""
+    _ok(pool2.run(check_training, layout, mesh, precision="bf16", overlap=True), layout, mesh)
+
+
+@pytest.mark.parametrize("layout,bug,caught", [
+    ("zero2", "main_grad_doubled", "gradient of"), ("zero1", "main_grad_not_accumulated", "gradient of"),
+    ("zero1", "loss_ignores_grad_accum", "gradient of"), ("zero2", "reduced_in_bf16", "not in float32")])
+def test_parity_bf16_catches_bugs(pool2, layout, bug, caught):
+    """The bf16 check bites: a main gradient added twice, or replaced instead of accumulated
+    over micro-batches, or a missing 1/grad_accum, fails the gradient check tens of times
+    over its tolerance (NOTE [mixed-precision parity]: the tolerance is a few bf16 roundings
+    of the largest gradient entry, these bugs move the gradient by 50-100% of itself).  A
+    reduction in bf16 adds one bf16 rounding, which the numerical bound allows by
+    derivation; the harness fails it on the reductions' dtype."""
+    for msg in pool2.run(_with_bug, layout, "dp=2", bug, "bf16"):
+        assert msg is not None and caught in msg, msg
+        if caught == "gradient of":
+            assert float(msg.split("exceeds its tolerance ")[1].split("x")[0]) > 10, msg
