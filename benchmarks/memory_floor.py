@@ -1,4 +1,4 @@
-"""bf16 training memory, meshlm against torch, side by side, on 4 CPU ranks.
+"""bf16 training memory, meshlm against torch and torchtitan, side by side, on 4 CPU ranks.
 
     python benchmarks/memory_floor.py [--layouts ddp,zero1,zero2,fsdp,hsdp] [--model llama_small]
                                       [--batch 8] [--seq 64] [--out DIR]
@@ -18,8 +18,21 @@ Llama (`--model`, same seed-0 weights, same global batch) under bf16 training wi
             hsdp   the fsdp variant on the 2-D ("dp", "fsdp") mesh
   (DDP buckets are the gradients' storage under gradient_as_bucket_view=True: the cheaper
   setting for torch, with no separate bucket copy of the gradients.)
-torchtitan is not a column: its own layers are what baseline_llama.py reproduces, and it is
-not installed in this environment (benchmarks/bench_layouts.py has the titan column when it is).
+  titan   torchtitan 0.3.0's own Llama 3 and parallelize_llama (benchmarks/titan_llama.py),
+          under its bf16 training config: TrainingConfig(mixed_precision_param="bfloat16",
+          mixed_precision_reduce="float32"), which it applies as FSDP2's
+          MixedPrecisionPolicy(bf16, fp32, cast_forward_inputs=False) on every layout, with
+          meshlm's seed-0 weights loaded (titan_llama.load_meshlm_weights), AdamW, and its
+          trainer's loss (sum over the global token count; FSDP's gradient division off):
+            ddp    data_parallel_replicate_degree=4: fully_shard on the (dp_replicate=4,
+                   fsdp=1) mesh (0.3.0 has no DDP wrapper; its replicate degree is this)
+            zero2  data_parallel_shard_degree=4, fsdp_reshard_after_forward="never" (the
+                   setting the torch zero2 column uses; torchtitan has no ZeRO-2 that keeps
+                   parameters whole between steps, and no ZeRO-1)
+            fsdp   data_parallel_shard_degree=4 (fsdp_reshard_after_forward="default")
+            hsdp   data_parallel_replicate_degree=2, data_parallel_shard_degree=2
+          Only when torchtitan can be imported (`pip install -e .[bench]`); otherwise the
+          column is left out and the report says why.
 
 Each variant runs one warm-up step (AdamW's state exists after it), then one measured step
 (forward, backward, opt.step(), opt.zero_grad()) in which every rank records:
@@ -33,7 +46,12 @@ Each variant runs one warm-up step (AdamW's state exists after it), then one mea
   gathered parameters, casts, gradients, reduction buffers, activations, optimizer
   temporaries), the largest rank.  Not RSS: gloo's internal buffers and the Python heap
   are not counted.  Under DDP the gradient buckets, which the reducer keeps across steps,
-  are counted from the start of the step.
+  are counted from the start of the step.  What was live at the peak, by the op that made
+  each storage and its dtype;
+- the peak less gloo's reduce-scatter buffer (PhasePeak.peak_less_gloo): c10d's gloo
+  reduce-scatter, which FSDP2 calls, keeps a copy of its whole input live that NCCL does not
+  make and that meshlm's functional collectives hide inside their op; this peak compares
+  both sides without it.
 
 Writes DIR/memory_floor.json and DIR/memory_floor.md (default benchmarks/results/memory_floor/).
 """
@@ -67,6 +85,16 @@ TORCH = {
     "fsdp": "fully_shard + MixedPrecisionPolicy(bf16, fp32)",
     "hsdp": "fully_shard on (dp, fsdp) + MixedPrecisionPolicy(bf16, fp32)",
 }
+# torchtitan 0.3.0 per layout: (titan_llama.STRATEGIES key, its mesh, fsdp_reshard_after_forward);
+# zero1: none
+TITAN = {"ddp": ("ddp", {"dp": 4}, "default"), "zero2": ("fsdp", {"fsdp": 4}, "never"),
+         "fsdp": ("fsdp", {"fsdp": 4}, "default"), "hsdp": ("hsdp", {"dp": 2, "fsdp": 2}, "default")}
+TITAN_TEXT = {
+    "ddp": "data_parallel_replicate_degree=4 (fully_shard on the (4, 1) mesh)",
+    "zero2": "data_parallel_shard_degree=4, fsdp_reshard_after_forward=never",
+    "fsdp": "data_parallel_shard_degree=4",
+    "hsdp": "data_parallel_replicate_degree=2, data_parallel_shard_degree=2",
+}
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_floor"
 LR = 1e-3
 KINDS = ("params", "grads", "master", "adam")
@@ -90,15 +118,30 @@ def _adam(inner) -> list:
 
 class PhasePeak(PeakStorage):
     """PeakStorage that also records in which phase of the step (``phase``) the peak fell
-    and, by the op that made each storage and its dtype, what was live at the peak."""
+    and, by the op that made each storage and its dtype, what was live at the peak.
+
+    ``peak_less_gloo``: the same peak less gloo's reduce-scatter buffer.  On gloo, c10d's
+    ``reduce_scatter_tensor`` (FSDP2's: torch's and torchtitan's columns) allocates a buffer the
+    size of its whole input, first seen here through the ``split.Tensor`` that follows
+    ``_reduce_scatter_base_``, and it stays live after the call (FSDP2 holds the collective's
+    state until the next one).  meshlm's functional reduce-scatter runs on the same backend,
+    but whatever it allocates is allocated inside the collective's op, below this mode, and
+    never counted.  The peak less that buffer compares both sides without it, as on a backend
+    with a native reduce-scatter (NCCL)."""
 
     phase = peak_phase = "start"
+    GLOO_RS = ("_reduce_scatter_base_.default", "split.Tensor")  # (the collective, the op that shows its copy)
 
     def __init__(self, seed=()):
         self.made: dict[int, str] = {}
-        self.op = "state at the start"
+        self.op = self.prev = "state at the start"
         self.at_peak: dict[str, int] = {}
+        self.gloo: set[int] = set()  # live storages of gloo's reduce-scatter copy
+        self.gloo_at_peak = 0
         super().__init__(seed)
+        self.peak_less_gloo = self.cur
+        self.less_gloo_phase = "start"
+        self.at_peak_less_gloo: dict[str, int] = {}
 
     def _track(self, t) -> None:
         before = len(self.live)
@@ -106,21 +149,40 @@ class PhasePeak(PeakStorage):
         if len(self.live) > before:
             key = next(reversed(self.live))
             self.made[key] = f"{self.op} {str(_local(t).dtype).replace('torch.', '')}"
+            if (self.prev, self.op) == self.GLOO_RS:
+                self.gloo.add(key)
+
+    def _free(self, key: int) -> None:
+        self.gloo.discard(key)  # the key (an address) may be reused by a later storage
+        super()._free(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.op = func.__name__
+        self.prev, self.op = self.op, func.__name__
         before = self.peak
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        gloo = sum(self.sizes.get(k, 0) for k in list(self.gloo))
+        if self.cur - gloo > self.peak_less_gloo:
+            self.peak_less_gloo = self.cur - gloo
+            self.less_gloo_phase = self.phase
+            self.at_peak_less_gloo = self._live(exclude=set(self.gloo))
         if self.peak > before:
             self.peak_phase = self.phase
-            self.at_peak = {}
-            for key, n in self.sizes.items():
-                if n:
-                    k = self.made.get(key, "?")
-                    self.at_peak[k] = self.at_peak.get(k, 0) + n
+            self.gloo_at_peak = gloo
+            self.at_peak = self._live()
         return out
 
-    def top(self, k: int = 6) -> list:
+    def _live(self, exclude=frozenset()) -> dict[str, int]:
+        """Live bytes by the op that made each storage and its dtype."""
+        live: dict[str, int] = {}
+        # a copy: a storage's finalizer (PeakStorage._free) may run during the loop
+        for key, n in self.sizes.copy().items():
+            if n and key not in exclude:
+                k = self.made.get(key, "?")
+                live[k] = live.get(k, 0) + n
+        return live
+
+    def top(self, k: int | None = 6) -> list:
+        """What was live at the peak, largest first (``k`` of them; all for None)."""
         return sorted(self.at_peak.items(), key=lambda kv: -kv[1])[:k]
 
 
@@ -207,7 +269,32 @@ def _build_torch(cfg, layout, sizes, X, Y):
                 param_dtypes=sorted({str(p.dtype) for p in params}))
 
 
-BUILDERS = {"meshlm": _build_meshlm, "torch": _build_torch}
+def _build_titan(cfg, layout, sizes, X, Y):
+    import titan_llama
+    from meshlm.models import Llama
+
+    strategy, titan_sizes, reshard = TITAN[layout]
+    assert titan_sizes == sizes or layout == "zero2", (layout, sizes, titan_sizes)
+    p = titan_llama.build_parts(cfg, strategy, titan_sizes, X.shape[1], None, LR, param_dtype="bfloat16",
+                                reduce_dtype="float32", reshard=reshard, weights=Llama(cfg, seed=0))
+    model, opt = p["model"], p["opt"]
+    x, y = p["shard"](X), p["shard"](Y)
+    params = list(model.parameters())
+
+    def fwd():
+        return p["loss"](x, y)
+
+    def kinds():
+        return _kinds(params, [q.grad for q in params], [], _adam(opt))
+
+    def state():
+        return params + _adam(opt)
+
+    return dict(fwd=fwd, opt=opt, kinds=kinds, state=state, loss_scale=p["n_dp"],
+                param_dtypes=sorted({str(q.dtype) for q in params}))
+
+
+BUILDERS = {"meshlm": _build_meshlm, "torch": _build_torch, "titan": _build_titan}
 
 
 # --------------------------------------------------------------------------- one layout
@@ -222,36 +309,52 @@ def _bench_layout(layout, sizes, opts):
     X, Y = _global_batch(cfg, opts["batch"], opts["seq"])
     out: dict = {}
     for impl, build in BUILDERS.items():
-        v = build(cfg, layout, sizes, X, Y)
-        opt = v["opt"]
-        loss = v["fwd"]()  # warm-up: AdamW's state, DDP's rebuilt buckets
-        loss.backward()
-        loss0 = float(loss.detach())
-        del loss
-        persistent = [p.grad for p in v["params"]] if v.get("ddp") else []  # the reducer's buckets
-        opt.step()
-        opt.zero_grad()
+        if impl == "titan" and not (opts["titan"] and layout in TITAN):
+            continue
+        try:
+            out[impl] = _measure(build(cfg, layout, sizes, X, Y))
+        except Exception as e:  # noqa: BLE001 - torchtitan failing must not sink meshlm and torch
+            if impl != "titan":
+                raise
+            out[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
         dist.barrier()
-        seed = v["state"]() + [g for g in persistent if g is not None]
-        mem = PhasePeak(seed)
-        with mem:
-            mem.phase = "forward"
-            loss = v["fwd"]()
-            mem.phase = "backward"
-            loss.backward()
-            del loss
-            after_bwd = v["kinds"]()
-            mem.phase = "optimizer"
-            opt.step()
-            after_step = v["kinds"]()
-            opt.zero_grad()
-        dist.barrier()
-        state = max((after_bwd, after_step), key=lambda k: k["total"])
-        out[impl] = dict(loss0=loss0, after_backward=after_bwd, after_step=after_step, state=state,
-                         peak_bytes=mem.peak, peak_phase=mem.peak_phase, at_peak=mem.top(), start_bytes=mem.base, param_dtypes=v["param_dtypes"],
-                         **({"shard_dtypes": v["dtypes"]} if "dtypes" in v else {}))
-        del v, opt, mem, persistent, seed
     return out
+
+
+def _measure(v) -> dict:
+    """One warm-up step, then one measured step of the variant ``v`` (a builder's dict)."""
+    import torch.distributed as dist
+
+    opt = v["opt"]
+    loss = v["fwd"]()  # warm-up: AdamW's state, DDP's rebuilt buckets
+    loss.backward()
+    loss0 = float(loss.detach()) * v.get("loss_scale", 1)  # the local mean
+    del loss
+    persistent = [p.grad for p in v["params"]] if v.get("ddp") else []  # the reducer's buckets
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+    seed = v["state"]() + [g for g in persistent if g is not None]
+    mem = PhasePeak(seed)
+    with mem:
+        mem.phase = "forward"
+        loss = v["fwd"]()
+        mem.phase = "backward"
+        loss.backward()
+        del loss
+        after_bwd = v["kinds"]()
+        mem.phase = "optimizer"
+        opt.step()
+        after_step = v["kinds"]()
+        opt.zero_grad()
+    dist.barrier()
+    state = max((after_bwd, after_step), key=lambda k: k["total"])
+    return dict(loss0=loss0, after_backward=after_bwd, after_step=after_step, state=state,
+                peak_bytes=mem.peak, peak_phase=mem.peak_phase, at_peak=mem.top(None), start_bytes=mem.base,
+                peak_less_gloo=mem.peak_less_gloo, gloo_rs_at_peak=mem.gloo_at_peak,
+                less_gloo_phase=mem.less_gloo_phase,
+                at_peak_less_gloo=sorted(mem.at_peak_less_gloo.items(), key=lambda kv: -kv[1]),
+                param_dtypes=v["param_dtypes"], **({"shard_dtypes": v["dtypes"]} if "dtypes" in v else {}))
 
 
 def _elements(cfg) -> int:
@@ -265,13 +368,22 @@ def _mb(x) -> str:
 
 
 def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
+    """a / b; where a is over b by less than the rounding shows, by how many bytes."""
+    if not (a and b):
+        return "-"
+    r = f"{a / b:.2f}x"
+    return f"{r} (+{a - b:,} B)" if a > b and r == "1.00x" else r
+
+
+def _listing(live: list, k: int = 6) -> str:
+    rest = sum(n for _op, n in live[k:])
+    return ", ".join(f"{op} {_mb(n)}" for op, n in live[:k]) + (f", {len(live) - k} other {_mb(rest)}" if rest else "")
 
 
 def render(results: dict, meta: dict) -> str:
     n = meta["parameters"]
     lines = [
-        f"# bf16 training memory per rank: meshlm vs torch ({meta['date']})",
+        f"# bf16 training memory per rank: meshlm vs torch vs torchtitan ({meta['date']})",
         "",
         f"`{meta['command']}`: {meta['model']} ({n:,} parameters), global batch {meta['batch']} x seq "
         f"{meta['seq']}, 4 gloo ranks, AdamW, one measured step after one warm-up; {meta['machine']}, "
@@ -280,40 +392,72 @@ def render(results: dict, meta: dict) -> str:
         "Model state (MiB per rank, the larger of after-backward and after-step, largest rank; "
         "params / grads / master / adam = AdamW's state) and peak live tensor storage over the "
         "step (MiB, largest rank, activations included; in: the phase of the step where it fell). "
-        "B/P = model-state bytes per parameter; m/t = meshlm / torch.",
+        "B/P = model-state bytes per parameter; m/t = meshlm / torch; m/titan = meshlm / torchtitan "
+        "(`-`: torchtitan has no such layout, or is not installed). less gloo RS = the peak less "
+        "gloo's reduce-scatter buffer (a whole-input-sized copy that c10d's gloo reduce-scatter, "
+        "FSDP2's, keeps live and NCCL does not make; meshlm's is inside its collective op, never "
+        "counted), and its ratios.",
         "",
-        "| layout | mesh | impl | params | grads | master | adam | state | B/P | state m/t | peak | in | peak m/t |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| layout | mesh | impl | params | grads | master | adam | state | B/P | state m/t | state m/titan "
+        "| peak | in | peak m/t | peak m/titan | less gloo RS | m/t | m/titan |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for lay, r in results.items():
         if "error" in r:
-            lines.append(f"| {lay} | {r['mesh']} | error | {r['error']} ||||||||||")
+            lines.append(f"| {lay} | {r['mesh']} | error | {r['error']} |||||||||||||||")
             continue
-        m, t = r["meshlm"], r["torch"]
-        for impl, x in (("meshlm", m), ("torch", t)):
-            s = x["state"]
+        m, t, ti = r["meshlm"], r["torch"], r.get("titan")
+        ok = ti is not None and "error" not in ti
+        for impl in BUILDERS:
+            x = r.get(impl)
             first = impl == "meshlm"
+            head = f"| {lay if first else ''} | {r['mesh'] if first else ''} | {impl} | "
+            if x is None:
+                continue
+            if "error" in x:
+                lines.append(head + f"error: {x['error']} |||||||||||||||")
+                continue
+            s = x["state"]
+            less = "peak_less_gloo"
+            ratios = ((_ratio(m["state"]["total"], t["state"]["total"]),
+                       _ratio(m["state"]["total"], ti["state"]["total"]) if ok else "-",
+                       _ratio(m["peak_bytes"], t["peak_bytes"]),
+                       _ratio(m["peak_bytes"], ti["peak_bytes"]) if ok else "-",
+                       _ratio(m[less], t[less]),
+                       _ratio(m[less], ti[less]) if ok else "-") if first else ("",) * 6)
             lines.append(
-                f"| {lay if first else ''} | {r['mesh'] if first else ''} | {impl} | "
-                + " | ".join(_mb(s[k]) for k in KINDS)
-                + f" | {_mb(s['total'])} | {s['total'] / n:.2f} | "
-                + (_ratio(m["state"]["total"], t["state"]["total"]) if first else "")
-                + f" | {_mb(x['peak_bytes'])} | {x['peak_phase']} | "
-                + (_ratio(m["peak_bytes"], t["peak_bytes"]) if first else "") + " |")
-    lines += ["", "torch variants: " + "; ".join(f"{k}: {v}" for k, v in TORCH.items() if k in results) + ".",
-              "meshlm dtypes (`meshlm.train.shard_dtypes`): "
+                head + " | ".join(_mb(s[k]) for k in KINDS)
+                + f" | {_mb(s['total'])} | {s['total'] / n:.2f} | {ratios[0]} | {ratios[1]} | "
+                + f"{_mb(x['peak_bytes'])} | {x['peak_phase']} | {ratios[2]} | {ratios[3]} | "
+                + f"{_mb(x[less])} | {ratios[4]} | {ratios[5]} |")
+    lines += ["", "torch variants: " + "; ".join(f"{k}: {v}" for k, v in TORCH.items() if k in results) + "."]
+    if any("titan" in r for r in results.values()):
+        lines += ["torchtitan variants (its Llama 3 + `parallelize_llama`, `TrainingConfig(mixed_precision_param="
+                  "\"bfloat16\", mixed_precision_reduce=\"float32\")`, i.e. FSDP2 `MixedPrecisionPolicy(bf16, fp32)` "
+                  "on every layout; meshlm's seed-0 weights loaded): "
+                  + "; ".join(f"{k}: {v}" for k, v in TITAN_TEXT.items() if "titan" in results.get(k, {}))
+                  + "; zero1: none."]
+    lines += ["meshlm dtypes (`meshlm.train.shard_dtypes`): "
               + "; ".join(f"{k}: params {r['meshlm']['param_dtypes']}, {r['meshlm']['shard_dtypes']}"
                           for k, r in results.items() if "meshlm" in r) + "."]
-    lines += ["", "Warm-up losses (same seed-0 weights; meshlm's is the global batch's mean, torch's rank 0's "
-              "local batch's): "
-              + "; ".join(f"{k} meshlm {r['meshlm']['loss0']:.4f} torch {r['torch']['loss0']:.4f}"
-                          for k, r in results.items() if "meshlm" in r) + "."]
-    lines += ["", "Live at the peak (largest rank), MiB by the op that made each storage and its dtype "
-              "(`state at the start`: parameters, masters, AdamW state, DDP's buckets):", ""]
+
+    def losses(r):
+        return " ".join(f"{impl} {r[impl]['loss0']:.4f}" for impl in BUILDERS if "loss0" in r.get(impl, {}))
+
+    lines += ["", "Warm-up losses (same seed-0 weights; meshlm's is the global batch's mean, torch's and "
+              "torchtitan's rank 0's local batch's): "
+              + "; ".join(f"{k} {losses(r)}" for k, r in results.items() if "meshlm" in r) + "."]
+    lines += ["", "Live at the peak (largest rank), MiB by the op that made each storage and its dtype, the six "
+              "largest, then the rest (`state at the start`: parameters, masters, AdamW state, DDP's buckets; "
+              "the JSON lists them all):", ""]
     for k, r in results.items():
         for impl in BUILDERS:
-            if impl in r:
-                lines.append(f"- {k} {impl}: " + ", ".join(f"{op} {_mb(n)}" for op, n in r[impl]["at_peak"]))
+            x = r.get(impl, {})
+            if "at_peak" in x:
+                lines.append(f"- {k} {impl}: " + _listing(x["at_peak"]))
+            if x.get("gloo_rs_at_peak") or x.get("peak_less_gloo", x.get("peak_bytes")) != x.get("peak_bytes"):
+                lines.append(f"- {k} {impl}, less gloo RS ({_mb(x['peak_less_gloo'])} MiB, in "
+                             f"{x['less_gloo_phase']}): " + _listing(x["at_peak_less_gloo"]))
     lines.append("")
     for note in meta["notes"]:
         lines.append(f"- {note}")
@@ -338,8 +482,17 @@ def main(argv=None) -> int:
     from meshlm.testing.dist import DistPool
 
     why = titan_llama.available()
-    notes = [f"torchtitan: not a column ({'not installed: ' + why if why else 'installed, not used here'})"]
-    opts = dict(vars(args))
+    if why:
+        print(f"NOTE: torchtitan column skipped ({why}); install it with `pip install -e .[bench]`")
+        notes = [f"torchtitan: not a column (not installed: {why})"]
+        titan_version = "not installed"
+    else:
+        from importlib.metadata import version
+
+        titan_version = version("torchtitan")
+        notes = [f"torchtitan {titan_version}: no column for {', '.join(k for k in layouts if k not in TITAN)} "
+                 "(no such layout in torchtitan)"] if any(k not in TITAN for k in layouts) else []
+    opts = dict(vars(args), titan=not why)
     results: dict = {}
     t_start = time.time()
     with DistPool(4, timeout_s=300, job_timeout_s=1800) as pool:
@@ -349,9 +502,15 @@ def main(argv=None) -> int:
                 per_rank = pool.run(_bench_layout, lay, LAYOUTS[lay], opts)
                 r = dict(per_rank[0])
                 for impl in BUILDERS:  # the largest rank
+                    if "peak_bytes" not in r.get(impl, {}):
+                        continue
                     top = max(per_rank, key=lambda p: p[impl]["peak_bytes"])
-                    for k in ("peak_bytes", "peak_phase", "at_peak"):
+                    r[impl]["peak_by_rank"] = [p[impl]["peak_bytes"] for p in per_rank]
+                    for k in ("peak_bytes", "peak_phase", "at_peak", "gloo_rs_at_peak"):
                         r[impl][k] = top[impl][k]
+                    low = max(per_rank, key=lambda p: p[impl]["peak_less_gloo"])
+                    for k in ("peak_less_gloo", "less_gloo_phase", "at_peak_less_gloo"):
+                        r[impl][k] = low[impl][k]
                     r[impl]["state"] = max((p[impl]["state"] for p in per_rank), key=lambda k: k["total"])
             except Exception as e:  # noqa: BLE001 - one failed layout must not sink the table
                 tb = getattr(e, "remote_traceback", "") or ""
@@ -362,14 +521,15 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"[{lay}] {time.time() - t0:.0f}s error {r['error']}", flush=True)
             else:
-                print(f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s state meshlm {r['meshlm']['state']} "
-                      f"torch {r['torch']['state']} peak meshlm {r['meshlm']['peak_bytes']} "
-                      f"torch {r['torch']['peak_bytes']}", flush=True)
+                print(f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s "
+                      + "; ".join(f"{impl} state {r[impl].get('state')} peak {r[impl].get('peak_bytes')}"
+                                  + (f" error {r[impl]['error']}" if "error" in r[impl] else "")
+                                  for impl in BUILDERS if impl in r), flush=True)
     cfg = llama_config(args.model)
     meta = dict(date=datetime.date.today().isoformat(),
                 command=("python benchmarks/memory_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip(),
                 machine=f"{platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}",
-                torch=torch.__version__, torchtitan="not installed" if why else "installed (not used)",
+                torch=torch.__version__, torchtitan=titan_version,
                 model=args.model, parameters=_elements(cfg), batch=args.batch, seq=args.seq,
                 wall_s=round(time.time() - t_start), notes=notes)
     write_report(Path(args.out), "memory_floor", {"meta": meta, "results": results}, render(results, meta),

@@ -16,7 +16,14 @@ What it takes to run torchtitan 0.3.0 on CPU with torch 2.13 (each found by runn
 
 Differences from meshlm's Llama that remain: torchtitan fuses wq/wk/wv into one wqkv
 matrix, uses complex-number RoPE (same rotation, interleaved pairs instead of halves) and
-its own initialisation; sizes, FLOPs and parameter count are the same.
+its own initialisation; sizes, FLOPs and parameter count are the same.  ``build(...,
+weights=Llama(cfg, seed=0))`` loads meshlm's weights instead (``load_meshlm_weights``); the
+two then compute the same function (in fp32 the same loss to the printed 6 digits).
+
+The loss is torchtitan's trainer's: the local sum over the global token count, because
+``parallelize_llama`` turns FSDP's gradient division off (the reduction sums).  (Before,
+``step`` divided by the local token count, which left the gradients multiplied by the
+data-parallel degree.)
 """
 
 from __future__ import annotations
@@ -96,10 +103,22 @@ STRATEGIES = {
 }
 
 
-def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | None, lr: float):
-    """torchtitan's model for ``layout`` on this rank: ``(model, optimizer, step, shard)``:
-    ``step(x, y)`` runs forward, backward and AdamW on this rank's batch slice ``x, y``
-    (from ``shard(global_tokens)``) and returns the loss."""
+def build_parts(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | None, lr: float, *,
+                param_dtype: str = "float32", reduce_dtype: str = "float32", reshard: str = "default",
+                weights=None) -> dict:
+    """torchtitan's model for ``layout`` on this rank, as torchtitan's trainer sets it up.
+
+    ``param_dtype`` / ``reduce_dtype``: torchtitan's ``TrainingConfig.mixed_precision_param``
+    and ``mixed_precision_reduce`` ("bfloat16" / "float32" is its bf16 training; it applies
+    them through FSDP2's ``MixedPrecisionPolicy`` on every layout, DDP included).
+    ``reshard``: ``ParallelismConfig.fsdp_reshard_after_forward`` ("default", "never",
+    "always").  ``weights``: a one-device ``meshlm.models.Llama`` whose weights replace
+    torchtitan's initialisation (``load_meshlm_weights``).
+
+    Returns ``dict(model, opt, loss, shard, n_dp)``: ``loss(x, y)`` is torchtitan's training
+    loss, the local sum of token losses over the global token count (its trainer's; FSDP's own
+    gradient division is off, so the reduction sums), on this rank's slice ``x, y`` of the
+    global batch (``shard(global_tokens)``); ``loss(x, y) * n_dp`` is the local mean."""
     import torch.distributed as dist
 
     _import()
@@ -112,12 +131,13 @@ def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | N
 
     dp_rep, dp_shard, tp, sp = STRATEGIES[layout](mesh_sizes)
     mc, par = _model_config(cfg, sp, tp, dp_shard, dp_rep, seq)
+    par.fsdp_reshard_after_forward = reshard
     dist_utils.set_spmd_backend("partial_dtensor")
     dims = ParallelDims.from_config(par, dist.get_world_size())
     dims.build_mesh()
     with torch.device("meta"):
         model = mc.build()
-    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    training = TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype)
     comp = CompileConfig(enable=compile_backend is not None, components=["model"],
                          backend=compile_backend or "inductor")
     model = parallelize_llama(model, parallel_dims=dims, training=training, parallelism=par,
@@ -125,6 +145,8 @@ def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | N
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    if weights is not None:
+        load_meshlm_weights(model, weights)
     model.train()
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -140,14 +162,72 @@ def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | N
         b = tokens.shape[0] // n_dp
         return tokens[dp_rank * b:(dp_rank + 1) * b]
 
+    def loss(x, y):
+        return cross_entropy_loss(model(x), y) / (y.numel() * n_dp)
+
+    return dict(model=model, opt=opt, loss=loss, shard=shard, n_dp=n_dp)
+
+
+def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | None, lr: float, **kw):
+    """``build_parts`` as ``(model, optimizer, step, shard)``: ``step(x, y)`` runs forward,
+    backward and AdamW on this rank's batch slice ``x, y`` (from ``shard(global_tokens)``) and
+    returns the local mean loss."""
+    p = build_parts(cfg, layout, mesh_sizes, seq, compile_backend, lr, **kw)
+    opt, n_dp = p["opt"], p["n_dp"]
+
     def step(x, y):
-        logits = model(x)
-        loss = cross_entropy_loss(logits, y) / y.numel()  # sum / local tokens = the mean
+        loss = p["loss"](x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return loss
+        return loss.detach() * n_dp
 
-    return model, opt, step, shard
+    return p["model"], opt, step, p["shard"]
 
 
+def load_meshlm_weights(model, ref) -> None:
+    """Copy a one-device ``meshlm.models.Llama``'s weights into torchtitan's ``model`` (its
+    parameters plain or DTensors, as ``parallelize_llama`` left them), so that both compute
+    the same function:
+
+    - meshlm rotates halves of each head (pairs ``(i, i + hd/2)``), torchtitan's complex RoPE
+      adjacent pairs ``(2i, 2i + 1)``, with the same frequency for pair ``i``: each head's
+      rows of wq and wk are reordered to ``[0, hd/2, 1, hd/2 + 1, ...]`` (the q.k products, and
+      so the attention, are unchanged; v and wo keep their order);
+    - torchtitan's fused ``wqkv`` holds, per kv head ``g``, its ``heads/kv_heads`` query heads
+      (``g * rep ...``, the query heads meshlm's grouping gives kv head ``g``), then k ``g``,
+      then v ``g``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def rope_order(w):  # (heads, hd, embed), halves -> interleaved pairs
+        h, hd, d = w.shape
+        return w.view(h, 2, hd // 2, d).transpose(1, 2).reshape(h, hd, d)
+
+    full = {"tok_embeddings.weight": ref.tok_emb, "lm_head.weight": ref.lm_head, "norm.weight": ref.norm.weight}
+    for i, r in enumerate(ref.layers):
+        a = r.attn
+        kv, hd, d = a.wk.shape
+        q = rope_order(a.wq.detach()).view(kv, -1, hd, d)
+        k = rope_order(a.wk.detach()).view(kv, 1, hd, d)
+        v = a.wv.detach().view(kv, 1, hd, d)
+        pre = f"layers.{i}."
+        full.update({
+            pre + "attention.qkv_linear.wqkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
+            pre + "attention.wo.weight": a.wo.flatten(1, 2),
+            pre + "feed_forward.w1.weight": r.mlp.w_gate,
+            pre + "feed_forward.w3.weight": r.mlp.w_up,
+            pre + "feed_forward.w2.weight": r.mlp.w_down,
+            pre + "attention_norm.weight": r.attn_norm.weight,
+            pre + "ffn_norm.weight": r.mlp_norm.weight,
+        })
+    params = dict(model.named_parameters())
+    if set(params) != set(full):
+        raise ValueError(f"torchtitan parameters {sorted(set(params) ^ set(full))} have no meshlm counterpart")
+    with torch.no_grad():
+        for name, p in params.items():
+            w = full[name].detach().to(p.dtype)
+            if tuple(w.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: meshlm {tuple(w.shape)} vs torchtitan {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                w = distribute_tensor(w, p.device_mesh, p.placements)
+            p.copy_(w)
