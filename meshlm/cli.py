@@ -61,18 +61,54 @@ def _train_task(dc) -> None:
         _SWEEP["dir"] = hc.sweep.dir
     _SWEEP["jobs"] += 1
     run_dir = Path(hc.runtime.output_dir)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": list(hc.overrides.task)}
     try:
         cfg = resolve_auto(from_dict(OmegaConf.to_container(dc, resolve=True)))
-        if int(os.environ.get("RANK", "0")) == 0:
+        eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
+        if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            head = "" if eff is None else "".join(
+                f"# {line}\n" for line in [f"effective on mesh {cfg.mesh}: {eff.summary()}", *eff.problems()])
+            (run_dir / "config.yaml").write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            _write_job(run_dir, job)
         launch(cfg, run_dir)
-    except MeshlmError as e:
+    except Exception as e:  # noqa: BLE001 - a sweep goes on with its other jobs (below)
+        if not isinstance(e, MeshlmError) and not multirun:
+            raise
         _record_error(e)
-        print(f"meshlm train: error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, MeshlmError):
+            print(f"meshlm train: error: {e}", file=sys.stderr, flush=True)
+        else:
+            import traceback
+
+            traceback.print_exc()
         _SWEEP["failed"] += 1
+        if main_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_job(run_dir, {**job, "error": f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__})
         if not multirun:
             sys.exit(1)
+
+
+def _effective(cfg):
+    """The layout on the configured mesh (NOTE [effective sharding] in meshlm/effective.py),
+    or None while a mesh axis is -1 (train.run checks it once the world size is known)."""
+    from meshlm.axes import MESH_AXES
+    from meshlm.effective import check
+    from meshlm.layout import load_layout
+
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if -1 in sizes.values():
+        return None
+    return check(load_layout(cfg.layout.name), sizes, cfg.layout.strict)
+
+
+def _write_job(run_dir: Path, job: dict) -> None:
+    """``job.json``: the sweep's job number, its overrides and, if it failed, its error."""
+    import json
+
+    (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
 
 
 def train_main(argv: list[str]) -> int:
@@ -95,12 +131,12 @@ def train_main(argv: list[str]) -> int:
     finally:
         sys.argv = saved
     if _SWEEP["dir"]:
-        from meshlm.metrics import summarize_sweep
+        from meshlm.sweep import summarize_sweep
 
         out = summarize_sweep(_SWEEP["dir"])
         if out is not None:
             print(out.read_text(), end="")
-            print(f"sweep summary: {out}, {out.with_suffix('.csv')}, {out.with_suffix('.png')}", flush=True)
+            print(f"sweep summary: {out}, {out.with_suffix('.csv')}, {out.with_suffix('.png')}, {out.parent / 'curves.png'}", flush=True)
         if _SWEEP["failed"]:
             print(f"meshlm train: {_SWEEP['failed']} of {_SWEEP['jobs']} runs failed", file=sys.stderr)
     return 1 if _SWEEP["failed"] else 0

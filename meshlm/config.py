@@ -64,6 +64,10 @@ class LayoutConfig:
     ``auto`` (``meshlm.plan.choose_layout`` picks layout and mesh)."""
 
     name: str = "fsdp_tp"
+    #: a layout that degenerates on the mesh (a kind of parallelism it names has no mesh axis
+    #: of size > 1 left) or leaves a mesh axis of size > 1 unused is an error, not a warning
+    #: (NOTE [effective sharding] in meshlm/effective.py)
+    strict: bool = False
 
 
 @dataclass

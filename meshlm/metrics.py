@@ -9,7 +9,7 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -21,6 +21,61 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+class StepMemory:
+    """One training step's tensor memory on this rank, by kind (NOTE [run memory]).
+
+    NOTE [run memory]
+        ``meshlm train`` measures one step (the second it runs; the first is warm-up) and
+        reports, per rank and for the fullest rank: ``params``, ``grads`` (after the
+        backward of the last micro-batch: ``.grad``, main gradients, the masters'
+        gradients) and ``optimizer`` (masters that are not a parameter's own storage, and
+        the optimizer's state, after the step), each storage counted once
+        (:func:`meshlm.memory.model_state_bytes`), and ``peak``: the most tensor memory
+        live at once during the step, model state included (activations, gathered
+        parameters, reduction buffers).  On CUDA the peak is the allocator's
+        (``max_memory_allocated``); on CPU it is the tracked tensor storage
+        (:class:`meshlm.memory.PeakStorage`, eager only: under ``torch.compile`` on CPU
+        it is not measured).  Neither is the process's resident set, which the runtime
+        dominates on small runs and which is reported separately as RSS.  The measured
+        step is left out of tokens/s (the tracking slows it)."""
+
+    def __init__(self, model, opt, device: torch.device, track_peak: bool = True):
+        self.model, self.opt, self.device, self.track = model, opt, device, track_peak
+        self.grads = 0
+        self.mode = None
+        self.result: dict[str, Any] = {}
+
+    def __enter__(self) -> "StepMemory":
+        from meshlm.memory import PeakStorage
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.track:
+            state = list(self.model.parameters()) + list(getattr(self.opt, "masters", dict)().values()) + [
+                v for s in getattr(self.opt, "inner", self.opt).state.values() for v in s.values() if torch.is_tensor(v)]
+            self.mode = PeakStorage(state)
+            self.mode.__enter__()
+        return self
+
+    def after_backward(self) -> None:
+        from meshlm.memory import model_state_bytes
+
+        self.grads = model_state_bytes(self.model, self.opt)["grads"]
+
+    def __exit__(self, *exc) -> None:
+        from meshlm.memory import model_state_bytes
+
+        peak = None
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+            peak = self.mode.peak
+        elif self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        state = model_state_bytes(self.model, self.opt)
+        self.result = {"params": state["params"], "grads": self.grads, "optimizer": state["optimizer"], "peak": peak}
 
 
 class MetricsWriter:
@@ -65,64 +120,3 @@ def plot_loss(rows: list[dict[str, Any]], path: "str | os.PathLike", title: str 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-SUMMARY_COLUMNS = ("run", "layout", "mesh", "model", "steps", "tokens_per_s", "peak_mem_bytes_per_rank",
-                   "comm_bytes_per_step", "final_train_loss", "final_val_loss", "wall_s")
-
-
-def summarize_sweep(sweep_dir: "str | os.PathLike") -> Optional[Path]:
-    """Scan a multirun directory for runs' ``summary.json`` and write ``summary.md``,
-    ``summary.csv`` and ``summary.png`` (one row / bar group per run) there."""
-    import csv
-
-    sweep = Path(sweep_dir)
-    rows = []
-    for p in sorted(sweep.glob("*/summary.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
-        with open(p) as f:
-            s = json.load(f)
-        s["run"] = p.parent.name
-        rows.append(s)
-    if not rows:
-        return None
-    with open(sweep / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-
-    def fmt(v: Any, k: str) -> str:
-        if v is None:
-            return "-"
-        if k in ("peak_mem_bytes_per_rank", "comm_bytes_per_step"):
-            return f"{v / 2**20:.1f} MiB"
-        if isinstance(v, float):
-            return f"{v:.4f}" if "loss" in k else f"{v:.1f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |", "|" + "---|" * len(SUMMARY_COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(k), k) for k in SUMMARY_COLUMNS) + " |")
-    (sweep / "summary.md").write_text("\n".join(lines) + "\n")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r.get('layout')}\n{r.get('mesh')}" for r in rows]
-    panels = [("tokens_per_s", "tokens/s", 1), ("peak_mem_bytes_per_rank", "peak mem / rank (MiB)", 2**20),
-              ("comm_bytes_per_step", "comm / rank / step (MiB)", 2**20), ("final_train_loss", "final train loss", 1),
-              ("final_val_loss", "final val loss", 1)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
-    for ax, (k, title, scale) in zip(axes, panels):
-        vals = [(r.get(k) or 0) / scale for r in rows]
-        ax.bar(range(len(rows)), vals, color="tab:blue")
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
-        ax.set_title(title, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(sweep / "summary.png", dpi=100)
-    plt.close(fig)
-    return sweep / "summary.md"

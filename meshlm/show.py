@@ -75,8 +75,13 @@ def layout_table(model: str, layout: str, mesh: str) -> str:
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     total = sum(r["bytes"] for r in rows)
+    from meshlm.effective import effective
+
+    eff = effective(lay, spec.as_dict())
     out = [f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model}",
-           "placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated", "",
+           f"effective on this mesh: {eff.summary()}"]
+    out += [f"warning: {w}" for w in eff.problems()]
+    out += ["placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated", "",
            line(cols), line(["-" * w for w in widths])]
     out += [line(t) for t in table]
     out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]

@@ -181,7 +181,9 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.0f}MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f}GiB"
+    return f"{n / 2**20:.0f}MiB" if n >= 10 * 2**20 else f"{n / 2**20:.2f}MiB"
 
 
 # --------------------------------------------------------------------------- run
@@ -193,7 +195,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     import meshlm
     from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.comm import CommCounter
-    from meshlm.metrics import MetricsWriter, peak_memory_bytes, plot_loss
+    from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss
     from meshlm.models import Llama
     from meshlm.optim import ShardedOptimizer
 
@@ -215,6 +217,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     layout = meshlm.load_layout(cfg.layout.name)
     mcfg = cfg.model.llama()
     from meshlm.mesh import mesh_spec
+
+    eff = _effective(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
 
     shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
     if cfg.model.init_from:
@@ -269,14 +273,19 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
-    header = (f"meshlm train: {model_name} ({n_params / 1e6:.1f}M params), layout {layout.name}, mesh {cfg.mesh} "
+    header = (f"meshlm train: {model_name} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
               f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
               f"tokens; run dir {run_dir}")
     log.info(header)
     log.info("config: %s", json.dumps(cfg.to_dict()))
+    for w in eff.problems():
+        log.warning(w)
+    planned = _planned(cfg, layout.name, mesh_spec(mesh).as_dict())
     writer = None
     if is_main:
         print(header, flush=True)
+        for w in eff.problems():
+            print(f"meshlm train: warning: {w}", file=sys.stderr, flush=True)
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         if not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -295,8 +304,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     comm_bytes: Optional[int] = None
     tokens_per_step = t.batch_size * t.seq_len
     rates: list[float] = []
+    writer_rows = [0]
     first_loss = last_loss = val_loss = None
     skipped = 0
+    measure_step = min(start + 2, t.steps)  # NOTE [run memory] in meshlm/metrics.py
+    mem_kinds: dict[str, Any] = {}
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -305,14 +317,17 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if t.profile and step == t.profile_start:
             prof = torch.profiler.profile(record_shapes=True, profile_memory=True, with_stack=False)
             prof.__enter__()
-        count = t.count_comm and t.compile == "none" and comm_bytes is None and step >= start + 2
+        count = t.count_comm and t.compile == "none" and comm_bytes is None and step == measure_step
         counter = CommCounter(mesh) if count else None
+        memory = StepMemory(model, opt, device, track_peak=t.compile == "none") if step == measure_step else None
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         for g in opt.param_groups:
             g["lr"] = lr
         if counter:
             counter.__enter__()
+        if memory:
+            memory.__enter__()
         try:
             loss_sum = 0.0
             for _ in range(t.grad_accum):
@@ -325,6 +340,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 micro_loss = loss / t.grad_accum
                 (scaler.scale_loss(micro_loss) if scaler else micro_loss).backward()
                 loss_sum += float(loss.detach())
+            if memory:
+                memory.after_backward()
             loss_val = loss_sum / t.grad_accum
             if not math.isfinite(loss_val):
                 if not t.skip_nonfinite:
@@ -354,6 +371,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad()
         finally:
+            if memory:
+                memory.__exit__(None, None, None)
+                mem_kinds = memory.result
             if counter:
                 counter.__exit__(None, None, None)
         if device.type == "cuda":
@@ -367,14 +387,20 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             prof.export_chrome_trace(str(run_dir / "profile" / f"trace_rank{rank}.json"))
             prof = None
         tps = tokens_per_step / dt
-        if step > start + 1:
-            rates.append(tps)  # the first step includes compilation and warm-up
+        if step > start + 1 and step != measure_step:
+            rates.append(tps)  # the first step includes compilation and warm-up; the measured one, tracking
         if first_loss is None:
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
         row: dict[str, Any] = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                               "step_time_s": dt, "peak_mem_bytes": mem}
+                               "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
+                               "wall_s": time.perf_counter() - t_start, "rss_bytes": mem}
+        if step == measure_step:
+            row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
+        if not writer_rows[0]:
+            row["layout_effective"] = eff.label()
+        writer_rows[0] += 1
         if comm_bytes is not None:
             row["comm_bytes"] = comm_bytes
         if scaler is not None:
@@ -407,16 +433,23 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         torch.cuda.memory._record_memory_history(enabled=None)
     wall = time.perf_counter() - t_start
 
-    # Peak memory of the fullest rank (a CPU value is the process's resident set).
-    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    # Memory of the fullest rank, by kind (NOTE [run memory]; -1: not measured), and the
+    # process's resident set (CPU) or allocator peak (CUDA) over the run.
+    kinds = ("params", "grads", "optimizer", "peak")
+    vals = [mem_kinds.get(k) for k in kinds] + [peak_memory_bytes(device)]
+    peak = torch.tensor([-1 if v is None else v for v in vals], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    measured = {f"mem_{k}_bytes": (int(v) if v >= 0 else None) for k, v in zip(kinds, peak.tolist()[:4])}
     rates.sort()
     summary = {
         "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.name, "world_size": world,
         "steps": t.steps, "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
-        "peak_mem_bytes_per_rank": int(peak.item()), "comm_bytes_per_step": comm_bytes,
+        "layout_effective": eff.label(), "layout_warnings": eff.problems(),
+        "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step,
+        **measured, **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
+        "rss_bytes_per_rank": int(peak[4].item()), "comm_bytes_per_step": comm_bytes,
         "first_train_loss": first_loss, "final_train_loss": last_loss, "final_val_loss": val_loss,
         "wall_s": wall, "activation_checkpointed_blocks": n_ckpt,
     }
@@ -429,11 +462,47 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
                   title=f"{cfg.model.name} {layout.name} mesh {cfg.mesh}")
         tp = summary["tokens_per_s"]
-        print(f"done: {t.steps} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
-              f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; peak mem/rank {_fmt_bytes(summary['peak_mem_bytes_per_rank'])}"
-              f"; outputs in {run_dir}", flush=True)
+        print(f"done: {t.steps - start} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
+              f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in {run_dir}",
+              flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _effective(cfg: RunConfig, layout, resolved: dict[str, int]):
+    """The layout on this run's mesh (NOTE [effective sharding] in meshlm/effective.py)."""
+    from meshlm.axes import MESH_AXES
+    from meshlm.effective import check
+
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    sizes.update(resolved)
+    return check(layout, sizes, cfg.layout.strict)
+
+
+def _planned(cfg: RunConfig, layout: str, sizes: dict[str, int]) -> Optional[dict[str, int]]:
+    """What ``meshlm plan`` predicts for this run, per rank: params, grads, optimizer and the
+    total (model state, held activations and gathered copies); None where it cannot (a model
+    loaded from Hugging Face weights)."""
+    if cfg.model.init_from:
+        return None
+    from meshlm.plan import _from_run_config, plan
+
+    kw = _from_run_config(cfg)
+    p = plan(kw["model"], layout, sizes, global_batch=kw["global_batch"], seq=kw["seq"],
+             activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+             grad_accum=kw["grad_accum"], compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"])
+    return {k: int(p.memory[k]) for k in ("params", "grads", "optimizer", "total")}
+
+
+def _mem_line(s: dict[str, Any]) -> str:
+    """Memory by kind for the final line: measured (planned)."""
+    parts = []
+    for k in ("params", "grads", "optimizer", "peak"):
+        m = s.get(f"mem_{k}_bytes")
+        p = s.get(f"planned_{'total' if k == 'peak' else k}_bytes")
+        if m is not None:
+            parts.append(f"{k} {_fmt_bytes(m)}" + (f" (planned {_fmt_bytes(p)})" if p is not None else ""))
+    return ", ".join(parts + [f"RSS {_fmt_bytes(s['rss_bytes_per_rank'])}"])
 
 
 # --------------------------------------------------------------------------- worker entry

@@ -44,7 +44,7 @@ def _check_outputs(run_dir: Path, steps: int) -> list[dict]:
         assert (run_dir / f).exists(), f
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    for k in ("loss", "lr", "tokens_per_s", "peak_mem_bytes", "grad_norm"):
+    for k in ("loss", "lr", "tokens_per_s", "rss_bytes", "grad_norm"):
         assert all(r[k] is not None for r in rows), k
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, "loss did not fall"
     assert rows[-1].get("val_loss") is not None
@@ -68,15 +68,57 @@ def test_train_four_processes_2d_mesh(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
 
 
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def test_sweep_writes_summary(tmp_path):
-    r = meshlm("train", "-m", *TINY, "layout=ddp,single", "mesh=cpu1", "train.steps=3",
-               f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}")
+    """A sweep's summary: rows labelled by the key the sweep varies only; ddp on one device
+    degenerates (NOTE [effective sharding]) and says so; every run's loss curve on one
+    figure."""
+    seeds = [0, 1]
+    r = meshlm("train", "-m", *TINY, "layout=ddp", "mesh=cpu1", "train.steps=2", "train.seed=0,1",
+               f"hydra.sweep.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
-    for f in ("summary.md", "summary.csv", "summary.png"):
+    for f in ("summary.md", "summary.csv", "summary.png", "curves.png"):
         assert (tmp_path / f).exists(), f
-    csv = (tmp_path / "summary.csv").read_text().splitlines()
-    assert csv[0].startswith("run,layout,mesh") and len(csv) == 3
-    assert "| ddp |" in (tmp_path / "summary.md").read_text()
+    rows = _csv(tmp_path / "summary.csv")
+    assert [row["run"] for row in rows] == [f"train.seed={s}" for s in seeds]
+    assert all(row["layout_effective"] == "ddp (runs as: one device)" for row in rows)
+    assert "its data parallel (dp/fsdp) drops out" in r.stderr
+    md = (tmp_path / "summary.md").read_text()
+    assert "| train.seed=0 | ddp (runs as: one device) |" in md and "Warnings:" in md
+    from meshlm.sweep import runs
+    from meshlm.sweep_plots import curves_figure
+
+    fig = curves_figure(runs(tmp_path))
+    for ax in fig.axes:
+        assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] == \
+            [f"train.seed={s}" for s in seeds]
+
+
+def test_sweep_memory_by_kind_and_a_failed_job(tmp_path):
+    """ddp, tp and fsdp on fsdp=4 under layout.strict=true: tp degenerates there, so its job
+    fails at once with the reason, and the sweep still summarises the other two, whose
+    memory by kind differs as the planner says (within 10%).  Rows in job order (sorting the
+    job directories by name length, as before, gave tp, ddp, fsdp)."""
+    r = meshlm("train", "-m", *TINY, "layout=ddp,tp,fsdp", "mesh=fsdp4", "layout.strict=true", "train.steps=2",
+               f"hydra.sweep.dir={tmp_path}", timeout=400)
+    assert r.returncode == 1 and "1 of 3 runs failed" in r.stderr, r.stderr[-3000:]
+    rows = {row["run"]: row for row in _csv(tmp_path / "summary.csv")}
+    assert list(rows) == ["layout=ddp", "layout=tp", "layout=fsdp"]
+    err = rows["layout=tp"]["error"]
+    assert "LayoutError" in err and "tp has size 1" in err and "layout.strict=true" in err and "\n" not in err
+    assert rows["layout=ddp"]["error"] == rows["layout=fsdp"]["error"] == ""
+    ddp, fsdp = rows["layout=ddp"], rows["layout=fsdp"]
+    for kind in ("params", "grads", "optimizer"):
+        got = int(ddp[f"mem_{kind}_bytes"]) - int(fsdp[f"mem_{kind}_bytes"])
+        want = int(ddp[f"planned_{kind}_bytes"]) - int(fsdp[f"planned_{kind}_bytes"])
+        assert want > 0 and abs(got - want) <= 0.1 * want, (kind, got, want)
+    assert int(fsdp["mem_peak_bytes"]) < int(ddp["mem_peak_bytes"])
 
 
 def test_crashing_worker_ends_job_with_root_cause_once(tmp_path):

@@ -1,0 +1,114 @@
+"""Measuring tensor memory on any device, CPU included: live storages and their peak, and
+a model's state by kind.
+
+Used by ``meshlm train`` (memory by kind in every run's metrics and summary), the memory
+tests (``tests/dist/test_memory_floor.py``) and the benchmarks (``benchmarks/bench_layouts.py``,
+``benchmarks/memory_floor.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def local_data(t):
+    """The plain tensor that holds ``t``'s data on this rank: a DTensor's local tensor, and
+    inside an AsyncCollectiveTensor (a collective in flight, a wrapper whose own storage
+    holds no data) the tensor it wraps."""
+    from torch.distributed.tensor import DTensor
+
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    return getattr(t, "elem", t)
+
+
+def storage_bytes(ts: Iterable, seen: set[int]) -> int:
+    """Bytes of the storages of ``ts`` (None skipped) not already in ``seen`` (data
+    pointers, updated): each storage counted once however many tensors view it."""
+    n = 0
+    for t in ts:
+        if t is None:
+            continue
+        st = local_data(t).untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+    return n
+
+
+class PeakStorage(TorchDispatchMode):
+    """Peak bytes of live tensor storage: those ``seed`` holds, plus every storage an op
+    returns while the mode is active (and ``tracking()`` is true), each until it is freed.
+
+    A storage's bytes are read again after every op, not only when it is first seen: FSDP2
+    and meshlm's ZeRO-3 blocks free gathered parameters with ``storage.resize_(0)`` and
+    gather them again into the same storage (``resize_(n)``), which no op returns and no
+    finalizer sees (counting each storage at its first size kept freed parameters live)."""
+
+    def __init__(self, seed=()):
+        super().__init__()
+        self.live: dict[int, weakref.ref] = {}
+        self.sizes: dict[int, int] = {}
+        self.cur = self.peak = 0
+        for t in seed:
+            self._track(t)
+        self.base = self.cur
+
+    def tracking(self) -> bool:
+        """Whether the storages ops return now are counted (all of them, here)."""
+        return True
+
+    def _free(self, key: int) -> None:
+        self.live.pop(key, None)
+        self.cur -= self.sizes.pop(key, 0)
+
+    def _refresh(self) -> None:
+        for key, ref in list(self.live.items()):  # a finalizer may run (and pop) meanwhile
+            st = ref()
+            n = st.nbytes() if st is not None else 0
+            if key in self.sizes and n != self.sizes[key]:
+                self.cur += n - self.sizes[key]
+                self.sizes[key] = n
+
+    def _track(self, t) -> None:
+        t = local_data(t)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        self.live[key] = weakref.ref(st)
+        self.sizes[key] = st.nbytes()
+        self.cur += st.nbytes()
+        self.peak = max(self.peak, self.cur)
+        weakref.finalize(st, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._refresh()
+        self.peak = max(self.peak, self.cur)
+        if self.tracking():
+            for t in torch.utils._pytree.tree_leaves(out):
+                self._track(t)
+        return out
+
+
+def model_state_bytes(model, opt) -> dict[str, int]:
+    """This rank's model state by kind, in bytes, each storage counted once (in this order):
+    ``params`` (the model's parameters: local shards), ``grads`` (``.grad``, main gradients
+    and the optimizer masters' ``.grad``) and ``optimizer`` (the masters that do not share a
+    parameter's storage, and the inner optimizer's state)."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    masters = list(opt.masters().values()) if hasattr(opt, "masters") else []
+    inner = getattr(opt, "inner", opt)
+    out = {"params": storage_bytes(params, seen)}
+    out["grads"] = storage_bytes([p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
+                                 + [m.grad for m in masters], seen)
+    out["optimizer"] = storage_bytes(masters + [v for s in inner.state.values() for v in s.values()
+                                                if torch.is_tensor(v)], seen)
+    return out

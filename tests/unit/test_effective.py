@@ -1,0 +1,94 @@
+"""NOTE [effective sharding] (meshlm/effective.py): what a layout does on a mesh.
+
+The kinds of parallelism ``effective`` reads from a layout's rules are checked against what
+the lowering actually does to a real model on that mesh (``lower.plan_params`` on Llama's
+parameters, ``layout.resolve`` on its activations), for every shipped layout on meshes
+where its axes have size 1, are absent, or are unused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.effective import check, effective
+from meshlm.errors import LayoutError
+from meshlm.layout import load_layout, resolve, shipped_layouts
+
+MESHES = [{"dp": 4}, {"fsdp": 4}, {"dp": 1, "fsdp": 4, "tp": 1}, {"fsdp": 2, "tp": 2}, {"dp": 2, "tp": 2},
+          {"dp": 2, "fsdp": 2}, {"tp": 4}, {"dp": 1}]
+
+
+def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
+    """Kind -> mesh axes, read off the lowering's plans for llama_tiny (independent of the
+    rule scan in meshlm/effective.py)."""
+    from meshlm.lower import plan_params
+    from meshlm.models import Llama, llama_config
+
+    lay = load_layout(layout_name)
+    with torch.device("meta"):
+        model = Llama(llama_config("llama_tiny"), device="meta")
+    out: dict[str, set[str]] = {}
+
+    def add(kind, axes):
+        if axes:
+            out.setdefault(kind, set()).update(axes)
+
+    def axes_of(plan) -> set[str]:
+        return {m for dim in plan for m in dim}
+
+    for pp in plan_params(model, lay, mesh).values():
+        storage, compute = axes_of(pp.storage), axes_of(pp.compute)
+        add("sharded params", storage - compute)
+        add("tensor parallel", compute)
+        if pp.grads is not None:
+            add("sharded grads", axes_of(pp.grads) - storage)
+        add("sharded optimizer", axes_of(pp.optimizer) - (storage if pp.grads is None else axes_of(pp.grads)))
+    act = resolve(("batch", "seq", "embed"), lay.compute, mesh)
+    add("data parallel", set(act[0]))
+    add("sequence parallel", set(act[1]))
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("name", shipped_layouts())
+def test_effective_kinds_are_what_the_lowering_does(name, mesh):
+    eff = effective(load_layout(name), mesh)
+    got = {k: set(v) for k, v in eff.kinds.items()}
+    assert got == _lowered_kinds(name, mesh)
+    live = {m for m, s in mesh.items() if s > 1}
+    assert set(eff.unused) == live - {m for v in got.values() for m in v}
+    # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
+    full = {m: 2 for m in ("dp", "fsdp", "tp")}
+    assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
+
+
+def test_tp_on_a_data_mesh_says_what_ran():
+    eff = effective(load_layout("tp"), {"dp": 1, "fsdp": 4, "tp": 1})
+    assert eff.degenerate and eff.label() == "tp (runs as: data parallel over fsdp=4)"
+    [msg] = eff.problems()
+    assert "tensor parallel (tp)" in msg and "tp has size 1" in msg and "data parallel over fsdp=4" in msg
+    assert not effective(load_layout("tp"), {"fsdp": 2, "tp": 2}).problems()
+
+
+def test_unused_mesh_axis_is_duplicated_work():
+    eff = effective(load_layout("ddp"), {"fsdp": 2, "tp": 2})
+    assert not eff.degenerate and eff.unused == ["tp"]
+    [msg] = eff.problems()
+    assert "'tp' (size 2)" in msg and "2x duplicated work" in msg
+
+
+def test_strict_raises_naming_the_key():
+    with pytest.raises(LayoutError, match=r"layout.strict=true.*layout.strict=false"):
+        check(load_layout("fsdp_tp"), {"fsdp": 4, "tp": 1}, strict=True)
+    with pytest.raises(LayoutError, match="duplicated work"):
+        check(load_layout("fsdp"), {"fsdp": 2, "tp": 2}, strict=True)
+    assert check(load_layout("fsdp_tp"), {"fsdp": 4, "tp": 1}, strict=False).degenerate
+    assert check(load_layout("fsdp_tp"), {"fsdp": 2, "tp": 2}, strict=True).problems() == []
+
+
+def test_layout_show_prints_the_effective_sharding():
+    from meshlm.show import layout_table
+
+    out = layout_table("llama_tiny", "tp", "fsdp=4")
+    assert "effective on this mesh: data parallel over fsdp=4" in out
+    assert "warning: layout 'tp' on mesh fsdp=4: its tensor parallel (tp) drops out" in out
