@@ -294,12 +294,13 @@ def validate(cfg: RunConfig) -> None:
 
 
 def conf_dir() -> Path:
-    """The Hydra config directory: $MESHLM_CONF, else ``conf/`` next to the package."""
+    """The Hydra config directory: $MESHLM_CONF, else the shipped one (an installed meshlm's
+    ``meshlm/conf``, else a checkout's ``conf/``; pyproject.toml maps one onto the other)."""
     env = os.environ.get("MESHLM_CONF")
     if env:
         return Path(env).resolve()
     here = Path(__file__).resolve().parent
-    for cand in (here.parent / "conf", here / "conf"):
+    for cand in (here / "conf", here.parent / "conf"):
         if (cand / "config.yaml").exists():
             return cand
     raise ConfigError(f"no Hydra config directory found next to {here}; set MESHLM_CONF to the conf/ directory")

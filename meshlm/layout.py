@@ -91,10 +91,11 @@ class Layout:
 
 
 def layout_dirs() -> list[Path]:
-    """Where ``load_layout(name)`` looks: $MESHLM_LAYOUTS, then the repo's ``layouts/``."""
+    """Where ``load_layout(name)`` looks: $MESHLM_LAYOUTS, then the shipped layouts (an
+    installed meshlm's ``meshlm/layouts``, else a checkout's ``layouts/``)."""
     dirs = [Path(p) for p in os.environ.get("MESHLM_LAYOUTS", "").split(os.pathsep) if p]
     here = Path(__file__).resolve().parent
-    dirs += [here.parent / "layouts", here / "layouts"]
+    dirs += [here / "layouts", here.parent / "layouts"]
     return dirs
 
 
