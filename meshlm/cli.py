@@ -80,9 +80,10 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.config import conf_dir
+    from meshlm.config import check_overrides, conf_dir
 
     argv = list(argv)
+    check_overrides(argv)
     if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")

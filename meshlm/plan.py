@@ -907,10 +907,10 @@ def _from_run_config(cfg) -> dict[str, Any]:
             # as meshlm.train (train.shard_dtypes): float32 storage, which is the master copy,
             # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
             # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
-            # gradients reduced in train.reduce_dtype (null: float32)
+            # gradients reduced in train.reduce_dtype
             "param_dtype": "auto" if main_grads_allowed(t) else "float32", "master_dtype": None,
             "compute_dtype": t.param_dtype,
-            "reduce_dtype": t.reduce_dtype or "float32",
+            "reduce_dtype": t.reduce_dtype,
             "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
             "top": pc.top, "format": pc.format}
 

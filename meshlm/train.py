@@ -128,13 +128,13 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
 def shard_dtypes(t: TrainConfig, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
     """``meshlm.shard`` dtype arguments for ``t`` under ``layout`` on a mesh of ``sizes``
     (NOTE [mixed precision] in precision.py, ``precision.train_dtypes``): parameters used
-    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype`` (null: float32)
+    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
     and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
     under a narrower ``train.param_dtype``, storage in that dtype with float32 main
     gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
     from meshlm.precision import train_dtypes
 
-    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype or "float32"], layout, sizes,
+    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype], layout, sizes,
                         main_grads=main_grads_allowed(t))
 
 
