@@ -156,7 +156,7 @@ class PlanConfig:
     profile: str = "auto"  #: hardware profile (meshlm.plan.HARDWARE); auto = h100_nvlink_ib with CUDA, else cpu
     overlap: bool = True  #: cost model: communication overlaps compute (max) or not (sum)
     format: str = "text"  #: text | json
-    png: Optional[str] = None  #: layout=auto: write the candidates' memory breakdown here (meshlm plan: plan.png)
+    png: Optional[str] = None  #: layout=auto: the candidates' memory plot (meshlm plan: outputs/plan/<date>/<time>/plan.png)
     top: int = 5  #: how many candidate layouts to show
 
 
