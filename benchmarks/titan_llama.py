@@ -21,7 +21,6 @@ its own initialisation; sizes, FLOPs and parameter count are the same.
 
 from __future__ import annotations
 
-
 import torch
 
 

@@ -48,9 +48,9 @@ def _record_error(e: BaseException) -> None:
 
 
 def _train_task(dc) -> None:
+    import yaml
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    import yaml
     from omegaconf import OmegaConf
 
     from meshlm.config import from_dict

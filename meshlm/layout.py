@@ -131,7 +131,7 @@ def load_layout(name_or_path: "str | os.PathLike | Layout") -> Layout:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise LayoutError(f"layout file {path} is not valid YAML: {e}".replace("\n", " ")) from None
-    desc = "\n".join(l[1:].strip() for l in text.splitlines() if l.startswith("#")).strip()
+    desc = "\n".join(ln[1:].strip() for ln in text.splitlines() if ln.startswith("#")).strip()
     return parse_layout(data, name=path.stem, source=str(path), description=desc)
 
 

@@ -27,10 +27,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler
-import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 
 log = logging.getLogger("meshlm.train")
 
@@ -191,8 +191,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     Inside torchrun or ``meshlm.launch`` it joins that world; a one-device mesh also runs
     without any launcher."""
     import meshlm
-    from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.comm import CommCounter
+    from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.metrics import MetricsWriter, peak_memory_bytes, plot_loss
     from meshlm.models import Llama
     from meshlm.optim import ShardedOptimizer

@@ -57,7 +57,7 @@ def test_one_spelling_per_idea(capsys):
     saved config (a dict) as from the command line, and in the Checkpointer API too."""
     import torch
 
-    from meshlm.checkpoint import Checkpointer, CheckpointConfig
+    from meshlm.checkpoint import CheckpointConfig, Checkpointer
 
     with pytest.raises(ConfigError, match=r"train.compute_dtype is not a config key.*train.param_dtype=bfloat16"):
         from_dict({"train": {"compute_dtype": "bfloat16"}})
