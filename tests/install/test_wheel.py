@@ -91,12 +91,15 @@ def test_wheel_holds_every_module_layout_and_config(wheel):
     assert not got - want, f"the wheel holds files the checkout does not: {sorted(got - want)}"
 
 
+# One interpreter for the library checks (each start imports torch: seconds on a busy machine).
 PROBE = """
-import json, os, meshlm
+import json, sysconfig, meshlm
+from meshlm.cli import layout_list
 from meshlm.config import conf_dir
 from meshlm.layout import load_layout, shipped_layouts
-print(json.dumps({"meshlm": meshlm.__file__, "conf": str(conf_dir()), "fsdp": load_layout("fsdp").source,
-                  "shipped": shipped_layouts(), "mine": load_layout("mine").source}))
+print(json.dumps({"site": sysconfig.get_path("purelib"), "meshlm": meshlm.__file__, "conf": str(conf_dir()),
+                  "fsdp": load_layout("fsdp").source, "shipped": shipped_layouts(), "mine": load_layout("mine").source,
+                  "list": layout_list()}))
 """
 
 
@@ -107,22 +110,21 @@ def test_installed_wheel_runs_from_an_empty_directory(venv, tmp_path):
     mine = tmp_path / "my_layouts"
     mine.mkdir()
     (mine / "mine.yaml").write_text("# mine: a user's layout.\nparams:\n  embed: fsdp\n")
-    site_dir = Path(_run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                         timeout=60, env=env, cwd=cwd).stdout.strip()) / "meshlm"
 
     # the library: layouts and configs from the installed package, a user's layout directory too
     probe = json.loads(_run([venv / "bin" / "python", "-c", PROBE], timeout=120, cwd=cwd,
                             env={**env, "MESHLM_LAYOUTS": str(mine)}).stdout.splitlines()[-1])
+    site_dir = Path(probe["site"]) / "meshlm"
+    assert Path(probe["site"]).is_relative_to(venv), probe
     assert probe["meshlm"] == str(site_dir / "__init__.py"), probe
     assert probe["conf"] == str(site_dir / "conf") and probe["fsdp"] == str(site_dir / "layouts" / "fsdp.yaml")
     assert set(probe["shipped"]) == {p.stem for p in (REPO / "layouts").glob("*.yaml")} | {"mine"}
     assert probe["mine"] == str(mine / "mine.yaml")
+    assert str(site_dir / "layouts" / "fsdp_tp.yaml") in probe["list"], probe["list"][:500]
 
     r = _run([venv / "bin" / "meshlm", "layout", "show", "fsdp", "--model", "llama_tiny", "--mesh", "fsdp=2"],
              timeout=120, cwd=cwd, env=env)
     assert f"layout fsdp ({site_dir / 'layouts' / 'fsdp.yaml'}) on mesh fsdp=2" in r.stdout, r.stdout[:500]
-    r = _run([venv / "bin" / "meshlm", "layout", "list"], timeout=120, cwd=cwd, env=env)
-    assert str(site_dir / "layouts" / "fsdp_tp.yaml") in r.stdout, r.stdout[:500]
 
     # the Hydra app: the packaged conf/, the run directory under the current directory
     r = _run([venv / "bin" / "meshlm", "train", "model=llama_tiny", "layout=fsdp", "mesh=fsdp2", "train.steps=2",
