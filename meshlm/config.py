@@ -156,7 +156,7 @@ class PlanConfig:
     profile: str = "auto"  #: hardware profile (meshlm.plan.HARDWARE); auto = h100_nvlink_ib with CUDA, else cpu
     overlap: bool = True  #: cost model: communication overlaps compute (max) or not (sum)
     format: str = "text"  #: text | json
-    png: Optional[str] = None  #: layout=auto: the candidates' memory plot (meshlm plan: outputs/plan/<date>/<time>/plan.png)
+    png: Optional[str] = None  #: layout=auto: memory plot of the candidates (meshlm plan: outputs/plan/...)
     top: int = 5  #: how many candidate layouts to show
 
 
@@ -222,7 +222,7 @@ def check_overrides(overrides: "list[str]") -> None:
     """Refuse command-line overrides of a retired key with the message that names its
     replacement (Hydra itself would only say that the key is not in the config)."""
     for o in overrides:
-        key, eq, value = o.lstrip("+~").partition("=")
+        key, _, value = o.lstrip("+~").partition("=")
         if key in RETIRED_KEYS:
             raise ConfigError(f"{key} is not a config key: " + RETIRED_KEYS[key].format(value=value or "..."))
 

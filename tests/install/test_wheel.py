@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.install, pytest.mark.timeout(300)]
 
 def _run(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess:
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
-    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    what = " ".join(map(str, cmd))
+    assert r.returncode == 0, f"{what} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
 
@@ -87,7 +88,7 @@ def test_wheel_holds_every_module_layout_and_config(wheel):
     want |= {f"meshlm/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
     assert len(want) > 60 and {"meshlm/layouts/fsdp_tp.yaml", "meshlm/conf/config.yaml"} <= want
     got = {n for n in names if n.endswith((".py", ".yaml"))}
-    assert not want - got, f"the wheel lacks {sorted(want - got)}: list their packages in pyproject.toml [tool.setuptools]"
+    assert not want - got, f"the wheel lacks {sorted(want - got)}: list their packages in pyproject's [tool.setuptools]"
     assert not got - want, f"the wheel holds files the checkout does not: {sorted(got - want)}"
 
 

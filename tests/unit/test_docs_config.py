@@ -72,7 +72,8 @@ def test_documented_overrides_compose():
 
 
 def test_documented_keys_exist():
-    keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig) for f in dataclasses.fields(s.default_factory())}
+    keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig)
+            for f in dataclasses.fields(s.default_factory())}
     named = {(doc.name, m) for doc in DOCS
              for m in re.findall(r"`((?:mesh|train|data|checkpoint|plan)\.[a-z_0-9]+)[`=]", doc.read_text())}
     assert len(named) > 20
