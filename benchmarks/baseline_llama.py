@@ -128,8 +128,13 @@ def load_from_meshlm(base: BaselineLlama, ref) -> BaselineLlama:
 def apply_tp(model: BaselineLlama, tp_mesh, sequence_parallel: bool) -> None:
     """Megatron tensor parallel (+ sequence parallel), as torchtitan's Llama plan."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     act = Shard(1) if sequence_parallel else Replicate()
     root = {

@@ -72,7 +72,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layouts import PeakStorage, _global_batch, write_report  # noqa: E402
-
 from meshlm.testing.memory import local_data as _local  # noqa: E402
 from meshlm.testing.memory import storage_bytes  # noqa: E402
 

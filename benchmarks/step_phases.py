@@ -63,8 +63,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layouts import (  # noqa: E402 - the 4-rank meshes, the batch, memory, the report
-    LAYOUTS, PeakStorage, _global_batch, _state_tensors, write_report)
+# the 4-rank meshes, the batch, memory, the report
+from bench_layouts import LAYOUTS, PeakStorage, _global_batch, _state_tensors, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3

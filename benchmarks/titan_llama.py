@@ -28,7 +28,6 @@ data-parallel degree.)
 
 from __future__ import annotations
 
-
 import torch
 
 

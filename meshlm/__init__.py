@@ -2,12 +2,11 @@
 
 from meshlm.annotate import block, constrain, dropout, init_params, reduce_batch
 from meshlm.axes import LOGICAL_AXES, MESH_AXES, Axes
-from meshlm.errors import (AnnotationError, AxisError, CheckpointError, ConfigError, LayoutError, MeshError,
-                           MeshlmError)
+from meshlm.errors import AnnotationError, AxisError, CheckpointError, ConfigError, LayoutError, MeshError, MeshlmError
 from meshlm.layout import Layout, load_layout, resolve
 from meshlm.lower import full_state_dict, plan_params, shard
-from meshlm.root import shard_batch
 from meshlm.mesh import MeshSpec, make_mesh
+from meshlm.root import shard_batch
 
 
 def load_hf(path, layout, mesh, **shard_kwargs):

@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from meshlm import _dtensor_ops, main_grad
 
-
 # torch 2.13 renamed funcol.reduce_scatter_tensor (now a deprecated alias that warns on
 # every eager call) to reduce_scatter_single; both issue the same _c10d_functional op.
 _REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor

@@ -553,9 +553,12 @@ class Checkpointer:
         self.last_saved: Optional[str] = None
 
     def _resume_path(self) -> Optional[str]:
+        from meshlm.config import check_resume
+
         r = self.cfg.resume
-        if r in (None, "", "none", "never", False):
+        if r is None:
             return None
+        check_resume(r)
         if r == "auto":
             if not self.cfg.dir:
                 raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir; set checkpoint.dir=PATH")

@@ -5,6 +5,7 @@ DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
     meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2
+    meshlm layout list                    the layouts by name, and the files they are in
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _record_error(e: BaseException) -> None:
 
 
 def _train_task(dc) -> None:
+    import yaml
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    import yaml
     from omegaconf import OmegaConf
 
     from meshlm.config import from_dict
@@ -115,9 +116,10 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.config import conf_dir
+    from meshlm.config import check_overrides, conf_dir
 
     argv = list(argv)
+    check_overrides(argv)
     if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -162,11 +164,39 @@ def layout_cmd(argv: list[str]) -> int:
     show.add_argument("layout", help="a layout name (layouts/<name>.yaml) or a YAML path")
     show.add_argument("--model", default="llama_tiny", help="model config name (default: llama_tiny)")
     show.add_argument("--mesh", default="fsdp=2,tp=2", help="mesh, e.g. fsdp=2,tp=2 (default)")
+    sub.add_parser("list", help="every layout name, the file it loads and its first sentence")
     a = p.parse_args(argv)
+    if a.cmd == "list":
+        print(layout_list())
+        return 0
     from meshlm.show import layout_table
 
     print(layout_table(a.model, a.layout, a.mesh))
     return 0
+
+
+def layout_list() -> str:
+    """``meshlm layout list``: the directories ``load_layout`` searches, in order, and each
+    name it resolves, with the file it loads (the first directory that has it) and the first
+    sentence of the file's header comment."""
+    from meshlm.layout import layout_dirs
+
+    dirs = layout_dirs()
+    rows: dict[str, tuple[Path, str]] = {}
+    for d in dirs:
+        for f in sorted(d.glob("*.yaml")) if d.is_dir() else []:
+            if f.stem not in rows:
+                head = " ".join(ln.lstrip("#").strip() for ln in f.read_text().splitlines() if ln.startswith("#"))
+                head = head.removeprefix(f"{f.stem}:").strip()
+                rows[f.stem] = (f, head.split(". ")[0].rstrip(".") + "." if head else "")
+    env = {Path(p) for p in os.environ.get("MESHLM_LAYOUTS", "").split(os.pathsep) if p}
+    out = ["layout directories, searched in this order ($MESHLM_LAYOUTS first):"]
+    out += [f"  {d}{'' if d.is_dir() else ' (missing)'}" for d in dirs if d.is_dir() or d in env]
+    w = max((len(n) for n in rows), default=0)
+    out += [""] + [f"{n:<{w}}  {f}\n{'':<{w}}  {head}".rstrip() for n, (f, head) in rows.items()]
+    out += ["", "Your own layout: copy one of these files into a directory, set MESHLM_LAYOUTS to it and pass "
+            "the name (meshlm train layout.name=NAME), or pass a path (layout.name=path/to/file.yaml)."]
+    return "\n".join(out)
 
 
 COMMANDS = {"train": train_main, "plan": plan_cmd, "convert": convert_cmd, "layout": layout_cmd}

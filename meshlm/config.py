@@ -118,8 +118,7 @@ class TrainConfig:
     #: dtype parameters are used in (compute); storage, gradients and optimizer state stay
     #: float32 (NOTE [mixed precision] in meshlm/precision.py); float16 adds loss scaling
     param_dtype: str = "float32"
-    compute_dtype: Optional[str] = None  #: null, or the same as param_dtype (which names the compute dtype)
-    reduce_dtype: Optional[str] = None  #: dtype gradients are reduced in; None = float32
+    reduce_dtype: str = "float32"  #: dtype gradients are reduced in
     compile: str = "none"  #: torch.compile per block: none | aot_eager | inductor
     compile_comms: str = "graph"  #: graph | eager: data-parallel collectives in the block graphs or around them
     activation_checkpointing: str = "none"  #: none | full | selective (per block)
@@ -149,7 +148,7 @@ class CheckpointConfig:
     dir: Optional[str] = None
     every: int = 0
     keep: int = 3
-    resume: Optional[str] = None
+    resume: Optional[str] = None  #: null (start fresh), auto (the latest complete one in dir) or a path
 
 
 @dataclass
@@ -161,7 +160,7 @@ class PlanConfig:
     profile: str = "auto"  #: hardware profile (meshlm.plan.HARDWARE); auto = h100_nvlink_ib with CUDA, else cpu
     overlap: bool = True  #: cost model: communication overlaps compute (max) or not (sum)
     format: str = "text"  #: text | json
-    png: Optional[str] = None  #: layout=auto: write the candidates' memory breakdown here (meshlm plan: plan.png)
+    png: Optional[str] = None  #: layout=auto: memory plot of the candidates (meshlm plan: outputs/plan/...)
     top: int = 5  #: how many candidate layouts to show
 
 
@@ -184,7 +183,7 @@ class RunConfig:
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
 
 
-def _coerce(key: str, value: Any, typ: str) -> Any:
+def _coerce(key: str, value: Any, typ: str, default: Any = dataclasses.MISSING) -> Any:
     """Check ``value`` against a dataclass field annotation (as a string, PEP 563)."""
     typ = typ.replace(" ", "")
     optional = typ.startswith("Optional[") or typ.endswith("|None")
@@ -192,7 +191,8 @@ def _coerce(key: str, value: Any, typ: str) -> Any:
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{key} must not be null (expected {base})")
+        dflt = "" if default is dataclasses.MISSING else f"; the default is {key}={default}"
+        raise ConfigError(f"{key} must not be null (expected {base}{dflt})")
     if base == "bool":
         if isinstance(value, bool):
             return value
@@ -214,16 +214,38 @@ def _coerce(key: str, value: Any, typ: str) -> Any:
     return value
 
 
+# One key per idea: keys that said what another key says.  A null value (what configs
+# saved by earlier versions hold) is dropped; any other value is an error naming the key.
+RETIRED_KEYS = {
+    "train.compute_dtype": "train.param_dtype is the compute dtype (parameters are stored in float32 and used in "
+                           "train.param_dtype): set train.param_dtype={value} and drop train.compute_dtype",
+}
+
+
+def check_overrides(overrides: "list[str]") -> None:
+    """Refuse command-line overrides of a retired key with the message that names its
+    replacement (Hydra itself would only say that the key is not in the config)."""
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"{key} is not a config key: " + RETIRED_KEYS[key].format(value=value or "..."))
+
+
 def _section(name: str, cls: type, data: Any) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config section {name!r} must be a mapping, got {data!r}")
+    data = dict(data)
+    for key in [k for k in data if f"{name}.{k}" in RETIRED_KEYS]:
+        value = data.pop(key)
+        if value is not None:
+            raise ConfigError(f"{name}.{key} is not a config key: " + RETIRED_KEYS[f"{name}.{key}"].format(value=value))
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown key {name}.{unknown[0]}; allowed keys in {name}: {', '.join(known)}")
-    kwargs = {k: _coerce(f"{name}.{k}", v, str(known[k].type)) for k, v in data.items()}
+    kwargs = {k: _coerce(f"{name}.{k}", v, str(known[k].type), known[k].default) for k, v in data.items()}
     return cls(**kwargs)
 
 
@@ -270,15 +292,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING)
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("train.device", t.device, DEVICES)
-    if t.compute_dtype is not None:
-        _choice("train.compute_dtype", t.compute_dtype, DTYPES)
-        if t.compute_dtype != t.param_dtype:
-            raise ConfigError(
-                f"train.compute_dtype={t.compute_dtype} differs from train.param_dtype={t.param_dtype}: parameters "
-                "are stored in float32 and used in train.param_dtype, which is the compute dtype; set "
-                f"train.param_dtype={t.compute_dtype} and leave train.compute_dtype null")
-    if t.reduce_dtype is not None:
-        _choice("train.reduce_dtype", t.reduce_dtype, DTYPES)
+    _choice("train.reduce_dtype", t.reduce_dtype, DTYPES)
     for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "val_batches"):
         if getattr(t, k) < 1:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 1")
@@ -293,17 +307,38 @@ def validate(cfg: RunConfig) -> None:
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _choice("plan.format", cfg.plan.format, ("text", "json"))
+    check_resume(cfg.checkpoint.resume)
+    if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
+        raise ConfigError("checkpoint.resume=auto resumes from the latest checkpoint in checkpoint.dir, which is not "
+                          "set; set checkpoint.dir=PATH")
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
 
 
+# checkpoint.resume is null (start fresh), auto (the latest complete checkpoint in
+# checkpoint.dir) or a path; other words for the first two are errors naming the right one.
+_RESUME_WORDS = {"latest": "auto", "last": "auto", "none": "null", "never": "null", "": "null"}
+
+
+def check_resume(value: Any) -> None:
+    """Raise ConfigError for another spelling of ``checkpoint.resume=auto`` or ``=null``."""
+    right = _RESUME_WORDS.get(value.strip().lower()) if isinstance(value, str) else None
+    if right == "auto":
+        raise ConfigError(f"checkpoint.resume={value!r}: write checkpoint.resume=auto for the latest complete "
+                          f"checkpoint in checkpoint.dir (for a directory named {value}, write ./{value})")
+    if right == "null":
+        raise ConfigError(f"checkpoint.resume={value!r}: write checkpoint.resume=null to start without resuming "
+                          "(or auto, or the path of a checkpoint)")
+
+
 def conf_dir() -> Path:
-    """The Hydra config directory: $MESHLM_CONF, else ``conf/`` next to the package."""
+    """The Hydra config directory: $MESHLM_CONF, else the shipped one (an installed meshlm's
+    ``meshlm/conf``, else a checkout's ``conf/``; pyproject.toml maps one onto the other)."""
     env = os.environ.get("MESHLM_CONF")
     if env:
         return Path(env).resolve()
     here = Path(__file__).resolve().parent
-    for cand in (here.parent / "conf", here / "conf"):
+    for cand in (here / "conf", here.parent / "conf"):
         if (cand / "config.yaml").exists():
             return cand
     raise ConfigError(f"no Hydra config directory found next to {here}; set MESHLM_CONF to the conf/ directory")
@@ -316,6 +351,7 @@ def load_config(overrides: "list[str] | None" = None) -> RunConfig:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    check_overrides(list(overrides or []))
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             dc = compose(config_name="config", overrides=list(overrides or []))

@@ -91,10 +91,11 @@ class Layout:
 
 
 def layout_dirs() -> list[Path]:
-    """Where ``load_layout(name)`` looks: $MESHLM_LAYOUTS, then the repo's ``layouts/``."""
+    """Where ``load_layout(name)`` looks: $MESHLM_LAYOUTS, then the shipped layouts (an
+    installed meshlm's ``meshlm/layouts``, else a checkout's ``layouts/``)."""
     dirs = [Path(p) for p in os.environ.get("MESHLM_LAYOUTS", "").split(os.pathsep) if p]
     here = Path(__file__).resolve().parent
-    dirs += [here.parent / "layouts", here / "layouts"]
+    dirs += [here / "layouts", here.parent / "layouts"]
     return dirs
 
 
@@ -130,7 +131,7 @@ def load_layout(name_or_path: "str | os.PathLike | Layout") -> Layout:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise LayoutError(f"layout file {path} is not valid YAML: {e}".replace("\n", " ")) from None
-    desc = "\n".join(l[1:].strip() for l in text.splitlines() if l.startswith("#")).strip()
+    desc = "\n".join(ln[1:].strip() for ln in text.splitlines() if ln.startswith("#")).strip()
     return parse_layout(data, name=path.stem, source=str(path), description=desc)
 
 

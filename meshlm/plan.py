@@ -23,8 +23,10 @@ import io
 import json
 import math
 import sys
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -886,6 +888,7 @@ def _plot(plans: list[Plan], path: str, cap: Optional[float] = None) -> None:
     ax.legend(fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
@@ -907,10 +910,10 @@ def _from_run_config(cfg) -> dict[str, Any]:
             # as meshlm.train (train.shard_dtypes): float32 storage, which is the master copy,
             # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
             # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
-            # gradients reduced in train.reduce_dtype (null: float32)
+            # gradients reduced in train.reduce_dtype
             "param_dtype": "auto" if main_grads_allowed(t) else "float32", "master_dtype": None,
             "compute_dtype": t.param_dtype,
-            "reduce_dtype": t.reduce_dtype or "float32",
+            "reduce_dtype": t.reduce_dtype,
             "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
             "top": pc.top, "format": pc.format}
 
@@ -918,13 +921,14 @@ def _from_run_config(cfg) -> dict[str, Any]:
 def plan_main(cfg) -> int:
     """``meshlm plan``: the plan of ``model`` under ``layout`` on ``mesh`` (text, or JSON
     with ``plan.format=json``); with ``layout=auto``, the ranked candidates and the
-    winner's plan (and a PNG, ``plan.png`` unless ``plan.png`` says where)."""
+    winner's plan (and a PNG: ``plan.png``, else ``outputs/plan/<date>/<time>/plan.png``
+    under the current directory, as ``meshlm train`` puts its run directories)."""
     kw = _from_run_config(cfg)
     name, mcfg = kw["model"]
     layout = cfg.layout.name
     mesh = cfg.mesh.as_dict()
     if layout == "auto":
-        png = kw["png"] or "plan.png"
+        png = kw["png"] or str(Path("outputs", "plan", *time.strftime("%Y-%m-%d %H-%M-%S").split(), "plan.png"))
         layout, mesh = choose_layout(model=kw["model"], devices=kw["devices"], max_memory=kw["max_memory"],
                                      global_batch=kw["global_batch"], seq=kw["seq"], activation_checkpointing=kw["ac"],
                                      param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],

@@ -73,7 +73,10 @@ def layout_table(model: str, layout: str, mesh: str) -> str:
     table = [[r["fqn"], r["axes"], r["storage"], r["compute"]] + ([r["grads"], r["optimizer"]] if show_go else [])
              + [r["global"], r["local"], _fmt_bytes(r["bytes"])] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    def line(cells):
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     total = sum(r["bytes"] for r in rows)
     from meshlm.effective import effective
 

@@ -27,10 +27,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler
-import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 
 log = logging.getLogger("meshlm.train")
 
@@ -128,13 +128,13 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
 def shard_dtypes(t: TrainConfig, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
     """``meshlm.shard`` dtype arguments for ``t`` under ``layout`` on a mesh of ``sizes``
     (NOTE [mixed precision] in precision.py, ``precision.train_dtypes``): parameters used
-    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype`` (null: float32)
+    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
     and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
     under a narrower ``train.param_dtype``, storage in that dtype with float32 main
     gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
     from meshlm.precision import train_dtypes
 
-    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype or "float32"], layout, sizes,
+    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype], layout, sizes,
                         main_grads=main_grads_allowed(t))
 
 
@@ -193,8 +193,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     Inside torchrun or ``meshlm.launch`` it joins that world; a one-device mesh also runs
     without any launcher."""
     import meshlm
-    from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.comm import CommCounter
+    from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss
     from meshlm.models import Llama
     from meshlm.optim import ShardedOptimizer

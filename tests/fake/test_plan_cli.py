@@ -36,6 +36,20 @@ def test_choose_layout_from_run_config(tmp_path):
     assert mesh and all(v > 1 for v in mesh.values())
 
 
+def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
+    """`meshlm plan layout=auto` without plan.png writes its plot under outputs/ in the
+    current directory, as `meshlm train` writes its runs, never beside the code."""
+    from meshlm.config import load_config
+    from meshlm.plan import plan_main
+
+    monkeypatch.chdir(tmp_path)
+    assert plan_main(load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8",
+                                  "train.seq_len=16", "plan.profile=cpu"])) == 0
+    (png,) = [p.relative_to(tmp_path) for p in tmp_path.rglob("*.png")]
+    assert png.parts[:2] == ("outputs", "plan") and png.name == "plan.png" and len(png.parts) == 5, png
+    assert f"(memory breakdown of these candidates: {png})" in capsys.readouterr().out
+
+
 def test_nothing_fits_names_what_to_grow():
     from meshlm.plan import NothingFits, choose_layout
 

@@ -34,7 +34,11 @@ def test_every_shipped_layout_has_a_conf_entry():
     ("train.compile_comms=host", ["train.compile_comms", "graph", "eager"]),
     ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
     ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
-    ("train.compute_dtype=bfloat16", ["train.compute_dtype", "train.param_dtype=bfloat16", "float32"]),
+    ("train.compute_dtype=bfloat16", ["train.compute_dtype", "not a config key", "train.param_dtype=bfloat16"]),
+    ("train.reduce_dtype=null", ["train.reduce_dtype", "null", "train.reduce_dtype=float32"]),
+    ("checkpoint.resume=latest", ["checkpoint.resume='latest'", "checkpoint.resume=auto", "./latest"]),
+    ("checkpoint.resume=none", ["checkpoint.resume='none'", "checkpoint.resume=null"]),
+    ("checkpoint.resume=auto", ["checkpoint.resume=auto", "checkpoint.dir"]),
     ("train.steps=0", ["train.steps", ">= 1"]),
     ("train.steps=abc", ["train.steps", "integer"]),
     ("model.name=gpt2", ["model.name", "llama_tiny"]),
@@ -46,6 +50,29 @@ def test_bad_value_names_key_and_choices(override, words):
         load_config([override])
     for w in words:
         assert w in str(e.value)
+
+
+def test_one_spelling_per_idea(capsys):
+    """Retired keys and other words for a value fail naming the one spelling, from a
+    saved config (a dict) as from the command line, and in the Checkpointer API too."""
+    import torch
+
+    from meshlm.checkpoint import CheckpointConfig, Checkpointer
+
+    with pytest.raises(ConfigError, match=r"train.compute_dtype is not a config key.*train.param_dtype=bfloat16"):
+        from_dict({"train": {"compute_dtype": "bfloat16"}})
+    # configs saved before the key was retired hold compute_dtype: null, which says nothing
+    assert from_dict({"train": {"compute_dtype": None, "param_dtype": "bfloat16"}}).train.param_dtype == "bfloat16"
+    assert load_config(["checkpoint.dir=/x", "checkpoint.resume=auto"]).checkpoint.resume == "auto"
+    assert load_config(["checkpoint.resume=runs/ck/latest"]).checkpoint.resume == "runs/ck/latest"
+    from meshlm.cli import main
+
+    assert main(["train", "train.compute_dtype=bfloat16"]) == 1  # before Hydra, which would only say "not in struct"
+    assert "train.param_dtype=bfloat16" in capsys.readouterr().err
+    for word, right in (("latest", "auto"), ("never", "null"), ("", "null")):
+        ck = Checkpointer(CheckpointConfig(dir="/nonexistent", resume=word), model=torch.nn.Linear(1, 1))
+        with pytest.raises(ConfigError, match=f"checkpoint.resume={right}"):
+            ck.resume()
 
 
 def test_unknown_key_and_group_option():

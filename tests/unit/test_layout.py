@@ -209,7 +209,7 @@ def test_layout_show_cli_table(capsys):
     assert main(["layout", "show", "fsdp_tp", "--model", "llama3_8b", "--mesh", "dp=8,fsdp=16,tp=8"]) == 0
     out = capsys.readouterr().out
     assert "on mesh dp=8,fsdp=16,tp=8 (1024 devices)" in out
-    row = next(l for l in out.splitlines() if l.startswith("layers.0.attn.wq "))
+    row = next(ln for ln in out.splitlines() if ln.startswith("layers.0.attn.wq "))
     # heads over tp (dim 0), embed over fsdp (dim 2); 32x128x4096 -> 4x128x256 fp32 per rank
     assert "dp:R fsdp:S(2) tp:S(0)" in row and "32x128x4096" in row and "4x128x256" in row and "512.00 KiB" in row
     assert main(["layout", "show", "tp", "--model", "llama_tiny", "--mesh", "tp=3"]) == 1
