@@ -126,6 +126,22 @@ class SimWorld:
         return out
 
 
+def fake_mesh(sizes: Sequence[int], rank: int = 0):
+    """A DeviceMesh of shape ``sizes`` on a fake process group in which this process is
+    ``rank`` (a fresh group each call): for DTensor metadata; its collectives do nothing."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.mesh import init_fake
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_fake(math.prod(sizes), rank=rank)
+    return init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(f"d{i}" for i in range(len(sizes))))
+
+
 def locals_of(t: Tensor, placements: Sequence[Placement], sizes: Sequence[int], gen: torch.Generator,
               _i: int = 0) -> dict[tuple, Tensor]:
     """Coordinates -> the local tensor of ``t`` placed ``placements`` (see the module docstring)."""
