@@ -55,6 +55,14 @@ def test_member_gathers_inner_mesh_dim_first():
     assert m.gather == ((2, 0), (0, 1))
 
 
+def test_member_of_a_parameter_larger_than_memory():
+    """Lowering reads a member's strides off its shape alone (fake meshes place models far
+    larger than this machine's memory: tests/fake)."""
+    R, S0 = Replicate(), Shard(0)
+    m = bucket.member((S0,), (R,), None, (2**31, 2**20), torch.float32, data_dims=(0,))  # 8 PiB
+    assert m.stride == (2**20, 1)
+
+
 def test_target_is_grads_or_storage_keeping_partial():
     R, S0, P = Replicate(), Shard(0), Partial()
     m = bucket.member((S0, R), (R, R), (S0, R), (4, 4), torch.float32, (0, 1))

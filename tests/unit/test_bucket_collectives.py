@@ -81,6 +81,17 @@ def test_gather_flat_puts_each_ranks_block_at_its_offset(eager, monkeypatch, n, 
             assert _shares(res[0], buf)
 
 
+def test_issue_gather_sends_one_tensor_as_it_is(monkeypatch):
+    sent = []
+    monkeypatch.setattr(bucket, "_all_gather", lambda flat, dim, group: sent.append((flat, dim, group)) or flat)
+    x, y = torch.arange(6.0).view(2, 3), torch.arange(3.0)
+    bucket._issue_gather([x], "g")
+    bucket._issue_gather([x, y], "g")
+    (one, d1, g1), (two, d2, g2) = sent
+    assert one.shape == (6,) and one.data_ptr() == x.data_ptr()  # no copy of a lone tensor
+    assert torch.equal(two, torch.cat([x.flatten(), y])) and (d1, g1, d2, g2) == (0, "g", 0, "g")
+
+
 # --------------------------------------------------------------------------- _reduce_scatter_flat
 def _sum(ts):
     acc = ts[0].clone()
@@ -225,6 +236,51 @@ def test_flat_moves_leave_other_moves_and_skipped_tensors():
     xs, pls = [x], [[P]]
     bucket._flat_moves(xs, pls, [(S0,)], (2,), ("g",), [("ar", 0), ("ag", 0)])
     assert xs[0] is x and pls == [[P]]
+
+
+def test_flat_moves_share_a_collective_per_dtype_and_key(monkeypatch):
+    """Tensors that make the same move share a collective unless their dtype or key differs;
+    without keys, all of one dtype share one."""
+    P, S0 = Partial(), Shard(0)
+    world = SimWorld([2], ["g"])
+    world.patch(monkeypatch)
+    xs0 = [torch.ones(2, 2), torch.ones(4), torch.ones(2), torch.ones(2, dtype=torch.bfloat16)]
+
+    def rank(_r, _c, key):
+        xs, pls = list(xs0), [[P] for _ in xs0]
+        bucket._flat_moves(xs, pls, [(S0,)] * 4, (2,), ("g",), [("rs", 0)], key=key)
+        return xs
+
+    for key, n in (({0: "a", 1: "b"}, 4), (None, 2), ({}, 2), ({0: "a", 1: "a", 2: "a"}, 2)):
+        world.log = [[] for _ in world.log]
+        for xs in world.run(lambda r, c: rank(r, c, key)):
+            assert [tuple(x.shape) for x in xs] == [(1, 2), (2,), (1,), (1,)]
+            assert all(torch.equal(x, 2 * torch.ones_like(x)) for x in xs)
+        assert [len(lg) for lg in world.log] == [n, n], key
+
+
+def test_flat_moves_reduce_in_one_dtype_and_gather_in_each(monkeypatch):
+    """With a reduce dtype, tensors of different dtypes are cast into one reduction buffer;
+    an all-gather moves each dtype in its own buffer and keeps it."""
+    P, R, S0 = Partial(), Replicate(), Shard(0)
+    world = SimWorld([2], ["g"])
+    world.patch(monkeypatch)
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def rank(r, _c, src):
+        xs = [torch.full((2,), r + 1.0, dtype=f32), torch.full((2,), r + 1.0, dtype=bf16)]
+        pls = [[src], [src]]
+        bucket._flat_moves(xs, pls, [(R,), (R,)], (2,), ("g",), [("ar", 0), ("ag", 0)], dtype=f32)
+        return xs
+
+    for xs in world.run(lambda r, c: rank(r, c, P)):  # a sum over ranks 1 + 2, both in float32
+        assert [x.dtype for x in xs] == [f32, f32] and all(torch.equal(x, torch.full((2,), 3.0)) for x in xs)
+    assert [[e[:1] + e[3:] for e in lg] for lg in world.log] == [[("all_reduce_", (4,), f32)]] * 2
+    world.log = [[] for _ in world.log]
+    for xs in world.run(lambda r, c: rank(r, c, S0)):  # [1, 1] | [2, 2] -> each in its own dtype
+        assert [x.dtype for x in xs] == [f32, bf16] and all(x.tolist() == [1, 1, 2, 2] for x in xs)
+    assert [[e[:1] + e[3:] for e in lg] for lg in world.log] == [[("all_gather", (2,), f32),
+                                                                  ("all_gather", (2,), bf16)]] * 2
 
 
 def test_sim_world_refuses_mismatched_collectives(monkeypatch):

@@ -44,6 +44,19 @@ def test_flat_reductions_wait_or_leave_in_flight(group, wait):
         assert all(torch.equal(y, g.to(y.dtype)) for y, g in zip(got, gs))
 
 
+def test_flat_moves_wait_unless_told_not_to(group):
+    from torch.distributed.tensor import Partial, Replicate
+
+    from torch.distributed.tensor import Shard
+
+    for kind, target in (("ar", Replicate()), ("rs", Shard(0))):
+        for kw, pending in (({}, False), ({"wait": True}, False), ({"wait": False}, True)):
+            xs, pls = [torch.ones(3)], [[Partial()]]
+            bucket._flat_moves(xs, pls, [(target,)], (1,), (group,), [(kind, 0)], **kw)
+            assert _pending(xs[0]) == pending and pls == [[target]], (kind, kw)
+            assert torch.equal(xs[0].wait() if pending else xs[0], torch.ones(3))
+
+
 def test_gather_flat_on_one_rank(group):
     xs = [torch.arange(4.0).view(2, 2), torch.ones(3)]
     ys = bucket._gather_flat(xs, [1, 0], group, 1)
