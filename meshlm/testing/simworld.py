@@ -1,0 +1,161 @@
+"""The ranks of a device mesh as threads of one process, for single-process tests of
+``meshlm.bucket``'s flat collectives (tests/unit/test_bucket.py).
+
+``SimWorld(sizes, groups)`` stands for a mesh of shape ``sizes`` (ranks row-major over
+the mesh coordinates; ``groups[i]`` names the process group of mesh dim i, as a bucket
+does).  ``world.patch(monkeypatch)`` replaces the collectives ``bucket`` calls
+(``_all_gather``, ``_REDUCE_SCATTER``, ``funcol.all_reduce``, ``_all_reduce_inplace``)
+by exchanges among the threads; ``world.run(fn)`` calls ``fn(rank, coords)`` on one
+thread per rank and returns the results by rank.  A collective waits for every rank and
+checks that the ranks of each group issued the same one (op, group, dim, shape, dtype),
+then each rank computes its result from its group's inputs in group order (the coordinate
+along that mesh dim): a gather concatenates, a reduction sums in rank order, a
+reduce-scatter keeps block ``coord`` of the sum along dim 0.  ``world.log[rank]`` lists
+the collectives a rank issued (op ``all_reduce_``: the in-place one), ``world.gathered[rank]``
+the buffers its all-gathers returned.
+
+``locals_of(t, placements, sizes, gen)`` is the reference layout: the local tensor of each
+rank (by coordinates) of a global tensor ``t`` placed ``placements`` on that mesh, with
+DTensor's meaning (mesh dims outer -> inner; ``Shard(d)``: block ``coord`` of
+``chunk(size, d)``; ``Partial``: random integer parts that sum to the value, so any order
+of summation is exact for integer-valued tensors).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+class SimWorld:
+    def __init__(self, sizes: Sequence[int], groups: Sequence[str], timeout_s: float = 60.0):
+        self.sizes = tuple(sizes)
+        self.groups = list(groups)
+        self.coords = list(itertools.product(*[range(n) for n in self.sizes]))
+        self.world = len(self.coords)
+        self._barrier = threading.Barrier(self.world, timeout=timeout_s)
+        self._box: list = [None] * self.world
+        self._tls = threading.local()
+        self.log: list[list[tuple]] = [[] for _ in range(self.world)]
+        self.gathered: list[list[Tensor]] = [[] for _ in range(self.world)]  # all-gather results
+
+    def members(self, rank: int, i: int) -> list[int]:
+        """The ranks of ``rank``'s group over mesh dim i, in the order of coordinate i."""
+        c = self.coords[rank]
+        return [self.coords.index(c[:i] + (k,) + c[i + 1:]) for k in range(self.sizes[i])]
+
+    def _exchange(self, op: str, group: str, t: Tensor, extra: tuple = ()) -> tuple[list[Tensor], int, int]:
+        r = self._tls.rank
+        sig = (op, group, extra, tuple(t.shape), t.dtype)
+        self.log[r].append(sig)
+        self._box[r] = (sig, t)
+        self._barrier.wait()
+        try:
+            i = self.groups.index(group)
+            mine = [self._box[q] for q in self.members(r, i)]
+            bad = [s for s, _ in mine if s != sig]
+            if bad:
+                raise AssertionError(f"rank {r} issued {sig}, its group {bad[0]}")
+            ts = [x.detach().clone() for _, x in mine]
+        finally:
+            self._barrier.wait()  # every rank has read the inputs before any writes its result
+        return ts, self.coords[r][i], self.sizes[i]
+
+    @staticmethod
+    def _sum(ts: list[Tensor]) -> Tensor:
+        acc = ts[0].clone()
+        for x in ts[1:]:
+            acc += x
+        return acc
+
+    def all_gather(self, t: Tensor, dim: int, group: str) -> Tensor:
+        ts, _c, _n = self._exchange("all_gather", group, t, (dim,))
+        out = torch.cat(ts, dim)
+        self.gathered[self._tls.rank].append(out)
+        return out
+
+    def reduce_scatter(self, t: Tensor, op: str, dim: int, group: str) -> Tensor:
+        ts, c, n = self._exchange("reduce_scatter", group, t, (op, dim))
+        assert op == "sum", op
+        return self._sum(ts).chunk(n, dim)[c].clone()
+
+    def all_reduce(self, t: Tensor, op: str, group: str) -> Tensor:
+        ts, _c, _n = self._exchange("all_reduce", group, t, (op,))
+        assert op == "sum", op
+        return self._sum(ts)
+
+    def all_reduce_inplace(self, t: Tensor, group: str, wait: bool) -> Tensor:
+        ts, _c, _n = self._exchange("all_reduce_", group, t, ("sum",))
+        return t.copy_(self._sum(ts))
+
+    def patch(self, monkeypatch) -> None:
+        from torch.distributed import _functional_collectives as funcol
+
+        from meshlm import bucket
+
+        monkeypatch.setattr(bucket, "_all_gather", self.all_gather)
+        monkeypatch.setattr(bucket, "_REDUCE_SCATTER", self.reduce_scatter)
+        monkeypatch.setattr(bucket, "_all_reduce_inplace", self.all_reduce_inplace)
+        monkeypatch.setattr(funcol, "all_reduce", self.all_reduce)
+
+    def run(self, fn: Callable[[int, tuple], object]) -> list:
+        out: list = [None] * self.world
+        errors: list = []
+
+        def body(r: int) -> None:
+            self._tls.rank = r
+            try:
+                out[r] = fn(r, self.coords[r])
+            except BaseException as e:  # noqa: BLE001 - reported below, with the rank
+                errors.append((r, e))
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            first = next((e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)), errors[0])
+            raise AssertionError(f"rank {first[0]} failed: {first[1]!r}") from first[1]
+        return out
+
+
+def fake_mesh(sizes: Sequence[int], rank: int = 0):
+    """A DeviceMesh of shape ``sizes`` on a fake process group in which this process is
+    ``rank`` (a fresh group each call): for DTensor metadata; its collectives do nothing."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.mesh import init_fake
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_fake(math.prod(sizes), rank=rank)
+    return init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(f"d{i}" for i in range(len(sizes))))
+
+
+def locals_of(t: Tensor, placements: Sequence[Placement], sizes: Sequence[int], gen: torch.Generator,
+              _i: int = 0) -> dict[tuple, Tensor]:
+    """Coordinates -> the local tensor of ``t`` placed ``placements`` (see the module docstring)."""
+    if _i == len(sizes):
+        return {(): t}
+    p, n = placements[_i], sizes[_i]
+    if isinstance(p, Shard):
+        assert t.shape[p.dim] % n == 0, (tuple(t.shape), p, n)
+        pieces = list(t.chunk(n, p.dim))
+    elif isinstance(p, Replicate):
+        pieces = [t] * n
+    else:
+        assert p.is_partial(), p
+        pieces = [torch.randint(-4, 5, t.shape, generator=gen).to(t.dtype) for _ in range(n - 1)]
+        pieces.append(t - sum(pieces) if pieces else t)
+    return {(c,) + rest: v for c, piece in enumerate(pieces)
+            for rest, v in locals_of(piece, placements, sizes, gen, _i + 1).items()}

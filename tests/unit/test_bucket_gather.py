@@ -1,0 +1,159 @@
+"""A block bucket's gather (``_gather_locals``, ``_Gather.forward``) and gradient reduction
+(``_Gather.backward``) on simulated ranks (meshlm.testing.simworld), against the layout the
+placements mean: the gathered parameters must be their compute blocks, and each gradient
+its block, under the layout's ``grads`` placements, of the sum over every rank's gradient.
+The DTensors live on a fake process group's mesh (metadata only): any collective the
+bucket leaves to DTensor would not reduce, so the results show it too.  Values are small
+integers: sums are exact in any order, results compared bit for bit."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from meshlm import bucket
+from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
+
+R, P = Replicate(), Partial()
+S0, S1 = Shard(0), Shard(1)
+f32, bf16 = torch.float32, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fake_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _ints(shape, dtype, gen):
+    return torch.randint(-8, 9, tuple(shape), generator=gen).to(dtype)
+
+
+def _bucket(mesh, sizes, data_dims, specs, local, compute_dtype=None, reduce_dtype=None, grad_dtype=None):
+    """specs: (storage, compute, grads, shape, dtype) per member."""
+    members = tuple(bucket.member(s, c, g, shape, dt, data_dims) for s, c, g, shape, dt in specs)
+    assert all(m is not None for m in members)
+    b = bucket.Bucket(mesh=mesh, groups=tuple(f"g{i}" for i in range(len(sizes))), sizes=tuple(sizes),
+                      data_dims=tuple(data_dims), members=members, compute_dtype=compute_dtype,
+                      reduce_dtype=reduce_dtype, local=local, grad_dtype=grad_dtype)
+    return bucket.register(b), b
+
+
+# Data-parallel blocks (every mesh dim a data axis): FSDP, HSDP, DDP, ZeRO-1 and 2-D FSDP members.
+DATA_SPECS = [
+    ((S0, S0), (R, R), (S0, S0), (8, 3), f32),    # sharded over both (outer dim first)
+    ((R, S1), (R, R), (R, S1), (2, 4), f32),      # HSDP: sharded over the inner, replicated over the outer
+    ((R, R), (R, R), (R, R), (5,), f32),          # DDP
+    ((R, S0), (R, R), None, (4, 2), f32),         # ZeRO-1: gradients left Partial (local)
+    ((S1, R), (R, R), (S1, R), (3, 2), bf16),     # another dtype: its own flat buffers
+]
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, f32])
+@pytest.mark.parametrize("compute_dtype", [None, bf16])
+def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dtype):
+    sizes = (2, 2)
+    mesh = fake_mesh(sizes)
+    key, b = _bucket(mesh, sizes, (0, 1), DATA_SPECS, local=True, compute_dtype=compute_dtype,
+                     reduce_dtype=reduce_dtype)
+    gen = torch.Generator().manual_seed(0)
+    full = [_ints(m.shape, m.dtype, gen) for m in b.members]
+    stored = [locals_of(t, m.storage, sizes, gen) for t, m in zip(full, b.members)]
+    world = SimWorld(sizes, b.groups)
+    world.patch(monkeypatch)
+    grads = [[_ints(m.shape, m.dtype, gen) for m in b.members] for _ in range(world.world)]
+
+    def rank(r, c):
+        params = [SimpleNamespace(_local_tensor=s[c]) for s in stored]
+        ctx = SimpleNamespace()
+        ys = bucket._Gather.forward(ctx, key, True, *params)
+        n_fwd = len(world.log[r])
+        out = bucket._Gather.backward(ctx, *grads[r])
+        return ys, out, n_fwd
+
+    for r, (ys, out, n_fwd) in enumerate(world.run(rank)):
+        c = world.coords[r]
+        assert out[:2] == (None, None)
+        for j, (m, y, g) in enumerate(zip(b.members, ys, out[2:])):
+            # forward: the whole parameter in the compute dtype, a plain tensor
+            assert not isinstance(y, DTensor) and torch.equal(y, full[j].to(compute_dtype or m.dtype)), (r, j)
+            # backward: the sum over the ranks in the grads placements, in the parameter's dtype
+            total = sum(grads[q][j].to(f32) for q in range(world.world))
+            assert isinstance(g, DTensor) and g.dtype == m.dtype and g.shape == m.shape, (r, j)
+            if m.grads is None:  # ZeRO-1: this rank's share, still Partial
+                assert tuple(g.placements) == (P, P) and torch.equal(g._local_tensor, grads[r][j])
+                continue
+            assert tuple(g.placements) == m.grads
+            assert torch.equal(g._local_tensor, locals_of(total, m.grads, sizes, gen)[c].to(m.dtype)), (r, j)
+        # one gather per mesh dim and dtype (inner first), then the reductions in the reduce dtype
+        fwd, bwd = world.log[r][:n_fwd], world.log[r][n_fwd:]
+        # (over g1: members 0, 1, 3; over g0: members 0 and 4, one buffer per dtype)
+        assert [(op, g) for op, g, *_ in fwd] == [("all_gather", "g1")] + [("all_gather", "g0")] * (
+            1 if compute_dtype else 2)
+        assert {e[4] for e in fwd} == ({compute_dtype} if compute_dtype else {f32, bf16})
+        # (a buffer per route: the members reduced the same way share one; here none do)
+        assert [(op.rstrip("_"), g) for op, g, *_ in bwd] == [("reduce_scatter", "g0")] * 2 + [
+            ("reduce_scatter", "g1")] * 2 + [("all_reduce", "g0")] * 2 + [("all_reduce", "g1")] * 2
+        assert {e[4] for e in bwd} == ({reduce_dtype} if reduce_dtype else {f32, bf16})
+
+
+# A DTensor block on an (fsdp, tp) mesh: only dim 0 is a data axis; tp stays as it is stored.
+TP_SPECS = [
+    ((S0, S1), (R, S1), (S0, S1), (4, 6), f32),   # a column of the tp split, rows over fsdp
+    ((S1, S0), (R, S0), (S1, S0), (4, 6), f32),   # rows over tp, columns over fsdp
+    ((S0, R), (R, R), (S0, R), (6,), f32),        # a norm weight, Partial over tp under SP
+]
+
+
+def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch):
+    sizes = (2, 2)
+    mesh = fake_mesh(sizes)
+    key, b = _bucket(mesh, sizes, (0,), TP_SPECS, local=False, reduce_dtype=f32)
+    gen = torch.Generator().manual_seed(1)
+    full = [_ints(m.shape, m.dtype, gen) for m in b.members]
+    arrive = [(P, S1), (P, S0), (P, P)]  # what DTensor's backward hands the gather
+    parts = [locals_of(t, pl, sizes, gen) for t, pl in zip(full, arrive)]
+    world = SimWorld(sizes, b.groups)
+    world.patch(monkeypatch)
+
+    def rank(_r, c):
+        gs = [DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride)
+              for p, pl, m in zip(parts, arrive, b.members)]
+        return bucket._Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
+
+    for r, out in enumerate(world.run(rank)):
+        c = world.coords[r]
+        for j, (m, g) in enumerate(zip(b.members, out[2:])):
+            assert tuple(g.placements) == m.grads and g.dtype == m.dtype, (r, j)
+            assert torch.equal(g._local_tensor, locals_of(full[j], m.grads, sizes, gen)[c]), (r, j)
+        # one reduce-scatter over fsdp for the two weights, one for the norm weight (another
+        # route), then the norm weight's all-reduce over tp on its scattered shard
+        assert [(op.rstrip("_"), g, shape) for op, g, _x, shape, _dt in world.log[r]] == [
+            ("reduce_scatter", "g0", (12 + 12,)), ("reduce_scatter", "g0", (6,)), ("all_reduce", "g1", (3,))]
+
+
+def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch):
+    sizes = (2,)
+    mesh = fake_mesh(sizes)
+    specs = [((S0,), (R,), (S0,), (4, 2), bf16), ((R,), (R,), (R,), (3,), bf16)]
+    key, b = _bucket(mesh, sizes, (0,), specs, local=True, reduce_dtype=f32, grad_dtype=f32)
+    gen = torch.Generator().manual_seed(2)
+    grads = [[_ints(m.shape, m.dtype, gen) for m in b.members] for _ in range(2)]
+    world = SimWorld(sizes, b.groups)
+    world.patch(monkeypatch)
+
+    def rank(_r, _c):
+        params = [SimpleNamespace() for _ in specs]
+        for _step in range(2):  # main gradients accumulate across backward passes
+            out = bucket._Gather.backward(SimpleNamespace(key=key, local=True, params=params), *grads[_r])
+            assert out == (None,) * 4  # nothing to autograd
+        return params
+
+    for r, params in enumerate(world.run(rank)):
+        for j, (m, p) in enumerate(zip(b.members, params)):
+            total = 2 * sum(grads[q][j].to(f32) for q in range(2))
+            assert p.main_grad.dtype == f32 and tuple(p.main_grad.placements) == m.grads
+            assert torch.equal(p.main_grad._local_tensor, locals_of(total, m.grads, sizes, gen)[(r,)]), (r, j)

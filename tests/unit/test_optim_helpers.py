@@ -1,0 +1,155 @@
+"""optim.py's helpers that decide numbers, in one process: the chunks of the optimizer's
+flat collectives (``outside_chunks``, ``_chunk_keys``), the master that is a view of this
+rank's block (``_shard_view``, on a fake process group, one rank at a time) and the global
+gradient norm (``grad_norm``, on simulated ranks: meshlm.testing.simworld)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from meshlm import block, optim
+from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
+
+SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=True)
+
+
+# --------------------------------------------------------------------------- outside_chunks
+@SETTINGS
+@given(st.lists(st.integers(1, 50), max_size=12), st.integers(0, 80))
+def test_outside_chunks_greedy_within_cap(nbytes, cap):
+    out = optim.outside_chunks(nbytes, cap)
+    assert len(out) == len(nbytes)
+    assert out[:1] in ([], [0]) and all(b - a in (0, 1) for a, b in zip(out, out[1:]))  # consecutive from 0
+    chunks = [[n for n, g in zip(nbytes, out) if g == k] for k in range(out[-1] + 1 if out else 0)]
+    assert all(sum(c) <= cap or len(c) == 1 for c in chunks)  # within cap, or one larger parameter
+    assert all(sum(a) + b[0] > cap for a, b in zip(chunks, chunks[1:]))  # a chunk closes only when full
+
+
+def test_outside_chunks_by_hand():
+    assert optim.outside_chunks([4, 4, 4, 10, 1, 1], 8) == [0, 0, 1, 2, 3, 3]
+    assert optim.outside_chunks([8, 1], 8) == [0, 1]
+    assert optim.outside_chunks([9, 9], 8) == [0, 1]
+    assert optim.outside_chunks([3, 5], 8) == [0, 0]
+
+
+# --------------------------------------------------------------------------- _chunk_keys
+@block
+class _Blk(nn.Module):
+    def __init__(self, n: int, inner: bool = False):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(n))
+        self.sub = _Blk(n // 2) if inner else None  # a block inside a block: the outer one's chunk
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Parameter(torch.zeros(30))                       # 120 B
+        self.pos = nn.Parameter(torch.zeros(20, dtype=torch.bfloat16))  # 40 B
+        self.blocks = nn.ModuleList([_Blk(20, inner=True), _Blk(16), _Blk(8)])  # 120, 64, 32 B
+        self.norm = nn.Parameter(torch.zeros(10))                       # 40 B
+        self.head = nn.Parameter(torch.zeros(25))                       # 100 B
+
+
+def _params(net):
+    b = net.blocks
+    return [net.emb, net.pos, b[0].w, b[0].sub.w, b[1].w, b[2].w, net.norm, net.head]
+
+
+def test_chunk_keys_blocks_then_outside_within_the_largest_block():
+    net = _Net()
+    params = _params(net)
+    keys = optim._chunk_keys(net, params)
+    # outside the blocks, within the largest block's 120 B: [emb] [pos, norm] [head]
+    out = ("outside", 0), ("outside", 1), ("outside", 1), ("outside", 2)
+    assert keys == [out[0], out[1], 0, 0, 1, 2, out[2], out[3]]
+    assert optim._chunk_keys(_Blk(8), [_Blk(8).w]) == [("outside", 0)]  # no block of the model holds it
+
+
+def test_chunk_keys_merged_to_bucket_bytes():
+    net = _Net()
+    params = _params(net)
+    # chunks in order of first appearance: emb 120, pos+norm 80, block 0 120, 1 64, 2 32, head 100
+    # a merged chunk closes once it holds at least the bucket's bytes:
+    # 150 B: [emb pos+norm: 200] [blocks 0, 1: 184] [block 2, head: 132]
+    assert optim._chunk_keys(net, params, 150) == [("bucket", k) for k in (0, 0, 1, 1, 1, 2, 0, 2)]
+    # 200 B: [emb pos+norm: 200] [blocks 0, 1, 2: 216] [head]
+    assert optim._chunk_keys(net, params, 200) == [("bucket", k) for k in (0, 0, 1, 1, 1, 1, 0, 2)]
+    # 120 B: [emb] [pos+norm, block 0: 200] [blocks 1, 2, head: 196]
+    assert optim._chunk_keys(net, params, 120) == [("bucket", k) for k in (0, 1, 1, 1, 2, 2, 1, 2)]
+    assert optim._chunk_keys(net, params, 1) == [("bucket", k) for k in (0, 1, 2, 2, 3, 4, 1, 5)]
+    assert optim._chunk_keys(net, params, 10**6) == [("bucket", 0)] * 8
+
+
+# --------------------------------------------------------------------------- _shard_view
+@pytest.fixture
+def fake_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [(2,), (2, 2), (3, 2)])
+def test_shard_view_is_this_ranks_block_as_a_view(fake_world, sizes):
+    full = torch.arange(144.0).view(12, 12)  # every value names its position
+    choices = [Replicate(), Shard(0), Shard(1)]
+    gen = torch.Generator().manual_seed(0)
+    seen = {"view": 0, "none": 0}
+    for r in range(math.prod(sizes)):
+        mesh = fake_mesh(sizes, r)
+        c = tuple(mesh.get_coordinate())
+        for sp, op in itertools.product(itertools.product(choices, repeat=len(sizes)), repeat=2):
+            local = locals_of(full, sp, sizes, gen)[c].clone()
+            p = DTensor.from_local(local, mesh, sp, run_check=False, shape=full.shape, stride=full.stride())
+            got = optim._shard_view(p, op)
+            want = locals_of(full, op, sizes, gen)[c]
+            splits_only = all(a == b or (a == Replicate() and isinstance(b, Shard)) for a, b in zip(sp, op))
+            inside = set(want.flatten().tolist()) <= set(local.flatten().tolist())
+            if not (splits_only and inside):
+                assert got is None, (r, sp, op)
+                seen["none"] += 1
+                continue
+            assert got is not None, (r, sp, op)
+            assert tuple(got.placements) == op and got.shape == full.shape and got.stride() == full.stride()
+            assert torch.equal(got._local_tensor, want), (r, sp, op)
+            assert got._local_tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+            seen["view"] += 1
+    assert seen["view"] and seen["none"]
+
+
+def test_shard_view_of_uneven_shards_is_none(fake_world):
+    mesh = fake_mesh((2,), 1)
+    p = DTensor.from_local(torch.zeros(3, 4), mesh, (Replicate(),), run_check=False, shape=(3, 4), stride=(4, 1))
+    assert optim._shard_view(p, (Shard(0),)) is None
+    assert optim._shard_view(p, (Shard(1),)) is not None
+
+
+# --------------------------------------------------------------------------- grad_norm
+@pytest.mark.parametrize("sizes", [(2,), (2, 2)])
+def test_grad_norm_counts_every_element_once(fake_world, monkeypatch, sizes):
+    """Each rank's sum of squares over its shards, a replicated shard counted once, summed
+    over the mesh (simulated ranks): the norm of the global gradients, on every rank."""
+    mesh = fake_mesh(sizes, 0)  # a mesh object for the DTensors; the sums are the simulation's
+    world = SimWorld(sizes, [mesh.get_group(i) for i in range(len(sizes))])
+    world.patch(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    fulls = [torch.randint(-3, 4, (4, 6), generator=gen).float() for _ in range(3)]
+    plain = torch.randint(-3, 4, (5,), generator=gen).float()  # a plain tensor: the same on every rank
+    pls = [(Shard(0),) * len(sizes), (Replicate(),) * len(sizes), (Shard(1), Replicate())[:len(sizes)]]
+    locs = [locals_of(f, pl, sizes, gen) for f, pl in zip(fulls, pls)]
+
+    def rank(_r, c):
+        gs = [DTensor.from_local(lc[c], mesh, pl, run_check=False, shape=f.shape, stride=f.stride())
+              for lc, pl, f in zip(locs, pls, fulls)]
+        return optim.grad_norm(gs + [plain], mesh)
+
+    want = torch.linalg.vector_norm(torch.cat([f.flatten() for f in fulls] + [plain]), dtype=torch.float64)
+    for got in world.run(rank):
+        assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
