@@ -1,6 +1,6 @@
 """meshlm: write a model once against logical axes; shard it by swapping a YAML layout."""
 
-from meshlm.annotate import block, constrain, dropout, init_params, reduce_batch
+from meshlm.annotate import block, constrain, declare_axes, dropout, init_params, reduce_batch, set_axes
 from meshlm.axes import LOGICAL_AXES, MESH_AXES, Axes
 from meshlm.errors import (AnnotationError, AxisError, CheckpointError, ConfigError, LayoutError, MeshError,
                            MeshlmError)
@@ -8,6 +8,7 @@ from meshlm.layout import Layout, load_layout, resolve
 from meshlm.lower import full_state_dict, plan_params, shard
 from meshlm.root import shard_batch
 from meshlm.mesh import MeshSpec, make_mesh
+from meshlm import nn  # noqa: E402  (meshlm.nn: annotated Linear, Embedding, LayerNorm, RMSNorm, Dropout)
 
 
 def load_hf(path, layout, mesh, **shard_kwargs):
@@ -19,6 +20,7 @@ def load_hf(path, layout, mesh, **shard_kwargs):
 
 __all__ = [
     "Axes", "LOGICAL_AXES", "MESH_AXES", "block", "constrain", "dropout", "reduce_batch", "init_params", "Layout",
+    "set_axes", "declare_axes", "nn",
     "load_layout",
     "resolve", "make_mesh", "load_hf", "MeshSpec", "shard", "shard_batch", "plan_params", "full_state_dict",
     "MeshlmError", "AxisError", "LayoutError", "AnnotationError", "MeshError", "ConfigError", "CheckpointError",
