@@ -36,6 +36,7 @@ class GPTConfig:
     dropout: float = 0.0
     tied: bool = True
     norm: str = "layer"  # or "rms"
+    head_first: bool = False  # lm_head registered before the transformer: the tie's first slot is the head's
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,6 +96,8 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, device=None, seed=0):
         super().__init__()
+        if cfg.head_first:
+            self.lm_head = nn.Identity()  # a placeholder that fixes the head's place in module order
         self.transformer = nn.ModuleDict(dict(
             wte=mnn.Embedding(cfg.vocab, cfg.embed, axes=("vocab", "embed"), init_std=0.02, device=device),
             wpe=mnn.Embedding(cfg.block_size, cfg.embed, axes=(None, "embed"), init_std=0.02, device=device),
@@ -210,6 +213,23 @@ def _tie_job(layout: str, mesh_shape: str):
 def test_tied_head_is_one_parameter_with_the_sum_of_both_gradients(pool2, layout, mesh):
     for head_part in pool2.run(_tie_job, layout, mesh):
         assert head_part > 0  # the head's use contributes: the sum is not the embedding's gradient alone
+
+
+def _init_job(layout: str, mesh_shape: str):
+    """The names of the parameters whose sharded initialisation from a seed differs from
+    the one-device one (NOTE [ties]: every slot of the tie draws, its first slot's draw is
+    kept), for a tie whose other slot (the embedding) comes before the blocks."""
+    cfg = GPTConfig(head_first=True)
+    model = meshlm.shard(GPT(cfg, device="meta"), layout, meshlm.make_mesh(mesh_shape), seed=3)
+    ref = dict(GPT(cfg, seed=3).named_parameters())
+    got = meshlm.full_state_dict(model)
+    assert set(got) == set(ref) and "lm_head.weight" in got
+    return sorted(n for n in ref if not torch.equal(got[n], ref[n]))
+
+
+def test_sharded_init_of_a_tie_before_the_blocks(pool2):
+    for bad in pool2.run(_init_job, "fsdp", "fsdp=2"):
+        assert bad == [], bad
 
 
 def _constrain_typo_job():
