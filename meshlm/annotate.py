@@ -5,7 +5,11 @@ A module declares the logical axes of its own parameters as class-level data::
     class MLP(nn.Module):
         param_axes: ClassVar[dict[str, Axes]] = {"w_up": ("mlp", "embed"), ...}
 
-and marks activations with ``constrain(x, ("batch", "seq", "embed"))``.  Without
+or per instance, any module, torch's own included: ``set_axes(module, weight=("vocab",
+"embed"))``, or an instance attribute ``param_axes`` (``meshlm.nn``'s layers take theirs
+as constructor arguments).  An instance's entries override its class's.  New logical axes
+are declared the same way (``logical_axes``, ``declare_axes``; NOTE [open vocabulary] in
+meshlm/axes.py).  A module marks activations with ``constrain(x, ("batch", "seq", "embed"))``.  Without
 lowering, annotations are data and ``constrain`` is the identity, so every model runs
 unchanged on one device as plain PyTorch.  ``dropout(x, p, axes)`` is dropout whose mask
 is the one-device mask under every layout (NOTE [dropout keys] in meshlm/rng.py).
@@ -20,7 +24,8 @@ from torch import Tensor, nn
 
 from meshlm.axes import Axes
 
-__all__ = ["Axes", "block", "constrain", "dropout", "init_params", "is_block", "param_axes_of", "reduce_batch"]
+__all__ = ["Axes", "block", "constrain", "declare_axes", "dropout", "init_params", "is_block", "param_axes_of",
+           "reduce_batch", "set_axes"]
 
 # The active constraint handler: set by the lowering while a sharded module runs its
 # forward, None otherwise (then ``constrain`` is the identity).  A handler may also have a
@@ -90,11 +95,49 @@ def is_block(m: nn.Module) -> bool:
 
 
 def param_axes_of(m: nn.Module) -> dict[str, Axes]:
-    """The ``param_axes`` a module declares (merged along its class hierarchy)."""
+    """The ``param_axes`` a module declares: merged along its class hierarchy, then its
+    instance attribute ``param_axes`` (``set_axes``), which wins."""
     out: dict[str, Axes] = {}
     for klass in reversed(type(m).__mro__):
         out.update(getattr(klass, "__dict__", {}).get("param_axes", {}) or {})
+    out.update(m.__dict__.get("param_axes", {}) or {})
     return out
+
+
+def set_axes(module: nn.Module, **axes: Axes) -> nn.Module:
+    """Annotate ``module``'s own parameters on this instance only, e.g.
+    ``set_axes(model.lm_head, weight=("vocab", "embed"))``: one logical axis (or None) per
+    dim of the parameter as stored (torch's ``nn.Linear.weight`` is ``(out, in)``).  Works on
+    any module, torch's own included; overrides the class's ``param_axes`` for these names.
+    Returns ``module``."""
+    from meshlm.errors import AnnotationError
+
+    own = {n: p for n, p in module._parameters.items() if p is not None}
+    mine = dict(module.__dict__.get("param_axes", {}) or {})  # a copy: never the class's dict
+    for name, ax in axes.items():
+        if name not in own:
+            raise AnnotationError(
+                f"set_axes({type(module).__name__}, {name}=...): {type(module).__name__} has no parameter "
+                f"{name!r}; its own parameters are {', '.join(own) or 'none'} (annotate a submodule's "
+                "parameters on that submodule)")
+        ax = (ax,) if isinstance(ax, str) or ax is None else tuple(ax)
+        if len(ax) != own[name].ndim:
+            raise AnnotationError(
+                f"set_axes({type(module).__name__}, {name}={ax}): parameter {name!r} has {own[name].ndim} dims "
+                f"{tuple(own[name].shape)}; give one logical axis (or None) per dim, in the order it is stored")
+        mine[name] = ax
+    module.param_axes = mine
+    return module
+
+
+def declare_axes(module: nn.Module, **descriptions: str) -> nn.Module:
+    """Declare new logical axes on ``module`` (NOTE [open vocabulary] in meshlm/axes.py),
+    e.g. ``declare_axes(model, codebook="entries of the VQ codebook")``: the model's
+    parameters, constraints and layouts may then name them.  Returns ``module``."""
+    mine = dict(module.__dict__.get("logical_axes", {}) or {})
+    mine.update(descriptions)
+    module.logical_axes = mine
+    return module
 
 
 def init_params(root: nn.Module, seed: int) -> None:
@@ -105,11 +148,15 @@ def init_params(root: nn.Module, seed: int) -> None:
     model of the same seed.  The draws are made on float32 CPU stand-ins (init_module), so
     the weights of a seed are the same, up to rounding, in any dtype and on any device."""
     gen = torch.Generator().manual_seed(seed)
+    done: set[int] = set()  # a tied parameter keeps its first owner's draw (NOTE [ties] in meshlm/ties.py)
     for m in root.modules():
-        drawn = init_module(m, gen, [(n, p) for n, p in m._parameters.items() if p is not None])
+        own = [(n, p) for n, p in m._parameters.items() if p is not None]
+        drawn = init_module(m, gen, own)
         with torch.no_grad():
             for n, t in drawn.items():
-                m._parameters[n].copy_(t)
+                if id(m._parameters[n]) not in done:
+                    m._parameters[n].copy_(t)
+        done.update(id(p) for _n, p in own)
 
 
 def init_module(m: nn.Module, gen: torch.Generator, own: list) -> dict[str, Tensor]:

@@ -35,12 +35,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import yaml
 
 from meshlm.axes import MESH_AXES, Axes, check_logical, check_mesh
-from meshlm.errors import LayoutError
+from meshlm.errors import AxisError, LayoutError
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 YIELDING_AXES = ("seq", "kv_seq")
@@ -88,6 +88,11 @@ class Layout:
             for v in self.grads.values():
                 out.update(v)
         return out
+
+
+def layout_axes(layout: Layout) -> set[str]:
+    """Every logical axis ``layout`` maps, in any section."""
+    return {k for sec in SECTIONS for k in (layout.rules(sec) if isinstance(layout.rules(sec), Mapping) else ())}
 
 
 def layout_dirs() -> list[Path]:
@@ -162,7 +167,10 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         rules: dict[str, tuple[str, ...]] = {}
         for key, val in raw.items():
             where = f"{source}: {sec}.{key}"
-            check_logical(str(key), where)
+            # Any name: a model may declare its own axes; the names are checked against the
+            # model's vocabulary when the layout meets it (NOTE [open vocabulary] in axes.py).
+            if not isinstance(key, str) or not key.isidentifier():
+                raise AxisError(f"{where}: {key!r} is not a logical axis name (an identifier such as 'embed')")
             axes = (val,) if isinstance(val, str) else tuple(val) if isinstance(val, (list, tuple)) else (val,) if val else ()
             if not all(isinstance(a, str) for a in axes):
                 raise LayoutError(f"{where}: expected a mesh axis or a list of mesh axes, got {val!r}")
@@ -192,16 +200,21 @@ def resolve(
     section: str = "compute",
     layout: Layout | None = None,
     allow_mesh: Sequence[str] | None = None,
+    known: Collection[str] | None = None,
 ) -> DimPlan:
     """Mesh axes per dim for a tensor with logical ``axes`` under ``rules``.
 
     ``mesh`` maps mesh axis -> size; axes absent from it or of size 1 drop out.
     ``shape`` (optional) is checked for divisibility.  ``what`` names the tensor in errors.
+    ``known``: the logical axes allowed besides the standard ones (a model's vocabulary,
+    NOTE [open vocabulary] in axes.py); default: the axes the layout (or ``rules``) maps.
     """
     src = layout.source if layout is not None else "layout"
+    if known is None:
+        known = set(rules) | (layout_axes(layout) if layout is not None else set())
     for a in axes:
         if a is not None:
-            check_logical(a, f"{what}")
+            check_logical(a, f"{what}", known)
     want: list[tuple[str, ...]] = []
     for a in axes:
         m = rules.get(a, ()) if a is not None else ()

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from meshlm import _dtensor_ops, annotate, bucket, main_grad, precision, rng
-from meshlm.annotate import is_block, param_axes_of
-from meshlm.axes import DATA_AXES, Axes
+from meshlm import _dtensor_ops, annotate, bucket, main_grad, precision, rng, ties
+from meshlm.annotate import is_block
+from meshlm.axes import DATA_AXES, Axes, check_layout_keys, vocabulary
 from meshlm.errors import AnnotationError, LayoutError, MeshlmError
 from meshlm.layout import INPUT_MESH_AXES, DimPlan, Layout, load_layout, resolve
 from meshlm.mesh import MeshSpec, mesh_spec
@@ -76,28 +76,22 @@ def plan_params(model: nn.Module, layout: Layout, mesh: "Mapping[str, int] | Mes
     """Plan every parameter of ``model`` under ``layout`` on a mesh of the given sizes.
 
     Raises :class:`AnnotationError` for a parameter without logical axes (never silently
-    replicated) and :class:`LayoutError` for axes that do not fit the mesh.
+    replicated), :class:`AxisError` for a logical axis, in the model or the layout, that
+    is neither standard nor declared by the model (NOTE [open vocabulary] in axes.py), and
+    :class:`LayoutError` for axes that do not fit the mesh.  A tied parameter (one
+    Parameter in several modules) is planned once, under its first FQN (NOTE [ties]).
     """
     sizes = _sizes(mesh)
+    known = vocabulary(model)
+    check_layout_keys(layout, known, type(model).__name__)
+    slots = ties.slots(model)
+    ties.aliases(model)  # a tie meshlm cannot lower is an error here already
     out: dict[str, ParamPlan] = {}
     for fqn, m, name, p in iter_params(model):
-        declared = param_axes_of(m)
-        if name not in declared:
-            raise AnnotationError(
-                f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes: "
-                f"{type(m).__name__}.param_axes has no entry {name!r}. Add "
-                f"`{name!r}: (...)` with one logical axis (or None) per dim to "
-                f"{type(m).__name__}.param_axes; meshlm never replicates an unannotated parameter silently."
-            )
-        axes = tuple(declared[name])
-        if len(axes) != p.ndim:
-            raise AnnotationError(
-                f"parameter `{fqn}` has {p.ndim} dims {tuple(p.shape)} but "
-                f"{type(m).__name__}.param_axes[{name!r}] = {axes} names {len(axes)}: give one logical axis per dim."
-            )
+        axes = ties.param_axes(slots[id(p)], p, known)
         what = f"param `{fqn}`"
         shape = tuple(p.shape)
-        kw = dict(shape=shape, what=what, layout=layout)
+        kw = dict(shape=shape, what=what, layout=layout, known=known)
         storage = resolve(axes, layout.params, sizes, section="params", **kw)
         compute = resolve(axes, layout.compute, sizes, section="compute", **kw)
         g = layout.grad_rules
@@ -504,6 +498,14 @@ def _make_getter(name: str):
     return property(get)
 
 
+def _tied_getter(name: str):
+    def get(self):
+        first, first_name = self._meshlm_tied[name]
+        return getattr(first, first_name)
+
+    return property(get)
+
+
 # --------------------------------------------------------------------------- lowered state
 @dataclass
 class ShardState:
@@ -523,6 +525,7 @@ class ShardState:
     root: Optional[object] = None  # root.RootSpec (NOTE [local root] in root.py); None: under DTensor
     coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
     handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
+    vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
@@ -535,14 +538,14 @@ class ShardState:
 
     def activation_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
         plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
-                       what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout)
+                       what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout, known=self.vocab)
         return placements(plan, self.names)
 
     def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
         """Placements of an input given as each rank's local slice (any local size works:
         the global size is the local one times the mesh axes splitting it)."""
         plan = resolve(tuple(axes), self.layout.compute, self.sizes, what=f"input {tuple(axes)}",
-                       layout=self.layout, allow_mesh=INPUT_MESH_AXES)
+                       layout=self.layout, allow_mesh=INPUT_MESH_AXES, known=self.vocab)
         return placements(plan, self.names)
 
     def constrain(self, x: Tensor, axes: Axes) -> Tensor:
@@ -614,7 +617,7 @@ def shard(
     _materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype)
     if reduce_dtype is None:
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
-    st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype)
+    st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype, vocab=frozenset(vocabulary(model)))
     st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
     by_module: dict[int, tuple[nn.Module, dict[str, _UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
@@ -623,8 +626,13 @@ def shard(
                        regather=_needs_regather(pp))
         use.key = _at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather, grad_dtype)
         by_module.setdefault(id(m), (m, {}))[1][name] = use
+    tied: dict[int, dict[str, tuple[nn.Module, str]]] = {}  # NOTE [ties] in ties.py: read through the first slot
+    for m, name, first, first_name in ties.aliases(model):
+        by_module.setdefault(id(m), (m, {}))
+        tied.setdefault(id(m), {})[name] = (first, first_name)
     for m, uses in by_module.values():
-        m.__class__ = _sharded_class(type(m), tuple(uses), False)
+        m._meshlm_tied = tied.get(id(m), {})
+        m.__class__ = _sharded_class(type(m), tuple(uses), False, tuple(m._meshlm_tied))
         m._meshlm_use = uses
         m._meshlm_now = {}
         m._meshlm_state = st
@@ -634,7 +642,8 @@ def shard(
             continue
         cls = type(m)
         base = cls.__mro__[1] if cls in _CLASSES.values() else cls
-        m.__class__ = _sharded_class(base, tuple(getattr(m, "_meshlm_use", {})), True)
+        m.__class__ = _sharded_class(base, tuple(getattr(m, "_meshlm_use", {})), True,
+                                     tuple(getattr(m, "_meshlm_tied", {})))
         m._meshlm_block = spec
         if spec.regather and spec.key is not None:
             _allow_conduit_under_checkpoint()
@@ -650,7 +659,7 @@ def shard(
     return model
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...], bool], type] = {}
+_CLASSES: dict[tuple[type, tuple[str, ...], bool, tuple[str, ...]], type] = {}
 
 
 def _link_blocks(model: nn.Module) -> None:
@@ -767,12 +776,14 @@ def _needs_regather(pp: ParamPlan) -> bool:
     return False
 
 
-def _sharded_class(cls: type, names: tuple[str, ...], block: bool) -> type:
+def _sharded_class(cls: type, names: tuple[str, ...], block: bool, tied: tuple[str, ...] = ()) -> type:
     """One subclass per (class, parameter names), shared by every instance, so that
-    torch.compile sees the same type for every layer and compiles a block once."""
-    key = (cls, names, block)
+    torch.compile sees the same type for every layer and compiles a block once.  ``tied``:
+    attributes that read through another module's (NOTE [ties] in ties.py)."""
+    key = (cls, names, block, tied)
     if key not in _CLASSES:
         attrs = {n: _make_getter(n) for n in names}
+        attrs.update({n: _tied_getter(n) for n in tied})
         if block:
             attrs["forward"] = _block_forward
         attrs["__module__"] = cls.__module__
@@ -800,13 +811,18 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
         owner[id(p)] = fqn
+    every = set(owner)
+    first: dict[int, tuple[nn.Module, str]] = {}  # NOTE [ties] in ties.py: each parameter's first slot
     any_meta = any(p.is_meta for p in model.parameters())
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     for mname, m in model.named_modules():
-        direct = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in owner]
-        fulls = annotate.init_module(m, gen, direct) if any_meta and seed is not None else {}
+        # every slot draws (the stream does not depend on ties); its first slot's draw is kept
+        own = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in every]
+        direct = [(n, p) for n, p in own if id(p) in owner]
+        fulls = annotate.init_module(m, gen, own) if any_meta and seed is not None else {}
         for n, p in direct:
             fqn = owner.pop(id(p))
+            first[id(p)] = (m, n)
             if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
                 pl = placements(plans[fqn].storage, mesh)
                 local = torch.empty(plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
@@ -839,18 +855,21 @@ def _materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh
                 setattr(m._parameters[n], main_grad.INIT_MASTER,
                         DTensor.from_local(init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape),
                                            stride=stride))
+    for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
+        for n, p in m._parameters.items():
+            if p is not None and id(p) in first and first[id(p)] != (m, n):
+                f, fn = first[id(p)]
+                m._parameters[n] = f._parameters[fn]
     _check_no_shared_params(model)
 
 
 def _check_no_shared_params(model: nn.Module) -> None:
-    """A Parameter object registered in two modules was replaced in its first owner only:
-    say so instead of leaving the second owner with the old tensor."""
-    for _mname, m in model.named_modules(remove_duplicate=False):
+    """Every slot holds a sharded parameter: none was left with the unsharded tensor."""
+    for mname, m in model.named_modules(remove_duplicate=False):
         for n, p in m._parameters.items():
             if isinstance(p, nn.Parameter) and not isinstance(p.data, DTensor):
-                raise AnnotationError(f"parameter {n!r} of {type(m).__name__} is registered in two modules; "
-                                      "meshlm supports tied weights as one parameter used twice (see "
-                                      "Llama.tie_embeddings), not as one Parameter object in two modules")
+                raise MeshlmError(f"internal error: parameter `{mname}.{n}` was left unsharded by meshlm.shard "
+                                  "(a slot of a tied parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)")
 
 
 # --------------------------------------------------------------------------- helpers
