@@ -203,7 +203,8 @@ def test_plan_exact_checkpointed(pool4, ac):
 
 @pytest.mark.parametrize("layout", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp_sp", "fsdp_tp"])
 def test_plan_exact_bf16(pool4, layout):
-    """``train.param_dtype=bfloat16`` as ``meshlm train`` runs it (float32 storage and
-    optimizer state, bf16 at use, float32 gradient reductions: NOTE [mixed precision] in
-    meshlm/precision.py): the plan ``meshlm plan`` makes for it is exact too."""
+    """``train.param_dtype=bfloat16`` as ``meshlm train`` runs it (NOTE [mixed precision]
+    in meshlm/precision.py: bf16 at use and float32 gradient reductions; float32 storage
+    and optimizer state, except zero1/zero2, which store bf16 parameters beside float32
+    masters and main gradients): the plan ``meshlm plan`` makes for it is exact too."""
     _check(pool4, 4, layout, param_dtype="bfloat16")
