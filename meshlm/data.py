@@ -28,7 +28,6 @@ from torch import Tensor
 
 from meshlm.errors import ConfigError
 
-
 FORMATS = ("text", "tokens")
 
 

@@ -204,8 +204,12 @@ def loss_of(out: Any, cfg: ModelConfig) -> Tensor:
     elif not isinstance(out, Tensor) and hasattr(out, "loss"):
         loss = out.loss
     if not isinstance(loss, Tensor) or loss.ndim != 0 or not loss.is_floating_point():
-        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) and loss.ndim
-                else f"a {type(out).__name__}" if loss is None else repr(loss)[:80])
+        if isinstance(loss, Tensor):
+            what = f"a tensor of shape {tuple(loss.shape)}" if loss.ndim else f"a {loss.dtype} scalar"
+        elif isinstance(out, dict):
+            what = "a dict without a 'loss' entry" if loss is None else f"a 'loss' that is a {type(loss).__name__}"
+        else:
+            what = f"a {type(out).__name__}"
         raise ConfigError(f"model {cfg.label}: forward(tokens, targets) returned {what}; meshlm train needs the "
                           "scalar loss to minimise: a 0-d floating tensor, or a dict with a 'loss' entry")
     if torch.is_grad_enabled() and not loss.requires_grad:
