@@ -165,10 +165,6 @@ def read_tokens(path: str, split: str) -> np.ndarray:
     return np.memmap(f, dtype=np.uint16, mode="r")
 
 
-def _max_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
-    return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
-
-
 def _split_point(n: int, val_fraction: float) -> int:
     return n - int(n * val_fraction)
 
@@ -207,7 +203,7 @@ class TokenDataset:
                 if len(t) < seq_len + 1:
                     raise ConfigError(f"data.path={cfg.path!r}: {name}.bin holds {len(t)} tokens, fewer than one "
                                       f"window of train.seq_len+1={seq_len + 1}; reduce train.seq_len")
-            return cls(train, val, max(_max_id(train), _max_id(val)) + 1, f"the token files in {cfg.path}")
+            return cls(train, val, max(int(train.max()), int(val.max())) + 1, f"the token files in {cfg.path}")
         if not 0.0 < cfg.val_fraction < 1.0:
             raise ConfigError(
                 f"data.val_fraction={cfg.val_fraction} must lie strictly between 0 and 1 "

@@ -90,3 +90,43 @@ def test_token_ids_beyond_the_model_vocab_stop_the_run(pool4, tmp_path):
     got = pool4.run(_run, _cfg("ddp", {"dp": 4}, {**TINY, "vocab": 400},
                                data={"format": "tokens", "path": str(tmp_path)}), str(tmp_path / "run"))[0]
     assert len(got["loss"]) == STEPS
+
+
+def _hf_llama(path: Path, vocab: int):
+    """A tiny Hugging Face Llama saved in ``path``; weights large enough (init std 0.5) that
+    the loss depends on which tokens it sees."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, head_dim=8, initializer_range=0.5,
+                                   tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).float().eval()
+    m.save_pretrained(str(path), safe_serialization=True)
+    return m
+
+
+def test_fine_tuning_reads_the_data_with_the_model_s_tokenizer(pool4, tmp_path):
+    """``model.init_from`` a directory with a tokenizer.json, ``data.tokenizer=auto``: the first
+    step's loss is the Hugging Face model's on the first batch of the text tokenized by it."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshlm.data import DataConfig, ShardedLoader, TokenDataset
+    from meshlm.testing.tokenizer import corpus, train_bpe
+
+    d = tmp_path / "hf"
+    tok = train_bpe(d)
+    m = _hf_llama(d, tok.get_vocab_size())
+    text = corpus(tmp_path / "corpus.txt")
+    cfg = _cfg("ddp", {"dp": 4}, {"_target_": "meshlm.models.llama_model", "init_from": str(d)},
+               data={"path": str(text)})
+    got = pool4.run(_run, cfg, str(tmp_path / "run"))[0]
+    ds = TokenDataset.from_config(DataConfig(path=str(text)), cfg.train.seq_len, init_from=str(d))
+    assert ds.vocab_size == tok.get_vocab_size() > 256
+    x, y = ShardedLoader(ds.train, cfg.train.seq_len, cfg.train.batch_size, 0, 1, seed=0).next()
+    with torch.no_grad():
+        ref = float(F.cross_entropy(m(x).logits.flatten(0, 1), y.flatten()))
+    assert got["model"] == str(d)
+    assert abs(got["loss"][0] - ref) <= tol.HF_LOSS_RTOL * ref, (got["loss"], ref)
