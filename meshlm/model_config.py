@@ -142,6 +142,9 @@ def check_args(cfg: ModelConfig) -> None:
     """The target exists and its signature takes the node's keys: a typo or a missing
     required argument fails naming ``model.<key>`` (before any process starts)."""
     fn = locate(cfg)
+    if "device" in cfg.args:
+        raise ConfigError(f"model.device={cfg.args['device']!r}: meshlm passes the device itself (meta, then each "
+                          "rank's shards on train.device); drop model.device")
     sig = _signature(fn)
     if sig is None:
         return

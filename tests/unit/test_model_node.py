@@ -49,6 +49,7 @@ def test_shipped_node_keeps_its_keys_and_takes_overrides():
     (["model._target_=nosuchpkg.Model"], ["no module named 'nosuchpkg'", "PYTHONPATH"]),
     (["model._target_=mymodels"], ["is a module, not a callable"]),
     (["model=custom"], ["model._target_ is not set", "model=llama_tiny"]),
+    (["model._target_=mymodels.TinyLM", "model.device=cpu"], ["model.device='cpu'", "drop model.device"]),
 ])
 def test_bad_node_names_the_key(overrides, words):
     with pytest.raises(ConfigError) as e:
