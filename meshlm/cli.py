@@ -63,7 +63,9 @@ def _train_task(dc) -> None:
     _SWEEP["jobs"] += 1
     run_dir = Path(hc.runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": list(hc.overrides.task)}
+    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (model_overrides)
+    over = [o.removeprefix("++") if o.startswith("++model.") else o for o in hc.overrides.task]
+    job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": over}
     try:
         cfg = resolve_auto(from_dict(OmegaConf.to_container(dc, resolve=True)))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
