@@ -2,9 +2,10 @@
 
 ``run(cfg, run_dir)`` is what each worker runs: it joins the process group (torchrun's or
 the one ``meshlm.launch`` started), builds the mesh, lowers the ``model`` node's model built
-on the meta device under the layout (NOTE [model node] in meshlm/model_config.py), and trains it with a sharded AdamW (warmup + cosine LR, global-norm
-clipping, gradient accumulation, mixed precision, activation checkpointing and
-torch.compile per block), logging to the run directory from rank 0.
+on the meta device under the layout (NOTE [model node] in meshlm/model_config.py), and
+trains it with a sharded AdamW (warmup + cosine LR, global-norm clipping, gradient
+accumulation, mixed precision, activation checkpointing and torch.compile per block),
+logging to the run directory from rank 0.
 
 ``python -m meshlm.train key=value ...`` under torchrun is ``meshlm train`` joining that
 world (see docs/train.md for the multi-node command).
