@@ -4,7 +4,7 @@ DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
     meshlm train [key=value ...]          train (a Hydra app over conf/); -m for a sweep
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
-    meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2
+    meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2 [model.KEY=VALUE ...]
     meshlm layout list                    the layouts by name, and the files they are in
 """
 
@@ -63,7 +63,9 @@ def _train_task(dc) -> None:
     _SWEEP["jobs"] += 1
     run_dir = Path(hc.runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": list(hc.overrides.task)}
+    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (model_overrides)
+    over = [o.removeprefix("++") if o.startswith("++model.") else o for o in hc.overrides.task]
+    job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": over}
     try:
         cfg = resolve_auto(from_dict(OmegaConf.to_container(dc, resolve=True)))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
@@ -116,10 +118,11 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.config import check_overrides, conf_dir
+    from meshlm.config import check_overrides, conf_dir, model_overrides
 
     argv = list(argv)
     check_overrides(argv)
+    argv = model_overrides(argv)
     if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -160,18 +163,30 @@ def convert_cmd(argv: list[str]) -> int:
 def layout_cmd(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="meshlm layout", description="Inspect a layout.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    show = sub.add_parser("show", help="the placement of every parameter of a model under a layout and mesh")
+    show = sub.add_parser("show", help="the placement of every parameter of a model under a layout and mesh",
+                          epilog="Any model: model.KEY=VALUE overrides as for meshlm train, e.g. "
+                                 "model._target_=mypkg.MyModel model.width=64")
     show.add_argument("layout", help="a layout name (layouts/<name>.yaml) or a YAML path")
-    show.add_argument("--model", default="llama_tiny", help="model config name (default: llama_tiny)")
+    show.add_argument("--model", default=None, help="a shipped model config name (default: llama_tiny, unless "
+                      "model._target_ is given)")
     show.add_argument("--mesh", default="fsdp=2,tp=2", help="mesh, e.g. fsdp=2,tp=2 (default)")
     sub.add_parser("list", help="every layout name, the file it loads and its first sentence")
-    a = p.parse_args(argv)
+    a, overrides = p.parse_known_args(argv)
     if a.cmd == "list":
+        if overrides:
+            p.error(f"unrecognized arguments: {' '.join(overrides)}")
         print(layout_list())
         return 0
+    from meshlm.config import load_config
     from meshlm.show import layout_table
 
-    print(layout_table(a.model, a.layout, a.mesh))
+    bad = [o for o in overrides if not o.lstrip("+").startswith("model.")]
+    if bad:
+        raise ConfigError(f"show: {bad[0]!r} is not a model.KEY=VALUE override; give the layout "
+                          "as the first argument and the mesh as --mesh")
+    custom = any(o.lstrip("+").startswith("model._target_=") for o in overrides)
+    group = [f"model={a.model}"] if a.model else [] if custom else ["model=llama_tiny"]
+    print(layout_table(load_config(group + overrides).model, a.layout, a.mesh))
     return 0
 
 

@@ -17,45 +17,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from meshlm.axes import MESH_AXES
-from meshlm.data import DataConfig
+from meshlm.data import FORMATS, DataConfig
 from meshlm.errors import ConfigError
+from meshlm.model_config import ModelConfig, build_model, model_overrides  # noqa: F401 (build_model: API)
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
 COMPILE_COMMS = ("graph", "eager")  # compile_blocks(comms=...): NOTE [compiled body] in compile.py
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-@dataclass
-class ModelConfig:
-    """``model``: a named Llama config (``meshlm.models.CONFIGS``) plus field overrides."""
-
-    name: str = "llama_small"
-    init_from: Optional[str] = None  #: Hugging Face dir / safetensors to start from (meshlm.load_hf)
-    # Architecture overrides; None keeps the named config's value.
-    vocab: Optional[int] = None
-    embed: Optional[int] = None
-    layers: Optional[int] = None
-    heads: Optional[int] = None
-    kv_heads: Optional[int] = None
-    mlp: Optional[int] = None
-    head_dim: Optional[int] = None
-    rope_theta: Optional[float] = None
-    norm_eps: Optional[float] = None
-    tie_embeddings: Optional[bool] = None
-    init_std: Optional[float] = None
-    dropout: float | None = None  #: residual dropout in training (meshlm.dropout: the same masks under any layout)
-
-    def overrides(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "init_from") and getattr(self, f.name) is not None}
-
-    def llama(self):
-        """The :class:`meshlm.models.LlamaConfig` this section describes."""
-        from meshlm.models import llama_config
-
-        return llama_config(self.name, **self.overrides())
 
 
 @dataclass
@@ -177,7 +147,8 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The plain dict :func:`from_dict` takes back (the model node in its YAML form)."""
+        return {**dataclasses.asdict(self), "model": self.model.to_dict()}
 
 
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
@@ -232,6 +203,8 @@ def check_overrides(overrides: "list[str]") -> None:
 
 
 def _section(name: str, cls: type, data: Any) -> Any:
+    if cls is ModelConfig:  # an open node: the target's arguments are checked against its signature
+        return ModelConfig.from_dict(data)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -267,15 +240,12 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the key and its allowed values for the first bad value."""
     from meshlm.layout import shipped_layouts
-    from meshlm.models import CONFIGS
+    from meshlm.model_config import check_args
 
-    _choice("model.name", cfg.model.name, list(CONFIGS))
-    for k, v in cfg.model.overrides().items():
-        if k == "dropout":
-            if not 0.0 <= v < 1.0:
-                raise ConfigError(f"model.dropout={v} must be in [0, 1)")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-            raise ConfigError(f"model.{k}={v} must be positive")
+    if not cfg.model.init_from:  # with init_from, the Hugging Face config.json gives the architecture
+        check_args(cfg.model)
+        if cfg.model.is_llama():
+            cfg.model.llama()  # field names and values
     name = cfg.layout.name
     if not (name == "auto" or name.endswith((".yaml", ".yml")) or os.sep in name):
         _choice("layout.name", name, shipped_layouts() + ["auto"])
@@ -307,6 +277,7 @@ def validate(cfg: RunConfig) -> None:
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _choice("plan.format", cfg.plan.format, ("text", "json"))
+    _choice("data.format", cfg.data.format, FORMATS)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
         raise ConfigError("checkpoint.resume=auto resumes from the latest checkpoint in checkpoint.dir, which is not "
@@ -354,7 +325,7 @@ def load_config(overrides: "list[str] | None" = None) -> RunConfig:
     check_overrides(list(overrides or []))
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            dc = compose(config_name="config", overrides=list(overrides or []))
+            dc = compose(config_name="config", overrides=model_overrides(list(overrides or [])))
     except HydraException as e:
         raise ConfigError(str(e)) from None
     return from_dict(OmegaConf.to_container(dc, resolve=True))  # type: ignore[arg-type]

@@ -1,4 +1,7 @@
-"""Byte-level text data: a tokenizer, a train/val split and a data-parallel sharded loader.
+"""Training data: text (a file, a directory or a glob of ``.txt`` files) tokenized as UTF-8
+bytes or by a Hugging Face tokenizer (``tokenizer.json``), or pre-tokenized token files read
+by memory map (nanoGPT's flat uint16 ``train.bin`` / ``val.bin``); a train/val split and a
+data-parallel sharded loader.
 
 Every rank builds the same :class:`ShardedLoader` (same tokens, same seed) and takes its
 own rows of each global batch, so the ranks of one step together see exactly the batch a
@@ -11,23 +14,35 @@ scores the same windows and losses are comparable across steps.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from meshlm.errors import ConfigError
+
+FORMATS = ("text", "tokens")
 
 
 @dataclass
 class DataConfig:
     """The ``data`` config section."""
 
-    path: str | None = None  #: UTF-8 text file; None = the pydoc topics text in Python itself
-    val_fraction: float = 0.05  #: trailing fraction of the tokens held out for validation
+    #: text: UTF-8 text (``path``: a file, a directory of ``.txt`` files, or a glob), tokenized by
+    #: ``tokenizer``; tokens: a directory holding ``train.bin`` and ``val.bin``, flat uint16 token ids
+    format: str = "text"
+    path: str | None = None  #: see ``format``; None = the pydoc topics text in Python itself (text only)
+    #: text only: ``auto`` (the tokenizer.json of ``model.init_from``'s directory if it has one, else bytes),
+    #: ``bytes`` (UTF-8 bytes, 256 ids), or a Hugging Face tokenizer: a directory holding tokenizer.json, or the file
+    tokenizer: str = "auto"
+    val_fraction: float = 0.05  #: text only: trailing fraction of the tokens held out for validation
     seed: int = 0  #: seeds the per-epoch window order
 
 
@@ -50,8 +65,66 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``): what a model directory
+    from the Hub ships.  ``encode`` adds no special tokens."""
+
+    def __init__(self, path: str, key: str = "data.tokenizer"):
+        f = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        if not f.is_file():
+            raise ConfigError(f"{key}={path!r}: no tokenizer.json there; give a directory holding tokenizer.json (a "
+                              "Hugging Face model or tokenizer directory), the file itself, or data.tokenizer=bytes")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(f"{key}={path!r} needs the tokenizers package: pip install tokenizers") from None
+        self.path = str(f)
+        self.tok = Tokenizer.from_file(self.path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> Tensor:
+        return torch.tensor(self.tok.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+    def decode(self, ids: Tensor | Sequence[int]) -> str:
+        return self.tok.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+
+
+def tokenizer_for(cfg: DataConfig, init_from: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """``cfg.tokenizer``, with ``auto`` meaning the tokenizer of the Hugging Face model
+    ``init_from`` when its directory has a tokenizer.json, else bytes."""
+    if cfg.tokenizer == "bytes":
+        return ByteTokenizer()
+    if cfg.tokenizer == "auto":
+        d = Path(init_from.removeprefix("hf:")) if init_from else None
+        if d is not None and (d / "tokenizer.json").is_file():
+            return HFTokenizer(str(d), key="model.init_from")
+        return ByteTokenizer()
+    return HFTokenizer(cfg.tokenizer)
+
+
+def text_files(path: str) -> list[Path]:
+    """The files ``data.path`` names: itself, the ``.txt`` files under a directory, or a
+    glob's matches (``**`` recursive); sorted, so every rank reads them in the same order."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.txt") if f.is_file())
+        if not files and (p / "train.bin").exists():
+            raise ConfigError(f"data.path={path!r} holds train.bin: pre-tokenized files need data.format=tokens")
+        what = "holds no .txt files"
+    elif any(c in path for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        what = "matches no files"
+    else:
+        return [p]
+    if not files:
+        raise ConfigError(f"data.path={path!r} {what}; point data.path at a UTF-8 text file, a directory of .txt "
+                          "files or a glob (data/*.txt), or set data.path=null for the default corpus")
+    return files
+
+
 def load_text(path: str | None) -> str:
-    """The text of the UTF-8 file at ``path``; with None, the default corpus.
+    """The text at ``path`` (:func:`text_files`; several files are joined by a blank line);
+    with None, the default corpus.
 
     The default corpus is the English help text that ships with CPython
     (``pydoc_data.topics``, several hundred KB), so training runs with no download.
@@ -60,12 +133,16 @@ def load_text(path: str | None) -> str:
         from pydoc_data.topics import topics
 
         return "".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(_read(str(f), path) for f in text_files(path))
+
+
+def _read(f: str, path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
     except UnicodeDecodeError as e:
         raise ConfigError(
-            f"data.path={path!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+            f"data.path={path!r}: {f} is not UTF-8 text ({e.reason} at byte {e.start}); "
             "convert it to UTF-8 or set data.path=null for the default corpus"
         ) from e
     except OSError as e:
@@ -73,6 +150,19 @@ def load_text(path: str | None) -> str:
             f"data.path={path!r} cannot be read ({e.strerror or e}); point data.path at "
             "an existing UTF-8 text file or set data.path=null for the default corpus"
         ) from e
+
+
+def read_tokens(path: str, split: str) -> np.ndarray:
+    """``<path>/<split>.bin`` as a read-only memory map of uint16 token ids (nanoGPT's format:
+    ``np.array(ids, dtype=np.uint16).tofile(path)``)."""
+    f = Path(path) / f"{split}.bin"
+    if not f.is_file():
+        raise ConfigError(f"data.path={path!r} has no {split}.bin; data.format=tokens reads train.bin and val.bin, "
+                          "flat uint16 token ids, from the directory data.path")
+    if f.stat().st_size % 2 or f.stat().st_size == 0:
+        raise ConfigError(f"data.path={path!r}: {f.name} holds {f.stat().st_size} bytes, not a whole, non-empty "
+                          "array of uint16 token ids")
+    return np.memmap(f, dtype=np.uint16, mode="r")
 
 
 def _split_point(n: int, val_fraction: float) -> int:
@@ -86,23 +176,42 @@ def _fits(n: int, val_fraction: float, window: int) -> bool:
 
 @dataclass(frozen=True)
 class TokenDataset:
-    """A corpus as byte tokens: ``train`` is the leading ``1 - val_fraction``, ``val`` the rest."""
+    """A corpus as token ids: ``train`` and ``val`` (LongTensors, or uint16 memory maps for
+    ``data.format=tokens``); ``vocab_size`` bounds the ids (a tokenizer's vocabulary, or the
+    largest id in the token files + 1); ``source`` says where they came from."""
 
-    train: Tensor
-    val: Tensor
+    train: Tensor | np.ndarray
+    val: Tensor | np.ndarray
+    vocab_size: int = ByteTokenizer.vocab_size
+    source: str = "the default corpus"
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, seq_len: int) -> TokenDataset:
-        """Load, encode and split ``cfg``'s corpus.
+    def from_config(cls, cfg: DataConfig, seq_len: int, init_from: str | None = None) -> TokenDataset:
+        """Load, encode and split ``cfg``'s corpus (``init_from``: the Hugging Face model
+        being fine-tuned, whose tokenizer ``data.tokenizer=auto`` picks).
 
         Each split must hold at least one window of ``seq_len + 1`` tokens.
         """
+        if cfg.format not in FORMATS:
+            raise ConfigError(f"data.format={cfg.format!r} is not allowed; choose one of: {', '.join(FORMATS)}")
+        if cfg.format == "tokens":
+            if cfg.path is None:
+                raise ConfigError("data.format=tokens reads train.bin and val.bin from the directory data.path, "
+                                  "which is not set: set data.path=DIR")
+            train, val = read_tokens(cfg.path, "train"), read_tokens(cfg.path, "val")
+            for name, t in (("train", train), ("val", val)):
+                if len(t) < seq_len + 1:
+                    raise ConfigError(f"data.path={cfg.path!r}: {name}.bin holds {len(t)} tokens, fewer than one "
+                                      f"window of train.seq_len+1={seq_len + 1}; reduce train.seq_len")
+            return cls(train, val, max(int(train.max()), int(val.max())) + 1, f"the token files in {cfg.path}")
         if not 0.0 < cfg.val_fraction < 1.0:
             raise ConfigError(
                 f"data.val_fraction={cfg.val_fraction} must lie strictly between 0 and 1 "
                 "(both splits need at least one window); e.g. set data.val_fraction=0.05"
             )
-        tokens = ByteTokenizer().encode(load_text(cfg.path))
+        tok = tokenizer_for(cfg, init_from)
+        tokens = tok.encode(load_text(cfg.path))
+        unit = "bytes" if isinstance(tok, ByteTokenizer) else "tokens"
         window, n = seq_len + 1, len(tokens)
         if not _fits(n, cfg.val_fraction, window):
             vf = cfg.val_fraction
@@ -112,12 +221,23 @@ class TokenDataset:
                 needed += 1
             where = "the default corpus" if cfg.path is None else repr(cfg.path)
             raise ConfigError(
-                f"data.path={where} has {n} bytes, too short for one window of train.seq_len+1="
+                f"data.path={where} has {n} {unit}, too short for one window of train.seq_len+1="
                 f"{window} tokens in both splits (data.val_fraction={cfg.val_fraction}); it needs "
-                f"at least {needed} bytes: use a longer file or reduce train.seq_len"
+                f"at least {needed} {unit}: use a longer file or reduce train.seq_len"
             )
         cut = _split_point(n, cfg.val_fraction)
-        return cls(train=tokens[:cut], val=tokens[cut:])
+        what = "UTF-8 bytes" if isinstance(tok, ByteTokenizer) else f"the tokenizer {tok.path}"
+        where = "the default corpus" if cfg.path is None else cfg.path
+        return cls(tokens[:cut], tokens[cut:], tok.vocab_size, f"{where} as {what}")
+
+    def check_vocab(self, model_vocab: int | None, model: str) -> None:
+        """Token ids must index the model's vocabulary (``model_vocab``: the size of its
+        ``vocab`` axis; None: the model names none, nothing to check)."""
+        if model_vocab is not None and self.vocab_size > model_vocab:
+            raise ConfigError(
+                f"data: {self.source} has token ids up to {self.vocab_size - 1} ({self.vocab_size} ids) but model "
+                f"{model} has a vocabulary of {model_vocab}; set model.vocab={self.vocab_size} (or more) or use "
+                "data whose tokenizer fits the model (data.tokenizer)")
 
 
 class ShardedLoader:
@@ -131,7 +251,7 @@ class ShardedLoader:
     """
 
     def __init__(
-        self, tokens: Tensor, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int
+        self, tokens: Tensor | np.ndarray, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int
     ):
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
@@ -174,7 +294,10 @@ class ShardedLoader:
         """
         start = self.step_in_epoch * self.global_batch
         idx = self._permutation(self.epoch)[start : start + self.global_batch][self.rows]
-        w = self.windows[idx]
+        if isinstance(self.windows, np.ndarray):  # a memory map: read only these rows
+            w = torch.from_numpy(self.windows[idx.numpy()].astype(np.int64))
+        else:
+            w = self.windows[idx]
         self.step_in_epoch += 1
         if self.step_in_epoch == self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0

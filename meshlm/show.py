@@ -1,6 +1,7 @@
 """``meshlm layout show``: where every parameter of a model lives under a layout and mesh.
 
-Pure planning: the model is built on the meta device and nothing is communicated, so any
+Pure planning: the model (any ``model`` node, NOTE [model node] in meshlm/model_config.py)
+is built on the meta device and nothing is communicated, so any
 mesh size works in one process (no process group is needed to place parameters).
 """
 
@@ -11,6 +12,7 @@ import torch
 from meshlm.layout import load_layout
 from meshlm.lower import plan_params
 from meshlm.mesh import MeshSpec
+from meshlm.model_config import ModelConfig, build_model
 
 
 def _fmt_bytes(n: float) -> str:
@@ -30,15 +32,22 @@ def _placement_str(plan, names: tuple[str, ...]) -> str:
     return " ".join(parts) or "R"
 
 
-def layout_rows(model: str, layout: str, mesh: str) -> tuple[list[dict], MeshSpec]:
-    """One dict per parameter: fqn, axes, storage/compute/grads/optimizer placements,
-    global and local shapes, bytes per rank."""
-    from meshlm.models import Llama, llama_config
+def model_node(model: "str | ModelConfig") -> ModelConfig:
+    """A model node: as given, or the shipped ``conf/model/<name>.yaml``."""
+    if isinstance(model, ModelConfig):
+        return model
+    from meshlm.config import load_config
 
+    return load_config([f"model={model}"]).model
+
+
+def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[list[dict], MeshSpec]:
+    """One dict per parameter of ``model`` (a model node, or the name of a shipped one):
+    fqn, axes, storage/compute/grads/optimizer placements, global and local shapes, bytes
+    per rank."""
     spec = MeshSpec.parse(mesh)
     lay = load_layout(layout)
-    with torch.device("meta"):
-        m = Llama(llama_config(model), device="meta")
+    m = build_model(model_node(model), "meta")
     plans = plan_params(m, lay, spec)
     sizes = spec.as_dict()
     names = tuple(a for a, s in spec.active())
@@ -62,8 +71,9 @@ def layout_rows(model: str, layout: str, mesh: str) -> tuple[list[dict], MeshSpe
     return rows, spec
 
 
-def layout_table(model: str, layout: str, mesh: str) -> str:
+def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
     """The table ``meshlm layout show`` prints."""
+    model = model_node(model)
     rows, spec = layout_rows(model, layout, mesh)
     lay = load_layout(layout)
     cols = ["fqn", "axes", "storage", "compute", "global", "local", "bytes/rank"]
@@ -81,7 +91,7 @@ def layout_table(model: str, layout: str, mesh: str) -> str:
     from meshlm.effective import effective
 
     eff = effective(lay, spec.as_dict())
-    out = [f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model}",
+    out = [f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model.label}",
            f"effective on this mesh: {eff.summary()}"]
     out += [f"warning: {w}" for w in eff.problems()]
     out += ["placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated", "",

@@ -1,10 +1,11 @@
 """The training loop of ``meshlm train``: one process per mesh device.
 
 ``run(cfg, run_dir)`` is what each worker runs: it joins the process group (torchrun's or
-the one ``meshlm.launch`` started), builds the mesh, lowers a Llama built on the meta device
-under the layout, and trains it with a sharded AdamW (warmup + cosine LR, global-norm
-clipping, gradient accumulation, mixed precision, activation checkpointing and
-torch.compile per block), logging to the run directory from rank 0.
+the one ``meshlm.launch`` started), builds the mesh, lowers the ``model`` node's model built
+on the meta device under the layout (NOTE [model node] in meshlm/model_config.py), and
+trains it with a sharded AdamW (warmup + cosine LR, global-norm clipping, gradient
+accumulation, mixed precision, activation checkpointing and torch.compile per block),
+logging to the run directory from rank 0.
 
 ``python -m meshlm.train key=value ...`` under torchrun is ``meshlm train`` joining that
 world (see docs/train.md for the multi-node command).
@@ -196,7 +197,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.comm import CommCounter
     from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss
-    from meshlm.models import Llama
+    from meshlm.model_config import build_sharded, loss_of, model_vocab
     from meshlm.optim import ShardedOptimizer
 
     t = cfg.train
@@ -215,18 +216,12 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
     layout = meshlm.load_layout(cfg.layout.name)
-    mcfg = cfg.model.llama()
     from meshlm.mesh import mesh_spec
 
     eff = _effective(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
 
     shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
-    if cfg.model.init_from:
-        from meshlm.hf import load_hf
-
-        model = load_hf(cfg.model.init_from, layout, mesh, **shard_kw)
-    else:
-        model = meshlm.shard(Llama(mcfg, device="meta"), layout, mesh, seed=t.seed, **shard_kw)
+    model = build_sharded(cfg.model, layout, mesh, seed=t.seed, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
@@ -237,7 +232,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     micro = t.batch_size // t.grad_accum
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
-    ds = TokenDataset.from_config(cfg.data, t.seq_len)
+    ds = TokenDataset.from_config(cfg.data, t.seq_len, init_from=cfg.model.init_from)
+    ds.check_vocab(model_vocab(model), cfg.model.label)
     loader = ShardedLoader(ds.train, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
 
     def evaluate() -> float:
@@ -249,7 +245,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             with torch.no_grad():
                 for _ in range(n):
                     x, y = vl.next()
-                    total += float(model(x.to(device), y.to(device)))
+                    total += float(loss_of(model(x.to(device), y.to(device)), cfg.model))
         finally:
             model.train()
         return total / n
@@ -272,8 +268,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 scaler.load_state_dict(extra["loss_scaler"])
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
-    model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
-    header = (f"meshlm train: {model_name} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
+    header = (f"meshlm train: {cfg.model.label} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
               f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
               f"tokens; run dir {run_dir}")
     log.info(header)
@@ -332,7 +327,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             loss_sum = 0.0
             for _ in range(t.grad_accum):
                 x, y = loader.next()
-                loss = model(x.to(device), y.to(device))
+                loss = loss_of(model(x.to(device), y.to(device)), cfg.model)
                 if step == t.inject_nan_step:
                     loss = loss * float("nan")
                 if t.inject_crash_step == step and rank == t.inject_crash_rank:
@@ -443,7 +438,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     measured = {f"mem_{k}_bytes": (int(v) if v >= 0 else None) for k, v in zip(kinds, peak.tolist()[:4])}
     rates.sort()
     summary = {
-        "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.name, "world_size": world,
+        "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.label, "world_size": world,
         "steps": t.steps, "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
         "layout_effective": eff.label(), "layout_warnings": eff.problems(),
@@ -460,7 +455,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         from meshlm.metrics import read_metrics
 
         plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
-                  title=f"{cfg.model.name} {layout.name} mesh {cfg.mesh}")
+                  title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}")
         tp = summary["tokens_per_s"]
         print(f"done: {t.steps - start} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
               f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in {run_dir}",
@@ -482,8 +477,8 @@ def _effective(cfg: RunConfig, layout, resolved: dict[str, int]):
 def _planned(cfg: RunConfig, layout: str, sizes: dict[str, int]) -> Optional[dict[str, int]]:
     """What ``meshlm plan`` predicts for this run, per rank: params, grads, optimizer and the
     total (model state, held activations and gathered copies); None where it cannot (a model
-    loaded from Hugging Face weights)."""
-    if cfg.model.init_from:
+    loaded from Hugging Face weights, a model other than the shipped Llama)."""
+    if cfg.model.init_from or not cfg.model.is_llama():
         return None
     from meshlm.plan import _from_run_config, plan
 

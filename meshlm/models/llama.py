@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import ClassVar, Optional
 
 import torch
@@ -74,6 +75,30 @@ CONFIGS: dict[str, LlamaConfig] = {
     "llama3_405b": LlamaConfig(vocab=128256, embed=16384, layers=126, heads=128, kv_heads=8, mlp=53248,
                                rope_theta=500000.0),
 }
+
+
+def llama_fields(**fields) -> LlamaConfig:
+    """A LlamaConfig from ``model.<field>`` values (``conf/model/llama_*.yaml``); a field
+    Llama does not have, or a size that is not positive, is a ConfigError naming the key."""
+    from meshlm.errors import ConfigError
+
+    known = [f.name for f in dataclass_fields(LlamaConfig)]
+    for k, v in fields.items():
+        if k not in known:
+            raise ConfigError(f"model.{k}: meshlm.models.llama_model takes no argument {k!r}; it takes: "
+                              f"{', '.join(known)}")
+        if k == "dropout":
+            if v is not None and not 0.0 <= v < 1.0:
+                raise ConfigError(f"model.dropout={v} must be in [0, 1)")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+            raise ConfigError(f"model.{k}={v} must be positive")
+    return LlamaConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def llama_model(device=None, **fields) -> "Llama":
+    """The ``_target_`` of ``conf/model/llama_*.yaml``: a :class:`Llama` of the given
+    :class:`LlamaConfig` fields, built on ``device``."""
+    return Llama(llama_fields(**fields), device=device)
 
 
 def llama_config(name: str, **overrides) -> LlamaConfig:

@@ -246,6 +246,13 @@ INVARIANCE_RTOL = 3e-4
 FIRST_NORM_RTOL = 3e-4
 INVARIANCE_NORM_RTOL = 7e-3  # the gradient-norm curve (not NORM_RTOL: one norm, one step)
 
+# meshlm's Llama against transformers' on the same fp32 weights: the same math in a different
+# order (SDPA against HF's attention, RoPE applied per head pair against rotate_half), so the
+# logits differ by fp32 rounding amplified through the layers; tests/dist/test_hf.py holds
+# them to rtol 1e-4.  The mean cross-entropy is a smooth average of those logits (its gradient
+# in each logit is below 1/n per token), so its relative error is below theirs: 1e-4.
+HF_LOSS_RTOL = 1e-4
+
 
 def grad_tol(g: Tensor) -> Tensor:
     """Element-wise one-step tolerance of a gradient whose reference (at the same weights)

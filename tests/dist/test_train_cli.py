@@ -68,6 +68,25 @@ def test_train_four_processes_2d_mesh(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
 
 
+def test_train_user_model(tmp_path):
+    """A model from a package outside meshlm (tests/usermodel/mymodels), named on the command
+    line: ``model._target_`` starts from the empty node (conf/model/custom.yaml), so only the
+    keys given reach it, and ``model.width`` is added to the node without Hydra's ``+``."""
+    env = _env()
+    env["PYTHONPATH"] = str(REPO / "tests" / "usermodel") + os.pathsep + env["PYTHONPATH"]
+    args = [a for a in TINY if not a.startswith("model=")]
+    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", *args, "model._target_=mymodels.TinyLM",
+                        "model.width=32", "layout=fsdp", "mesh=fsdp2", "train.steps=8", f"hydra.run.dir={tmp_path}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_outputs(tmp_path, 8)
+    assert "meshlm train: TinyLM (" in r.stdout
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
+    assert saved == {"_target_": "mymodels.TinyLM", "name": None, "init_from": None, "width": 32}
+
+
 def _csv(path: Path) -> list[dict]:
     import csv
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch.distributed as dist
 
-from meshlm.config import RunConfig, from_dict
+from meshlm.config import RunConfig, from_dict, load_config
 from meshlm.testing import dist_pool_fixture
 from meshlm.testing import tolerances as tol
 
@@ -37,7 +37,7 @@ def _cfg(layout: str, mesh: dict, **train) -> RunConfig:
     t = {"steps": STEPS, "batch_size": 8, "seq_len": 32, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 2,
          "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False, "pg_timeout_s": 60}
     t.update(train)
-    return from_dict({"model": {"name": "llama_tiny"}, "layout": {"name": layout}, "mesh": mesh, "train": t})
+    return from_dict({"model": load_config(["model=llama_tiny"]).model.to_dict(), "layout": {"name": layout}, "mesh": mesh, "train": t})
 
 
 def _curves(cfg: RunConfig, run_dir: str) -> dict[str, list[float]]:

@@ -41,7 +41,10 @@ def test_every_shipped_layout_has_a_conf_entry():
     ("checkpoint.resume=auto", ["checkpoint.resume=auto", "checkpoint.dir"]),
     ("train.steps=0", ["train.steps", ">= 1"]),
     ("train.steps=abc", ["train.steps", "integer"]),
-    ("model.name=gpt2", ["model.name", "llama_tiny"]),
+    ("model.layers=0", ["model.layers=0", "positive"]),
+    ("model.layer=3", ["model.layer", "takes no argument", "layers"]),
+    ("model._target_=nosuch.Model", ["model._target_=nosuch.Model", "PYTHONPATH"]),
+    ("data.format=csv", ["data.format", "text", "tokens"]),
     ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
     ("mesh.tp=0", ["mesh.tp"]),
 ])

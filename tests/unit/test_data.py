@@ -181,3 +181,123 @@ def test_too_few_windows_for_one_batch():
     with pytest.raises(ConfigError, match="train.seq_len") as e:
         _arange_loader(n_tokens=8 * 7 + 7, global_batch=8)  # 7 windows < 8
     assert "data.path" in str(e.value) and "train.batch_size" in str(e.value)
+
+
+# --------------------------------------------------------------------------- beyond bytes
+def bpe_dir(path):
+    from meshlm.testing.tokenizer import train_bpe
+
+    return train_bpe(path)
+
+
+def _corpus(tmp_path):
+    from meshlm.testing.tokenizer import corpus
+
+    return corpus(tmp_path / "corpus.txt")
+
+
+def test_hf_tokenizer_encodes_the_text(tmp_path):
+    from meshlm.data import HFTokenizer
+
+    tok = bpe_dir(tmp_path / "tok")
+    f = _corpus(tmp_path)
+    text = f.read_text(encoding="utf-8")
+    ds = TokenDataset.from_config(DataConfig(path=str(f), tokenizer=str(tmp_path / "tok")), seq_len=16)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert torch.cat([ds.train, ds.val]).tolist() == ids
+    assert len(ids) < len(text) // 2  # merges: not bytes
+    assert ds.vocab_size == tok.get_vocab_size() > 256
+    assert HFTokenizer(str(tmp_path / "tok" / "tokenizer.json")).decode(ds.train[:20]) == tok.decode(ids[:20])
+    assert "tokenizer.json" in ds.source
+
+
+def test_auto_tokenizer_is_the_fine_tuned_model_s(tmp_path):
+    bpe_dir(tmp_path / "hf_model")
+    (tmp_path / "bare").mkdir()
+    f = _corpus(tmp_path)
+    explicit = TokenDataset.from_config(DataConfig(path=str(f), tokenizer=str(tmp_path / "hf_model")), seq_len=16)
+    for init_from in (str(tmp_path / "hf_model"), "hf:" + str(tmp_path / "hf_model")):
+        ds = TokenDataset.from_config(DataConfig(path=str(f)), seq_len=16, init_from=init_from)
+        assert torch.equal(ds.train, explicit.train) and ds.vocab_size == explicit.vocab_size
+    for init_from in (None, str(tmp_path / "bare")):  # no tokenizer.json there: bytes
+        ds = TokenDataset.from_config(DataConfig(path=str(f)), seq_len=16, init_from=init_from)
+        assert ds.vocab_size == 256 and len(ds.train) + len(ds.val) == len(f.read_bytes())
+    ds = TokenDataset.from_config(DataConfig(path=str(f), tokenizer="bytes"), seq_len=16,
+                                  init_from=str(tmp_path / "hf_model"))
+    assert ds.vocab_size == 256
+
+
+def test_missing_tokenizer_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.tokenizer=.*no tokenizer.json there"):
+        TokenDataset.from_config(DataConfig(tokenizer=str(tmp_path)), seq_len=16)
+
+
+def test_text_from_a_directory_or_a_glob(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name, text in (("b.txt", "bee"), ("a.txt", "ay"), ("sub/c.txt", "see"), ("notes.md", "not text")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert load_text(str(tmp_path)) == "ay\n\nbee\n\nsee"
+    assert load_text(str(tmp_path / "*.txt")) == "ay\n\nbee"
+    assert load_text(str(tmp_path / "**" / "c.txt")) == "see"
+    with pytest.raises(ConfigError, match=r"data.path=.*matches no files"):
+        load_text(str(tmp_path / "*.csv"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"data.path=.*holds no .txt files"):
+        load_text(str(tmp_path / "empty"))
+
+
+def _write_bins(d, train, val):
+    import numpy as np
+
+    d.mkdir(parents=True, exist_ok=True)
+    np.asarray(train, dtype=np.uint16).tofile(d / "train.bin")
+    np.asarray(val, dtype=np.uint16).tofile(d / "val.bin")
+
+
+def test_token_files_are_read_by_memory_map(tmp_path):
+    import numpy as np
+
+    train = (np.arange(5000) * 7919) % 50000  # ids above 32767: uint16, not int16
+    _write_bins(tmp_path / "bins", train, np.arange(100))
+    ds = TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path / "bins")), seq_len=SEQ)
+    assert isinstance(ds.train, np.memmap) and ds.vocab_size == int(train.max()) + 1
+    assert ds.val.tolist() == list(range(100))
+    as_tensor = torch.from_numpy(train.astype(np.int64))
+    for dp_rank in range(2):  # the same batches as the same tokens in memory, epoch wrap included
+        mm, ref = (ShardedLoader(t, SEQ, 8, dp_rank, 2, seed=3) for t in (ds.train, as_tensor))
+        steps = mm.steps_per_epoch + 2
+        for (x, y), (rx, ry) in zip(_batches(mm, steps), _batches(ref, steps)):
+            assert x.dtype == torch.long and torch.equal(x, rx) and torch.equal(y, ry)
+        resumed = ShardedLoader(ds.train, SEQ, 8, dp_rank, 2, seed=3)
+        resumed.load_state_dict(mm.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(resumed.next(), ref.next()))
+
+
+def test_token_file_errors_name_the_key(tmp_path):
+    _write_bins(tmp_path / "bins", range(100), range(100))
+    (tmp_path / "bins" / "val.bin").unlink()
+    with pytest.raises(ConfigError, match=r"data.path=.*has no val.bin"):
+        TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path / "bins")), seq_len=SEQ)
+    with pytest.raises(ConfigError, match=r"holds train.bin: pre-tokenized files need data.format=tokens"):
+        TokenDataset.from_config(DataConfig(path=str(tmp_path / "bins")), seq_len=SEQ)
+    with pytest.raises(ConfigError, match=r"data.format=tokens .* set data.path=DIR"):
+        TokenDataset.from_config(DataConfig(format="tokens"), seq_len=SEQ)
+    (tmp_path / "bins" / "val.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ConfigError, match=r"val.bin holds 3 bytes"):
+        TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path / "bins")), seq_len=SEQ)
+    _write_bins(tmp_path / "short", range(100), range(5))
+    with pytest.raises(ConfigError, match=r"val.bin holds 5 tokens.*train.seq_len"):
+        TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path / "short")), seq_len=SEQ)
+
+
+def test_vocab_mismatch_names_the_model_key(tmp_path):
+    _write_bins(tmp_path, [0, 399] * 20, [1] * 20)
+    ds = TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path)), seq_len=SEQ)
+    ds.check_vocab(400, "m")
+    ds.check_vocab(None, "m")  # a model without a vocab axis: nothing to check
+    with pytest.raises(ConfigError, match=r"ids up to 399 \(400 ids\) but model m has a vocabulary of 399.*"
+                                          r"model.vocab=400"):
+        ds.check_vocab(399, "m")
+    TokenDataset.from_config(DataConfig(), seq_len=SEQ).check_vocab(256, "m")
+    with pytest.raises(ConfigError, match="model.vocab=256"):
+        TokenDataset.from_config(DataConfig(), seq_len=SEQ).check_vocab(255, "m")

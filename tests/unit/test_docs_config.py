@@ -51,6 +51,12 @@ def _inline() -> list[tuple[str, str]]:
 COMMANDS = _commands()
 
 
+@pytest.fixture(autouse=True)
+def _usermodel_on_path(monkeypatch):
+    """The docs' own-model example names tests/usermodel/mymodels."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "usermodel"))
+
+
 def test_docs_hold_commands():
     assert len(COMMANDS) > 10 and any("checkpoint.resume=auto" in o for _, o in COMMANDS)
 
