@@ -199,6 +199,20 @@ INIT_ATOL = 0.0
 # scale.  Same 10x margin as the gradients.
 NORM_RTOL = 1e-5
 
+# Logits of a model loaded from a Hugging Face directory against transformers' own forward
+# of the same weights, both fp32 (tests/dist/test_hf.py, test_hf_gpt2.py).  Here the two
+# sides are different implementations, not one model in two summation orders: transformers
+# fuses or splits other matmuls, writes GELU's tanh formula out where meshlm calls the fused
+# kernel, and reaches SDPA through its own masks; so each of the ~30 ops of a 2-layer model
+# rounds differently, a few u (6e-8) relative to its inputs each, and each LayerNorm divides
+# the accumulated absolute error by its input's standard deviation.  That stacks to about
+# 1e-6 to 1e-5 relative; we allow 1e-4, and 1e-5 absolute for logits near zero (the tiny
+# models' logits are 0.1 to 1 in size).  Measured, worst |diff| / (atol + rtol·|ref|): 0.03
+# for Llama (4 ranks, every layout) and 0.04 for GPT-2 (2 and 4 ranks, every layout).  A
+# wrong weight, permutation or transpose moves logits by 1e-2 or more (the break-it checks).
+HF_LOGIT_RTOL = 1e-4
+HF_LOGIT_ATOL = 1e-5
+
 # Mixed precision: bf16 compute, fp32 reduction and accumulation (NOTE [mixed precision] in
 # meshlm/precision.py).  Unit roundoffs (round to nearest): bf16 keeps 8 significant bits,
 # u = 2^-8; fp32 keeps 24, u = 2^-24.
