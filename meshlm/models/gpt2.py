@@ -39,7 +39,7 @@ class GPT2Config:
     """Architecture hyperparameters only."""
 
     vocab: int = 256
-    block_size: int = 64  # learned positions: the longest sequence the model reads
+    block_size: int = 128  # learned positions: the longest sequence the model reads
     embed: int = 64
     layers: int = 2
     heads: int = 4
@@ -89,7 +89,7 @@ class GPT2Config:
 
 CONFIGS: dict[str, GPT2Config] = {
     # tests: every dim divides 4, so every layout fits every mesh of up to 4 ranks
-    "gpt2_tiny": GPT2Config(vocab=256, block_size=64, embed=64, layers=2, heads=4),
+    "gpt2_tiny": GPT2Config(vocab=256, block_size=128, embed=64, layers=2, heads=4),
     # GPT-2 small, the published 124M shape (Hugging Face's vocabulary of 50257)
     "gpt2": GPT2Config(vocab=50257, block_size=1024, embed=768, layers=12, heads=12),
 }

@@ -42,8 +42,10 @@ FORMS = ("single", "sharded", "bin", "headless")  # the file forms, spread over 
 
 
 def _hf_model(tie: bool = True):
+    # initializer_range 0.1, not GPT-2's 0.02: activations of order 1, so that GELU's variant or
+    # LayerNorm's eps shows in the logits (44x and 45x the tolerance), as it would in a trained model
     cfg = transformers.GPT2Config(n_embd=EMBED, n_layer=2, n_head=HEADS, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie)
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie, initializer_range=0.1)
     torch.manual_seed(0)
     m = transformers.GPT2LMHeadModel(cfg).float().eval()
     with torch.no_grad():  # HF starts biases at 0 and LayerNorm at (1, 0): make them non-trivial so a mix-up shows
@@ -72,10 +74,12 @@ def hf(tmp_path_factory):
     headless = {k.removeprefix("transformer."): v for k, v in sd.items()}
     headless["h.0.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
     save_file(headless, os.path.join(dirs["headless"], "model.safetensors"))
+    untied = _hf_model(tie=False)
+    untied.save_pretrained(str(d / "untied"))
     tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref = m(tokens).logits
-    return {**dirs, "tokens": tokens, "ref": ref, "root": str(d)}
+        ref, ref_untied = m(tokens).logits, untied(tokens).logits
+    return {**dirs, "tokens": tokens, "ref": ref, "root": str(d), "untied": str(d / "untied"), "ref_untied": ref_untied}
 
 
 def _logits(path, layout, mesh_shape, tokens, export_to=None):
@@ -106,6 +110,13 @@ def test_logits_match_transformers(pool2, hf, layout, mesh):
             assert qkv == (3 * EMBED // 2, EMBED), qkv
 
 
+def test_untied_head(pool2, hf):
+    """tie_word_embeddings=false: lm_head.weight is a parameter of its own (vocab over tp)."""
+    assert "lm_head.weight" in _read_all(hf["untied"])
+    for logits, _qkv in pool2.run(_logits, hf["untied"], "tp", "tp=2", hf["tokens"]):
+        torch.testing.assert_close(logits, hf["ref_untied"], **LOGIT_TOL)
+
+
 def _read_all(path):
     from safetensors.torch import load_file
 
@@ -127,6 +138,25 @@ def test_logits_and_export_2d(pool4, hf):
     m = transformers.GPT2LMHeadModel.from_pretrained(out).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(m(hf["tokens"]).logits, hf["ref"], rtol=0, atol=0)
+
+
+def _convert_both_ways(hf_dir, ckpt_root, out):
+    from meshlm.hf import convert_main
+
+    assert convert_main([hf_dir, ckpt_root]) == 0  # HF -> meshlm checkpoint (fsdp=2)
+    torch._dynamo.reset()
+    return convert_main([ckpt_root, out, "--layout", "tp", "--mesh", "tp=2"])
+
+
+def test_convert_round_trip(pool2, hf):
+    """`meshlm convert` both ways: the checkpoint names its class (GPT2) and config, from
+    which the export rebuilds the model under another layout; the tensors come back exact."""
+    ck, out = os.path.join(hf["root"], "ckpt"), os.path.join(hf["root"], "converted")
+    assert pool2.run(_convert_both_ways, hf["bin"], ck, out) == [0, 0]
+    want, got = _read_all(hf["single"]), _read_all(out)
+    assert sorted(want) == sorted(got)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
 
 
 def _load_error(path, layout="fsdp", mesh_shape="fsdp=2"):
