@@ -11,7 +11,7 @@ from meshlm.root import shard_batch
 
 
 def load_hf(path, layout, mesh, **shard_kwargs):
-    """Import a Hugging Face Llama directory into a sharded meshlm Llama (see meshlm.hf)."""
+    """Import a Hugging Face Llama or GPT-2 directory into a sharded meshlm model (see meshlm.hf)."""
     from meshlm.hf import load_hf as _load_hf
 
     return _load_hf(path, layout, mesh, **shard_kwargs)

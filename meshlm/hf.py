@@ -1,24 +1,26 @@
-"""Hugging Face Llama safetensors <-> sharded meshlm Llama, with no full model on any rank.
+"""Hugging Face safetensors <-> sharded meshlm models (Llama and GPT-2), with no full model
+on any rank.
 
 * :func:`load_hf` reads ``config.json`` and ``model.safetensors`` (or sharded files and
-  ``model.safetensors.index.json``) into a meshlm Llama sharded under any layout: each
-  rank reads only the block of each tensor it stores (``safe_open(...).get_slice``).
+  ``model.safetensors.index.json``, or ``pytorch_model.bin``) into the meshlm model its
+  ``model_type`` names (``llama``: :class:`meshlm.models.Llama`, ``gpt2``:
+  :class:`meshlm.models.GPT2`) sharded under any layout: each rank reads only the block of
+  each tensor it stores (``safe_open(...).get_slice``).
 * :func:`save_hf` writes a live sharded model as a Hugging Face directory
   (``config.json`` + one consolidated ``model.safetensors``) that ``transformers`` loads:
   rank 0 writes the header, then every rank ``pwrite``s the blocks it owns (one replica of
   each) straight to their offsets, so no rank ever holds the whole model.
 * :func:`export_checkpoint` does that for a training checkpoint (``meshlm convert``).
 
-NOTE [HF names]: meshlm stores attention weights per head, ``wq: (heads, head_dim, embed)``
-and ``wo: (embed, heads, head_dim)``; HF's ``q_proj: (heads*head_dim, embed)`` and
-``o_proj: (embed, heads*head_dim)`` are row-major reshapes of them, so the bytes are the
-same and only the shape in the safetensors header differs.  Both use the rotate-half RoPE
-convention (HF checkpoints are already permuted for it), so no permutation is needed.
+What differs between the architectures (names, shapes, how a meshlm block maps onto the HF
+tensor, the config) lives in one module per ``model_type``: meshlm/hf_llama.py (NOTE [HF
+names]) and meshlm/hf_gpt2.py (NOTE [HF GPT-2 tensors]).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -29,105 +31,72 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.hf_llama import config_from_hf as hf_config_to_llama
+from meshlm.hf_llama import config_to_hf as llama_to_hf_config
+from meshlm.hf_llama import hf_name
 from meshlm.lower import local_box
 
-__all__ = ["load_hf", "save_hf", "export_checkpoint", "import_hf", "convert_main", "hf_config_to_llama",
-           "llama_to_hf_config", "hf_name"]
+__all__ = ["load_hf", "save_hf", "export_checkpoint", "import_hf", "convert_main", "read_hf_config",
+           "hf_config_to_llama", "llama_to_hf_config", "hf_name"]
 
 _DT_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "attn.wq": "self_attn.q_proj.weight",
-    "attn.wk": "self_attn.k_proj.weight",
-    "attn.wv": "self_attn.v_proj.weight",
-    "attn.wo": "self_attn.o_proj.weight",
-    "mlp.w_gate": "mlp.gate_proj.weight",
-    "mlp.w_up": "mlp.up_proj.weight",
-    "mlp.w_down": "mlp.down_proj.weight",
-}
-_TOP = {"tok_emb": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm.weight": "model.norm.weight"}
+# model_type in config.json -> the module that knows that architecture's names, shapes and
+# config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).
+_FAMILIES = {"llama": "meshlm.hf_llama", "gpt2": "meshlm.hf_gpt2"}
 
 
-def hf_name(fqn: str) -> str:
-    """The Hugging Face tensor name of a meshlm parameter FQN (NOTE [HF names])."""
-    if fqn in _TOP:
-        return _TOP[fqn]
-    parts = fqn.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
-    raise CheckpointError(f"parameter `{fqn}` has no Hugging Face Llama name")
+def _family(model_type: str, source: str):
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
+                          f"{' and '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2)")
+    return importlib.import_module(_FAMILIES[model_type])
 
 
-def hf_shape(fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF's shape for a meshlm parameter of ``shape``: per-head dims merged."""
-    if fqn.endswith(("attn.wq", "attn.wk", "attn.wv")):
-        return (shape[0] * shape[1], shape[2])
-    if fqn.endswith("attn.wo"):
-        return (shape[0], shape[1] * shape[2])
-    return tuple(shape)
+def _family_of(model: nn.Module):
+    """The family of a meshlm model (by the class of its ``cfg``)."""
+    cfg = getattr(model, "cfg", None)
+    for mt in _FAMILIES:
+        fam = _family(mt, "")
+        if isinstance(cfg, fam.config_class()):
+            return fam
+    raise CheckpointError(f"{type(model).__name__}: meshlm exports its Llama and GPT2 to Hugging Face form "
+                          "(a model with a LlamaConfig or GPT2Config as .cfg), not this model")
 
 
-# --------------------------------------------------------------------------- configs
-def hf_config_to_llama(hf: dict, source: str = "config.json"):
-    """meshlm LlamaConfig from a Hugging Face Llama ``config.json`` dict."""
-    from meshlm.models.llama import LlamaConfig
-
-    mt = hf.get("model_type", "llama")
-    if mt != "llama":
-        raise ConfigError(f"{source}: model_type={mt!r}; meshlm imports Hugging Face Llama models only")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ConfigError(f"{source}: {flag}=true; meshlm's Llama has no biases")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}; meshlm's Llama uses SwiGLU (silu)")
-    rope = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    rtype = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rtype not in (None, "default"):
-        raise ConfigError(f"{source}: rope type {rtype!r} is not supported (meshlm implements default RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    heads = hf["num_attention_heads"]
-    embed = hf["hidden_size"]
-    hd = hf.get("head_dim") or embed // heads
-    return LlamaConfig(
-        vocab=hf["vocab_size"], embed=embed, layers=hf["num_hidden_layers"], heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads, mlp=hf["intermediate_size"],
-        head_dim=None if hd == embed // heads else hd, rope_theta=float(theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )
-
-
-def llama_to_hf_config(cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """A Hugging Face ``config.json`` dict for a meshlm LlamaConfig."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab, "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.mlp,
-        "head_dim": cfg.hd, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": 4096, "initializer_range": cfg.init_std,
-        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
-    }
+def _family_of_class(name: str):
+    """The family whose meshlm class is ``name`` (a checkpoint's meta.json ``model.class``)."""
+    for mt in _FAMILIES:
+        fam = _family(mt, "")
+        if fam.CLASS == name:
+            return fam
+    raise CheckpointError(f"the checkpoint holds a {name}; meshlm exports its Llama and GPT2 to Hugging Face "
+                          "form only")
 
 
 def _strip(path: str) -> str:
     return path[3:] if path.startswith("hf:") else path
 
 
-def read_hf_config(path: str):
+def _read_config(path: str):
+    """(family, meshlm config) of the Hugging Face directory ``path``."""
     path = _strip(path)
     f = os.path.join(path, "config.json")
     try:
         with open(f) as fh:
-            return hf_config_to_llama(json.load(fh), f)
+            hf = json.load(fh)
+        fam = _family(hf.get("model_type", "llama"), f)
+        return fam, fam.config_from_hf(hf, f)
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing; a Hugging Face model directory holds config.json and "
-                              "model.safetensors (or model.safetensors.index.json)") from None
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{f}: not a Hugging Face Llama config ({type(e).__name__}: {e})") from None
+                              "model.safetensors (or model.safetensors.index.json, or pytorch_model.bin)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: not a Hugging Face Llama or GPT-2 config ({type(e).__name__}: {e})") from None
+
+
+def read_hf_config(path: str):
+    """The meshlm config (LlamaConfig or GPT2Config) of a Hugging Face directory."""
+    return _read_config(path)[1]
 
 
 # --------------------------------------------------------------------------- local boxes
@@ -138,83 +107,104 @@ def _owns_replica(mesh, pls) -> bool:
 
 # --------------------------------------------------------------------------- import
 class _HFReader:
-    """Tensor name -> slice reader over model.safetensors or its sharded files."""
+    """Tensor name -> block reader over the weights of an HF directory: model.safetensors,
+    sharded safetensors with their index, or pytorch_model.bin (memory-mapped).  Names are
+    the family's ``canonical`` ones."""
 
-    def __init__(self, path: str):
-        from safetensors import safe_open
+    _FORMS = (("model.safetensors.index.json", True), ("model.safetensors", True),
+              ("pytorch_model.bin.index.json", False), ("pytorch_model.bin", False))
 
+    def __init__(self, path: str, canonical=lambda n: n):
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.isfile(index):
-            with open(index) as fh:
-                self.weight_map = json.load(fh)["weight_map"]
-        elif os.path.isfile(single):
-            self.weight_map = None
-        else:
-            raise CheckpointError(f"{path}: no model.safetensors nor model.safetensors.index.json")
-        self._open = safe_open
         self._files: dict[str, Any] = {}
-        self._single = single
+        form = next(((f, st) for f, st in self._FORMS if os.path.isfile(os.path.join(path, f))), None)
+        if form is None:
+            raise CheckpointError(f"{path}: no weights: none of {', '.join(f for f, _ in self._FORMS)}")
+        name, self._safetensors = form
+        full = os.path.join(path, name)
+        if name.endswith(".index.json"):
+            with open(full) as fh:
+                files = json.load(fh)["weight_map"]
+            files = {k: os.path.join(path, v) for k, v in files.items()}
+        else:
+            files = {k: full for k in self._keys(full)}
+        self._loc = {canonical(k): (f, k) for k, f in files.items()}
 
-    def _file(self, name: str):
-        f = self._single if self.weight_map is None else os.path.join(self.path, self.weight_map.get(name, ""))
-        if self.weight_map is not None and name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is not in model.safetensors.index.json")
+    def _keys(self, f: str) -> list[str]:
+        h = self._handle(f)
+        return list(h.keys())
+
+    def _handle(self, f: str):
         if f not in self._files:
             try:
-                self._files[f] = self._open(f, framework="pt")
+                if self._safetensors:
+                    from safetensors import safe_open
+
+                    self._files[f] = safe_open(f, framework="pt")
+                else:
+                    self._files[f] = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{f}: cannot open as safetensors ({type(e).__name__}: {e})") from None
-        return f, self._files[f]
+                kind = "safetensors" if self._safetensors else "a torch state dict"
+                raise CheckpointError(f"{f}: cannot open as {kind} ({type(e).__name__}: {e})") from None
+        return self._files[f]
+
+    def names(self) -> set[str]:
+        return set(self._loc)
 
     def read(self, name: str, hf_shape_: tuple[int, ...], box_hf: list[tuple[int, int]]) -> Tensor:
-        f, h = self._file(name)
-        if name not in h.keys():
-            raise CheckpointError(f"{f}: has no tensor {name!r}")
-        sl = h.get_slice(name)
-        shape = tuple(sl.get_shape())
+        if name not in self._loc:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
+        f, key = self._loc[name]
+        h = self._handle(f)
+        if key not in h.keys():
+            raise CheckpointError(f"{f}: has no tensor {key!r}")
+        sl = h.get_slice(key) if self._safetensors else h[key]
+        shape = tuple(sl.get_shape()) if self._safetensors else tuple(sl.shape)
         if shape != tuple(hf_shape_):
-            raise CheckpointError(f"{f}: tensor {name!r} has shape {shape} but config.json implies {tuple(hf_shape_)}")
+            raise CheckpointError(f"{f}: tensor {key!r} has shape {shape} but config.json implies {tuple(hf_shape_)}")
         idx = tuple(slice(s, s + n) for s, n in box_hf)
         return sl[idx]
 
 
-def _read_block(reader: _HFReader, fqn: str, shape: tuple[int, ...], box: list[tuple[int, int]]) -> Tensor:
-    """This rank's block (in meshlm's shape) of parameter ``fqn``, read from the HF files."""
-    name = hf_name(fqn)
-    hs = hf_shape(fqn, shape)
-    if fqn.endswith(("attn.wq", "attn.wk", "attn.wv")):
-        (h0, hn), (d0, dn), (e0, en) = box
-        hd = shape[1]
-        t = reader.read(name, hs, [(h0 * hd, hn * hd), (e0, en)])
-        return t.reshape(hn, hd, en)[:, d0:d0 + dn]
-    if fqn.endswith("attn.wo"):
-        (e0, en), (h0, hn), (d0, dn) = box
-        hd = shape[2]
-        t = reader.read(name, hs, [(e0, en), (h0 * hd, hn * hd)])
-        return t.reshape(en, hn, hd)[:, :, d0:d0 + dn]
-    return reader.read(name, hs, box)
+def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> None:
+    """Every parameter of ``model`` is in the files, and every tensor of the files is a
+    parameter (or one the family knows to skip)."""
+    from meshlm.lower import iter_params
+
+    want = {fam.hf_tensor(cfg, fqn, tuple(p.shape))[0]: fqn for fqn, _m, _n, p in iter_params(model)}
+    have = reader.names()
+    missing = sorted(set(want) - have)
+    if missing:
+        raise CheckpointError(f"{path}: has no tensor {missing[0]!r} (meshlm's `{want[missing[0]]}`; "
+                              f"{len(missing)} missing), which config.json implies: the weights are of "
+                              "another model, or config.json does not describe them")
+    unknown = sorted(n for n in have - set(want) if not fam.is_extra(cfg, n))
+    if unknown:
+        raise CheckpointError(f"{path}: tensor {unknown[0]!r} ({len(unknown)} unknown) is no parameter of "
+                              f"meshlm's {fam.CLASS} as config.json describes it: the weights are of another "
+                              "model, or config.json (e.g. its layer count) does not describe them")
 
 
 def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs: Any) -> nn.Module:
-    """A meshlm Llama sharded under ``layout`` on ``mesh``, with the weights of the Hugging
-    Face Llama directory ``path`` (``hf:`` prefix allowed).  Each rank reads only its own
-    blocks from the safetensors files.  ``shard_kwargs`` go to :func:`meshlm.shard`."""
+    """The meshlm model of the Hugging Face directory ``path`` (``hf:`` prefix allowed;
+    ``model_type`` ``llama`` or ``gpt2``) sharded under ``layout`` on ``mesh``, with its
+    weights.  Each rank reads only its own blocks from the files.  ``shard_kwargs`` go to
+    :func:`meshlm.shard`."""
     import meshlm
     from meshlm.lower import iter_params
-    from meshlm.models.llama import Llama
 
     path = _strip(path)
-    cfg = read_hf_config(path)
-    reader = _HFReader(path)
+    fam, cfg = _read_config(path)
+    reader = _HFReader(path, fam.canonical)
+    model = fam.build(cfg)
+    _check_names(path, fam, cfg, model, reader)
     # Each rank allocates its shards uninitialised and reads exactly those blocks below.
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, init=False, **shard_kwargs)
+    model = meshlm.shard(model, layout, mesh, init=False, **shard_kwargs)
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
             local = p.to_local()
             box = local_box(tuple(p.shape), p.device_mesh, p.placements)
-            block = _read_block(reader, fqn, tuple(p.shape), box)
+            block = fam.read_block(reader.read, cfg, fqn, tuple(p.shape), box)
             if tuple(block.shape) != tuple(local.shape):
                 raise CheckpointError(f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}")
             local.copy_(block.to(local.dtype))
@@ -261,7 +251,7 @@ def _write_block(fd: int, file_off: int, shape: tuple[int, ...], box: list[tuple
 
 
 def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) -> str:
-    """Write ``model`` (a sharded meshlm Llama, or a plain one) as a Hugging Face Llama
+    """Write ``model`` (a meshlm Llama or GPT2, sharded or plain) as a Hugging Face
     directory: ``config.json`` + one consolidated ``model.safetensors``.  Collective when
     the model is sharded; each rank writes only the blocks it stores (one replica each)."""
     import torch.distributed as dist
@@ -269,19 +259,22 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
 
     from meshlm.lower import iter_params
 
+    fam, cfg = _family_of(model), model.cfg
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     params = [(fqn, p) for fqn, _m, _n, p in iter_params(model)]
     dt = dtype or params[0][1].dtype
-    entries = sorted((hf_name(fqn), _DT_TO_ST[dt], hf_shape(fqn, tuple(p.shape)),
-                      math.prod(p.shape) * torch.empty((), dtype=dt).element_size()) for fqn, p in params)
-    header, offsets = _st_header(entries, {"format": "pt"})
-    total = len(header) + sum(e[3] for e in entries)
+    config = fam.config_to_hf(cfg, dt)  # raises, on every rank, before anything is written
+    names = {fqn: fam.hf_tensor(cfg, fqn, tuple(p.shape)) for fqn, p in params}
+    entries = sorted((*names[fqn], math.prod(p.shape) * torch.empty((), dtype=dt).element_size())
+                     for fqn, p in params)
+    header, offsets = _st_header([(n, _DT_TO_ST[dt], s, b) for n, s, b in entries], {"format": "pt"})
+    total = len(header) + sum(e[2] for e in entries)
     fname = os.path.join(out, "model.safetensors")
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as fh:
-            json.dump(llama_to_hf_config(model.cfg, dt), fh, indent=1)
+            json.dump(config, fh, indent=1)
         with open(fname, "wb") as fh:
             fh.write(header)
             fh.truncate(total)
@@ -300,7 +293,8 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
                     local, box = p.detach(), [(0, n) for n in shape]
                 else:
                     continue
-                _write_block(fd, offsets[hf_name(fqn)], shape, box, local.to(dt))
+                for hs, hbox, block in fam.write_blocks(cfg, fqn, shape, box, local.to(dt)):
+                    _write_block(fd, offsets[names[fqn][0]], hs, hbox, block)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -314,17 +308,17 @@ def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
 
     import meshlm
     from meshlm.checkpoint import read_meta, resolve_path
-    from meshlm.models.llama import Llama, LlamaConfig
 
     ckpt = resolve_path(ckpt)
     meta = read_meta(ckpt)
     cfgd = meta.get("model", {}).get("config")
     if not cfgd:
         raise CheckpointError(f"{ckpt}/meta.json: has no model config; cannot rebuild the model to export it")
-    cfg = LlamaConfig(**cfgd)
+    fam = _family_of_class(meta["model"].get("class", "Llama"))
+    cfg = fam.config_class()(**cfgd)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     mesh = meshlm.make_mesh(mesh_shape or (f"fsdp={world}" if world > 1 else "dp=1"))
-    model = meshlm.shard(Llama(cfg, device="meta"), layout if world > 1 or mesh_shape else "single", mesh)
+    model = meshlm.shard(fam.build(cfg), layout if world > 1 or mesh_shape else "single", mesh)
     return ckpt, model
 
 
@@ -341,7 +335,7 @@ def export_checkpoint(ckpt: str, out: str, *, layout: str = "fsdp", mesh: Option
 
 
 def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] = None) -> str:
-    """Convert a Hugging Face Llama directory to a meshlm checkpoint (step 0, weights only)."""
+    """Convert a Hugging Face Llama or GPT-2 directory to a meshlm checkpoint (step 0, weights only)."""
     import torch.distributed as dist
 
     import meshlm
@@ -359,7 +353,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def convert_main(argv: list[str]) -> int:
-    """``meshlm convert SRC DST``: a Hugging Face Llama directory -> a meshlm checkpoint under
+    """``meshlm convert SRC DST``: a Hugging Face Llama or GPT-2 directory -> a meshlm checkpoint under
     DST, or a meshlm checkpoint (or run directory) -> a Hugging Face directory DST.  The
     direction follows SRC (``config.json`` = Hugging Face).  Under torchrun every rank
     handles only its shard."""

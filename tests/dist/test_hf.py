@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from meshlm.testing import DistPool
+from meshlm.testing import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
 
-# fp32 logits of a 2-layer model: meshlm and transformers order their matmul reductions
-# and attention kernels differently, so outputs agree to fp32 rounding (logits ~1e-1).
-LOGIT_TOL = dict(rtol=1e-4, atol=1e-5)
+LOGIT_TOL = dict(rtol=tol.HF_LOGIT_RTOL, atol=tol.HF_LOGIT_ATOL)
 
 LAYOUT_MESH = {
     "single": "dp=4", "ddp": "dp=4", "zero1": "dp=4", "zero2": "dp=4", "fsdp": "fsdp=4",
