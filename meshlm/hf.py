@@ -201,15 +201,14 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     """A meshlm Llama sharded under ``layout`` on ``mesh``, with the weights of the Hugging
     Face Llama directory ``path`` (``hf:`` prefix allowed).  Each rank reads only its own
     blocks from the safetensors files.  ``shard_kwargs`` go to :func:`meshlm.shard`."""
-    import meshlm
-    from meshlm.lower import iter_params
+    from meshlm.lowering import iter_params, shard
     from meshlm.models.llama import Llama
 
     path = _strip(path)
     cfg = read_hf_config(path)
     reader = _HFReader(path)
     # Each rank allocates its shards uninitialised and reads exactly those blocks below.
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, init=False, **shard_kwargs)
+    model = shard(Llama(cfg, device="meta"), layout, mesh, init=False, **shard_kwargs)
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
             local = p.to_local()
@@ -312,8 +311,9 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
 def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
     import torch.distributed as dist
 
-    import meshlm
     from meshlm.checkpoint import read_meta, resolve_path
+    from meshlm.lowering import shard
+    from meshlm.mesh import make_mesh
     from meshlm.models.llama import Llama, LlamaConfig
 
     ckpt = resolve_path(ckpt)
@@ -323,8 +323,8 @@ def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
         raise CheckpointError(f"{ckpt}/meta.json: has no model config; cannot rebuild the model to export it")
     cfg = LlamaConfig(**cfgd)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    mesh = meshlm.make_mesh(mesh_shape or (f"fsdp={world}" if world > 1 else "dp=1"))
-    model = meshlm.shard(Llama(cfg, device="meta"), layout if world > 1 or mesh_shape else "single", mesh)
+    mesh = make_mesh(mesh_shape or (f"fsdp={world}" if world > 1 else "dp=1"))
+    model = shard(Llama(cfg, device="meta"), layout if world > 1 or mesh_shape else "single", mesh)
     return ckpt, model
 
 
@@ -344,11 +344,11 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     """Convert a Hugging Face Llama directory to a meshlm checkpoint (step 0, weights only)."""
     import torch.distributed as dist
 
-    import meshlm
     from meshlm.checkpoint import save_checkpoint
+    from meshlm.mesh import make_mesh
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    m = meshlm.make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
+    m = make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
     model = load_hf(path, layout if world > 1 or mesh else "single", m)
     return save_checkpoint(out, 0, model=model, extra={"step": 0, "init_from": f"hf:{_strip(path)}"},
                            run_meta={"converted_from": _strip(path)})
