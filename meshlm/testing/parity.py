@@ -171,6 +171,7 @@ def _recipe(precision: str, mesh) -> FP32:
     raise ValueError(f"check_training(precision={precision!r}): 'fp32' or 'bf16'")
 
 
+@dataclass
 class _Job:
     layout: str
     mesh: Any
