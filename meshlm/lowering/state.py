@@ -36,7 +36,7 @@ class ShardState:
     sizes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in meshlm/bucket/op.py
-    root: Optional[object] = None  # root.RootSpec (NOTE [local root] in lowering/root.py); None: under DTensor
+    root: Optional[object] = None  # local_root.RootSpec (NOTE [local root] in lowering/root.py); None: under DTensor
     coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
     handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
     vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)

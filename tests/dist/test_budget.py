@@ -184,7 +184,8 @@ def _count_step_with_extra_gather(layout: str, mesh_shape: dict):
     """A counted step with one extra all-gather of a float over dp at the model's entry."""
     import torch
 
-    from meshlm.bucket import _all_gather, _wait
+    from meshlm import _torch_compat as compat
+    from meshlm.bucket import waited
     from meshlm.comm import count_step
     from meshlm.testing.setup import tiny_sharded
 
@@ -192,7 +193,7 @@ def _count_step_with_extra_gather(layout: str, mesh_shape: dict):
     group = mesh.get_group(0).group_name
 
     def extra(*_):
-        _wait(_all_gather(torch.ones(1), 0, group))
+        waited(compat.all_gather_single(torch.ones(1), 0, group))
 
     model.register_forward_pre_hook(extra)
     return _summary(count_step(model, opt, x, y, mesh))
