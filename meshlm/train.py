@@ -6,7 +6,7 @@ under the layout, and trains it with a sharded AdamW (warmup + cosine LR, global
 clipping, gradient accumulation, mixed precision, activation checkpointing and
 torch.compile per block), logging to the run directory from rank 0.
 
-``python -m meshlm train key=value ...`` under torchrun is ``meshlm train`` joining that
+``python -m meshlm.train key=value ...`` under torchrun is ``meshlm train`` joining that
 world (see docs/train.md for the multi-node command).
 """
 
@@ -521,3 +521,11 @@ def worker(cfg: RunConfig, run_dir: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # ``python -m meshlm.train [overrides]``: the same as ``meshlm train [overrides]``.  Only
+    # here, never at import: train.py is below the CLI (tests/unit/test_imports.py).
+    from meshlm.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

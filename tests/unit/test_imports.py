@@ -1,7 +1,9 @@
 """meshlm's modules import one another without cycles, counting every import, including the
 ones inside functions (a lazy import hides a cycle from Python, not from the reader): the
 dependency direction each package writes at its top holds.  Read from the source (the AST);
-imports under ``if TYPE_CHECKING:`` would count too, so there are none."""
+imports under ``if TYPE_CHECKING:`` would count too, so there are none.  Only a script's
+``if __name__ == "__main__":`` block is left out: it runs when the module is the program
+(``python -m meshlm.train``), never when another module imports it."""
 
 from __future__ import annotations
 
@@ -28,13 +30,30 @@ def _owner(name: str, mods: dict) -> str | None:
     return name or None
 
 
+def _is_main_block(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``"""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and len(test.comparators) == 1
+            and getattr(test.comparators[0], "value", None) == "__main__")
+
+
+def _walk(tree: ast.AST):
+    """``ast.walk`` without what a module's ``if __name__ == "__main__":`` block holds."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(c for c in ast.iter_child_nodes(node) if not _is_main_block(c))
+
+
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the meshlm modules it imports anywhere in its source.  ``from pkg import x``
     counts as importing ``pkg.x`` when that is a module, else ``pkg``."""
     graph = {}
     for name, path in mods.items():
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -99,6 +118,9 @@ def test_graph_sees_imports_inside_functions(tmp_path):
     graph = import_graph(modules(tmp_path))
     assert graph["meshlm.cli"] == {"meshlm.train"} and graph["meshlm.train"] == {"meshlm.cli"}
     assert cycles(graph) == [["meshlm.cli", "meshlm.train"]]
+    # a script's main block is not an import of the module
+    (tmp_path / "meshlm" / "train.py").write_text('if __name__ == "__main__":\n    from meshlm import cli\n')
+    assert cycles(import_graph(modules(tmp_path))) == []
 
 
 def test_meshlm_has_no_import_cycles():
