@@ -27,7 +27,7 @@ def issue_gather(xs: list[Tensor], group: str) -> Tensor:
 
 
 def gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: Optional[Tensor] = None,
-                 into: Optional[list[Optional[Tensor]]] = None) -> list[Tensor]:
+                into: Optional[list[Optional[Tensor]]] = None) -> list[Tensor]:
     """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
     collective: every rank's block lands at its rank's offset along that dim.  ``issued``:
     that collective, already in flight (NOTE [prefetch]).  ``into[j]``: a contiguous tensor
@@ -101,7 +101,7 @@ def pack(gs: list[Tensor], dims: Optional[list[int]], n: int, dtype: Optional[to
 
 
 def reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, wait: bool = True,
-                         dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+                        dtype: Optional[torch.dtype] = None) -> list[Tensor]:
     """Sum over ``group`` and keep this rank's 1/n block of each tensor along its dim, in one
     collective (the inverse layout of ``gather_flat``), in ``dtype`` (default: the
     tensors' own; NOTE [reduce in place of the casts])."""
@@ -160,8 +160,8 @@ def group_indices(idx: list[int], xs: list[Tensor], key: dict, dtype: Optional[t
 
 
 def flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequence[str],
-                order: Sequence[tuple[str, int]], key: Optional[dict] = None, wait: bool = True,
-                into: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> None:
+               order: Sequence[tuple[str, int]], key: Optional[dict] = None, wait: bool = True,
+               into: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> None:
     """Move local tensors ``xs[j]`` (None: skipped), placed ``pls[j]``, toward ``tg[j]`` with
     flat collectives, in place on ``xs`` and ``pls``.  For each (kind, mesh dim) of
     ``order``, kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard ->
@@ -188,7 +188,7 @@ def flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequ
                 last = [into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
                         for j in grp]
                 ys = gather_flat(part, [pls[j][i].dim for j in grp], groups[i], sizes[i],
-                                  into=[into[j] if ok else None for j, ok in zip(grp, last)])
+                                 into=[into[j] if ok else None for j, ok in zip(grp, last)])
             for j, y in zip(grp, ys):
                 xs[j], pls[j][i] = y, tg[j][i]
 

@@ -214,7 +214,7 @@ def _lift(path: str, out: Tensor, st, handler: LocalHandler, rows_pl: tuple, row
                                   "meshlm.reduce_batch(x, 'mean'|'sum') or compute it on batch-first targets")
         mean = nll[0] == 1
         return BatchReduce.apply(out, nll[1] if mean else None, "mean" if mean else "sum",
-                                  _data_groups(st))
+                                 _data_groups(st))
     axes = handler.axes_of(out)
     if axes is None:
         if out.shape[0] != rows:

@@ -17,7 +17,7 @@ from meshlm.mesh import mesh_spec
 
 
 def materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
-                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+                param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
     """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
     gradients, NOTE [main grads] in meshlm/main_grad.py), each parameter also gets this rank's
     optimizer-placement block of its initial weights in ``master_dtype``, before they are

@@ -64,7 +64,7 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 # cannot shift the recompute's op counts (above).  The parameter gathers are not saved
 # (``bucket.GATHERING``): re-running them is the point.
 SAVED_COLLECTIVES = {getattr(compat.c10d_functional, _name).default
-                      for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")}
+                     for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")}
 
 
 def is_random(op) -> bool:

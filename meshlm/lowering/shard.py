@@ -78,7 +78,7 @@ def shard(
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]
         use = UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh),
-                       regather=needs_regather(pp))
+                      regather=needs_regather(pp))
         use.key = at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather, grad_dtype)
         by_module.setdefault(id(m), (m, {}))[1][name] = use
     tied: dict[int, dict[str, tuple[nn.Module, str]]] = {}  # NOTE [ties] in ties.py: read through the first slot
@@ -98,7 +98,7 @@ def shard(
         cls = type(m)
         base = cls.__mro__[1] if cls in _CLASSES.values() else cls
         m.__class__ = sharded_class(base, tuple(getattr(m, "_meshlm_use", {})), True,
-                                     tuple(getattr(m, "_meshlm_tied", {})))
+                                    tuple(getattr(m, "_meshlm_tied", {})))
         m._meshlm_block = spec
         m._meshlm_state = st
         if spec.regather and spec.key is not None:
