@@ -31,8 +31,6 @@ VARIANTS = ("meshlm", "meshlm_nocomm", "torch", "torch_nosync")
 
 
 def _job(steps: int, reps: int) -> dict:
-    import torch.distributed._functional_collectives as funcol
-
     from bench_layouts import _build_meshlm, _build_torch, _global_batch, interleaved
     from meshlm.models import llama_config
 
@@ -40,17 +38,18 @@ def _job(steps: int, reps: int) -> dict:
     X, Y = _global_batch(cfg, 8, 128)
     m = _build_meshlm(cfg, "ddp", {"dp": 4}, X, Y, None)
     t = _build_torch(cfg, "ddp", {"dp": 4}, X, Y, None)
+    from meshlm import _torch_compat as compat
     from meshlm import bucket
 
-    all_reduce, inplace = funcol.all_reduce, bucket._all_reduce_inplace
+    all_reduce, inplace = compat.all_reduce, bucket.flat.all_reduce_inplace
 
     def meshlm_nocomm():
-        funcol.all_reduce = lambda x, *a, **k: x.clone()
-        bucket._all_reduce_inplace = lambda flat, group, wait: flat
+        compat.all_reduce = lambda x, *a, **k: x.clone()
+        bucket.flat.all_reduce_inplace = lambda flat, group, wait: flat
         try:
             return m["step"]()
         finally:
-            funcol.all_reduce, bucket._all_reduce_inplace = all_reduce, inplace
+            compat.all_reduce, bucket.flat.all_reduce_inplace = all_reduce, inplace
 
     def torch_nosync():
         with t["model"].no_sync():

@@ -9,7 +9,7 @@ side by side, on 4 CPU ranks.
 The knobs (one of them may be `both`, which compares its two values):
   --overlap {off,on}            meshlm.shard(..., overlap=False/True): each block's gradient
                                 reduction left in flight while backward goes on
-                                (NOTE [overlapped reduction] in meshlm/bucket.py)
+                                (NOTE [overlapped reduction] in meshlm/bucket/op.py)
   --comms {graph,eager}         with --compile: meshlm.compile_blocks(..., comms=...): whether
                                 the data-parallel collectives of local blocks are compiled
                                 into the block's graphs or run eagerly around its compiled math
@@ -17,10 +17,10 @@ The knobs (one of them may be `both`, which compares its two values):
   --opt-bucket {block,25}       ShardedOptimizer(bucket_mb=None or 25): the ZeRO-1/2 optimizer's
                                 flat collectives one per block, or merged up to 25 MiB
                                 (NOTE [optimizer chunks] in meshlm/optim.py)
-  --regather {free,recompute}   meshlm.lower.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
+  --regather {free,recompute}   meshlm.lowering.blocks.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
                                 hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
                                 backward: "free" frees them after forward and gathers them
-                                again (NOTE [free and re-gather] in meshlm/bucket.py);
+                                again (NOTE [free and re-gather] in meshlm/bucket/regather.py);
                                 "recompute" checkpoints the block (a local block recomputes its
                                 whole forward, a tensor-parallel one under the selective
                                 policy); no effect on layouts without re-gathering blocks (the
@@ -91,7 +91,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
     from torch.distributed.tensor import DTensor
 
     import meshlm
-    import meshlm.lower
+    import meshlm.lowering.blocks
     from meshlm.compile import compile_blocks
     from meshlm.models import Llama, llama_config
     from meshlm.optim import ShardedOptimizer
@@ -101,7 +101,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
     X, Y = _global_batch(cfg, opts["batch"], opts["seq"])
     mesh = meshlm.make_mesh(mesh_shape)
     x, y = meshlm.shard_batch(X, layout, mesh), meshlm.shard_batch(Y, layout, mesh)
-    regather0 = meshlm.lower.EAGER_REGATHER
+    regather0 = meshlm.lowering.blocks.EAGER_REGATHER
     built = {}
     for v in variants:
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
@@ -113,7 +113,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
 
     def step(name):
         model, opt, regather = built[name]
-        meshlm.lower.EAGER_REGATHER = regather
+        meshlm.lowering.blocks.EAGER_REGATHER = regather
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(x, y)
@@ -153,7 +153,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             out[name]["peak_bytes"] = int(peak.item())
     finally:
-        meshlm.lower.EAGER_REGATHER = regather0
+        meshlm.lowering.blocks.EAGER_REGATHER = regather0
     for r in out.values():
         for i, ph in enumerate(PHASES):
             r[f"{ph}_s"] = statistics.median(t[i] for t in r["times"])
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
             print(f"[{lay} {meshes[lay]}] {time.time() - t0:.0f}s  fwd/bwd/opt/step s: {summary}", flush=True)
 
     knob_help = {"overlap": "overlap = shard(..., overlap=...)",
-                 "regather": "regather = meshlm.lower.EAGER_REGATHER",
+                 "regather": "regather = meshlm.lowering.blocks.EAGER_REGATHER",
                  "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
                  "opt_bucket": "opt_bucket = ShardedOptimizer(bucket_mb=None (block) or 25)",
                  None: "one variant"}[knob]

@@ -17,7 +17,9 @@ is the one-device mask under every layout (NOTE [dropout keys] in meshlm/rng.py)
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -27,11 +29,35 @@ from meshlm.axes import Axes
 __all__ = ["Axes", "block", "constrain", "declare_axes", "dropout", "init_params", "is_block", "param_axes_of",
            "reduce_batch", "set_axes"]
 
-# The active constraint handler: set by the lowering while a sharded module runs its
-# forward, None otherwise (then ``constrain`` is the identity).  A handler may also have a
-# ``dropout(x, p, axes, key)`` method (meshlm.rng.Handler); without one, ``dropout`` is
-# the one-device dropout.
-_handler: Optional[Callable[[Tensor, Axes], Tensor]] = None
+# The active constraint handler: set by the lowering (``handling``) while a sharded module
+# runs its forward, None otherwise (then ``constrain`` is the identity).  A handler may also
+# have ``dropout(x, p, axes, key)`` and ``reduce_batch(x, op)`` methods (meshlm.rng.Handler);
+# without them, ``dropout`` is the one-device dropout and ``reduce_batch`` the identity.
+# A context variable, so that threads and nested forwards each see their own.
+_HANDLER: ContextVar[Optional[Callable[[Tensor, Axes], Tensor]]] = ContextVar("meshlm_handler", default=None)
+# What code traced by torch.compile reads instead: Dynamo cannot trace ContextVar.get (a
+# fullgraph block fails on it, torch 2.11 to 2.13), but it reads a module attribute and
+# guards on it, so a compiled block recompiles for another handler as it must.  ``handling``
+# keeps it equal to the context variable of the thread that sets it.
+_traced_handler: Optional[Callable[[Tensor, Axes], Tensor]] = None
+
+
+def active_handler() -> Optional[Callable[[Tensor, Axes], Tensor]]:
+    """The constraint handler in effect here, or None."""
+    return _traced_handler if torch.compiler.is_compiling() else _HANDLER.get()
+
+
+@contextmanager
+def handling(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> Iterator[None]:
+    """Make ``handler`` the constraint handler inside the block (the lowering's, not model code's)."""
+    global _traced_handler
+    token, prev = _HANDLER.set(handler), _traced_handler
+    _traced_handler = handler
+    try:
+        yield
+    finally:
+        _traced_handler = prev
+        _HANDLER.reset(token)
 
 
 def constrain(x: Tensor, axes: Axes) -> Tensor:
@@ -40,7 +66,7 @@ def constrain(x: Tensor, axes: Axes) -> Tensor:
     Under a layout this redistributes ``x`` to the layout's compute placements; on its
     own it returns ``x`` unchanged.
     """
-    h = _handler
+    h = active_handler()
     return x if h is None else h(x, axes)
 
 
@@ -50,7 +76,7 @@ def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
 
     On one device, and wherever the model runs on the whole global batch, ``x`` already is
     that value and comes back unchanged.  Where a data-parallel layout runs the model's
-    root on each rank's own rows (NOTE [local root] in meshlm/root.py), it becomes the
+    root on each rank's own rows (NOTE [local root] in meshlm/lowering/local_root.py), it becomes the
     reduction over the global batch: a sum is summed over ranks; a mean is averaged over
     ranks (every rank has the same number of rows), except a mean ``F.cross_entropy`` /
     ``F.nll_loss``, which is weighted by each rank's count of targets that are not ignored,
@@ -58,7 +84,7 @@ def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"reduce_batch(x, op={op!r}): op is 'mean' or 'sum'")
-    fn = getattr(_handler, "reduce_batch", None)
+    fn = getattr(active_handler(), "reduce_batch", None)
     return x if fn is None else fn(x, op)
 
 
@@ -79,7 +105,7 @@ def dropout(x: Tensor, p: float, axes: Axes, training: bool = True) -> Tensor:
     if not training or p == 0.0:
         return x
     key = rng.draw_key()
-    fn = getattr(_handler, "dropout", None)
+    fn = getattr(active_handler(), "dropout", None)
     return rng.dropout_plain(x, p, axes, key) if fn is None else fn(x, p, axes, key)
 
 
@@ -92,6 +118,18 @@ def block(cls: type) -> type:
 
 def is_block(m: nn.Module) -> bool:
     return bool(getattr(type(m), "__meshlm_block__", False))
+
+
+def outer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks (``@block``) not nested in another block, in module order."""
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside or not is_block(m):
+            continue
+        out.append(m)
+        inside.update(id(s) for s in m.modules())
+    return out
 
 
 def param_axes_of(m: nn.Module) -> dict[str, Axes]:

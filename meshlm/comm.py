@@ -29,9 +29,10 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-_f = torch.ops._c10d_functional
+from meshlm import _torch_compat as compat
+
+_f = compat.c10d_functional
 _c = torch.ops.c10d
 
 # functional op packet -> (kind, index of the input tensor, index of the group name,
@@ -94,9 +95,7 @@ class Collective:
 
 
 def _resolve(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group  # private
-
-    return _resolve_process_group(name)
+    return compat.resolve_process_group(name)
 
 
 def _ranks(pg) -> tuple[int, ...]:
@@ -108,7 +107,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(compat.TorchDispatchMode):
     """Records every collective run inside it; see the module docstring.
 
     ``mesh`` (a DeviceMesh) names the groups: each mesh dim's group maps to its axis name,
@@ -162,7 +161,7 @@ class CommCounter(TorchDispatchMode):
             return 0
 
     def _add(self, kind: str, nbytes: int, t: torch.Tensor, group) -> None:
-        in_bwd = torch._C._current_graph_task_id() != -1
+        in_bwd = compat.in_backward()
         self.records.append(Collective(kind, self._axes(group), self._group_size(group), int(nbytes), t.dtype,
                                        "backward" if in_bwd else self._phase, t.device.type))
 

@@ -10,7 +10,7 @@ NOTE [compiled body]
     gradient reductions included: they are traced into the block's forward and backward
     graphs, and a ZeRO-3 block re-gathers under selective checkpointing (storage cannot be
     freed inside a graph).  ``comms="eager"`` compiles only the math of the blocks that run
-    on plain local tensors (NOTE [local blocks] in bucket.py: ddp, zero1/2, fsdp, hsdp):
+    on plain local tensors (NOTE [local blocks] in meshlm/bucket/__init__.py: ddp, zero1/2, fsdp, hsdp):
     the flat gathers, the free and re-gather (NOTE [free and re-gather]), the prefetch
     (NOTE [prefetch]) and the gradient reductions run eagerly around the compiled graph, as
     FSDP2's hooks do around torchtitan's per-block compile.  Tensor-parallel blocks are
@@ -35,8 +35,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from meshlm import _torch_compat as compat
 from meshlm.annotate import is_block
-from meshlm.config import COMPILE_COMMS
+
+# compile_blocks(comms=...): NOTE [compiled body]; the training config (train.compile_comms) takes
+# its choices from here.
+COMPILE_COMMS = ("graph", "eager")
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bool = True,
@@ -65,7 +69,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
         raise ValueError(f"{type(model).__name__} has no @meshlm.block modules to compile")
     # Every layer of a model shares one compiled graph per block class; allow a few
     # recompiles per block for the first calls (grad mode, shapes) without warnings.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    compat.raise_recompile_limit(16)
     return n
 
 
@@ -108,6 +112,4 @@ def _mode(backend: str, mode: str | None) -> dict:
     ``fallback_random`` (random ops draw as eager does; see the module docstring)."""
     if backend != "inductor":
         return {"mode": mode}
-    from torch._inductor import list_mode_options
-
-    return {"options": {**(list_mode_options(mode) if mode else {}), "fallback_random": True}}
+    return {"options": {**(compat.inductor_mode_options(mode) if mode else {}), "fallback_random": True}}

@@ -34,7 +34,7 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hf_llama import config_from_hf as hf_config_to_llama
 from meshlm.hf_llama import config_to_hf as llama_to_hf_config
 from meshlm.hf_llama import hf_name
-from meshlm.lower import local_box
+from meshlm.lowering import local_box
 
 __all__ = ["load_hf", "save_hf", "export_checkpoint", "import_hf", "convert_main", "read_hf_config",
            "hf_config_to_llama", "llama_to_hf_config", "hf_name"]
@@ -169,7 +169,7 @@ class _HFReader:
 def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> None:
     """Every parameter of ``model`` is in the files, and every tensor of the files is a
     parameter (or one the family knows to skip)."""
-    from meshlm.lower import iter_params
+    from meshlm.lowering import iter_params
 
     want = {fam.hf_tensor(cfg, fqn, tuple(p.shape))[0]: fqn for fqn, _m, _n, p in iter_params(model)}
     have = reader.names()
@@ -190,8 +190,7 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     ``model_type`` ``llama`` or ``gpt2``) sharded under ``layout`` on ``mesh``, with its
     weights.  Each rank reads only its own blocks from the files.  ``shard_kwargs`` go to
     :func:`meshlm.shard`."""
-    import meshlm
-    from meshlm.lower import iter_params
+    from meshlm.lowering import iter_params, shard
 
     path = _strip(path)
     fam, cfg = _read_config(path)
@@ -199,7 +198,7 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     model = fam.build(cfg)
     _check_names(path, fam, cfg, model, reader)
     # Each rank allocates its shards uninitialised and reads exactly those blocks below.
-    model = meshlm.shard(model, layout, mesh, init=False, **shard_kwargs)
+    model = shard(model, layout, mesh, init=False, **shard_kwargs)
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
             local = p.to_local()
@@ -257,7 +256,7 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from meshlm.lower import iter_params
+    from meshlm.lowering import iter_params
 
     fam, cfg = _family_of(model), model.cfg
     distributed = dist.is_available() and dist.is_initialized()
@@ -306,8 +305,9 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
 def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
     import torch.distributed as dist
 
-    import meshlm
     from meshlm.checkpoint import read_meta, resolve_path
+    from meshlm.lowering import shard
+    from meshlm.mesh import make_mesh
 
     ckpt = resolve_path(ckpt)
     meta = read_meta(ckpt)
@@ -317,8 +317,8 @@ def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
     fam = _family_of_class(meta["model"].get("class", "Llama"))
     cfg = fam.config_class()(**cfgd)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    mesh = meshlm.make_mesh(mesh_shape or (f"fsdp={world}" if world > 1 else "dp=1"))
-    model = meshlm.shard(fam.build(cfg), layout if world > 1 or mesh_shape else "single", mesh)
+    mesh = make_mesh(mesh_shape or (f"fsdp={world}" if world > 1 else "dp=1"))
+    model = shard(fam.build(cfg), layout if world > 1 or mesh_shape else "single", mesh)
     return ckpt, model
 
 
@@ -338,11 +338,11 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     """Convert a Hugging Face Llama or GPT-2 directory to a meshlm checkpoint (step 0, weights only)."""
     import torch.distributed as dist
 
-    import meshlm
     from meshlm.checkpoint import save_checkpoint
+    from meshlm.mesh import make_mesh
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    m = meshlm.make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
+    m = make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
     model = load_hf(path, layout if world > 1 or mesh else "single", m)
     return save_checkpoint(out, 0, model=model, extra={"step": 0, "init_from": f"hf:{_strip(path)}"},
                            run_meta={"converted_from": _strip(path)})

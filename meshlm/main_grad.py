@@ -6,7 +6,7 @@ NOTE [main grads]
     store their whole parameters in bf16 (2 bytes per element instead of 4; NOTE [mixed
     precision] in precision.py), so their gradients take the path Megatron (``main_grad``)
     and DeepSpeed use: the backward that reduces a parameter's gradient (the block bucket's
-    ``bucket._Gather.backward``, or ``lower._AtUse.backward`` per parameter) casts it to
+    ``bucket.Gather.backward``, or ``lowering.atuse.AtUse.backward`` per parameter) casts it to
     the reduce dtype (float32), reduces it to the layout's ``grads`` placements, adds it
     into the parameter's float32 ``main_grad`` (a DTensor in those placements, made by the
     first micro-batch: no buffer is allocated ahead of backward) and returns no gradient to
@@ -27,7 +27,7 @@ NOTE [main grads]
     memory, made early) until ``ShardedOptimizer`` takes it, so a bf16-stored model trains
     from the same weights as a float32 one.
 
-    With overlap (NOTE [overlapped reduction] in bucket.py) the reduced gradient may still
+    With overlap (NOTE [overlapped reduction] in meshlm/bucket/op.py) the reduced gradient may still
     be in flight when the bucket's backward returns: it is added at the end of the
     backward pass, after waiting for it.  The add runs in the backward's Python code, so
     main gradients need the data-parallel reductions to run eagerly: ``compile_comms=eager``
@@ -42,8 +42,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
+
+from meshlm import _torch_compat as compat
 
 ATTR = "main_grad"
 INIT_MASTER = "_meshlm_init_master"  # the initial weights in the master's dtype and placements
@@ -57,7 +58,7 @@ def get(p: Tensor) -> Optional[Tensor]:
 
 def take_init_master(p: Tensor) -> Optional[DTensor]:
     """The parameter's initial weights before rounding to its storage dtype (in the
-    optimizer's placements; ``lower._materialize``), once: the optimizer takes them as
+    optimizer's placements; ``lowering.materialize``), once: the optimizer takes them as
     its master."""
     init = getattr(p, INIT_MASTER, None)
     if init is not None:
@@ -73,9 +74,9 @@ def release(p: Tensor) -> None:
 def accumulate(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
     """Add the reduced gradient ``g`` (a DTensor in the layout's ``grads`` placements) into
     ``p.main_grad`` in ``dtype`` (NOTE [main grads])."""
-    if isinstance(g._local_tensor, funcol.AsyncCollectiveTensor):
+    if compat.in_flight(compat.local_tensor(g)):
         if not _PENDING:
-            torch.autograd.Variable._execution_engine.queue_callback(_settle)
+            compat.queue_backward_callback(_settle)
         _PENDING.append((p, g, dtype))
         return
     _add(p, g, dtype)
@@ -92,13 +93,13 @@ def _add(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
     if tuple(cur.placements) != tuple(g.placements) or cur.shape != g.shape:
         raise RuntimeError(f"main gradient placed {tuple(cur.placements)} {tuple(cur.shape)} cannot take a gradient "
                            f"placed {tuple(g.placements)} {tuple(g.shape)}")
-    cur._local_tensor.add_(g._local_tensor)
+    compat.local_tensor(cur).add_(compat.local_tensor(g))
 
 
 def _settle() -> None:
     pending, _PENDING[:] = list(_PENDING), []
-    from meshlm import _dtensor_ops
+    from meshlm._torch_compat import dtensor_ops
 
     for p, g, dtype in pending:
-        local = g._local_tensor.wait()
-        _add(p, _dtensor_ops.wrap(local, g.device_mesh, g.placements, g.shape, g.stride()), dtype)
+        local = compat.local_tensor(g).wait()
+        _add(p, dtensor_ops.wrap(local, g.device_mesh, g.placements, g.shape, g.stride()), dtype)

@@ -12,7 +12,8 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshlm import _torch_compat as compat
 
 
 def local_data(t):
@@ -21,7 +22,7 @@ def local_data(t):
     holds no data) the tensor it wraps."""
     from torch.distributed.tensor import DTensor
 
-    t = t._local_tensor if isinstance(t, DTensor) else t
+    t = compat.local_tensor(t) if isinstance(t, DTensor) else t
     return getattr(t, "elem", t)
 
 
@@ -39,7 +40,7 @@ def storage_bytes(ts: Iterable, seen: set[int]) -> int:
     return n
 
 
-class PeakStorage(TorchDispatchMode):
+class PeakStorage(compat.TorchDispatchMode):
     """Peak bytes of live tensor storage: those ``seed`` holds, plus every storage an op
     returns while the mode is active (and ``tracking()`` is true), each until it is freed.
 
@@ -92,7 +93,7 @@ class PeakStorage(TorchDispatchMode):
         self._refresh()
         self.peak = max(self.peak, self.cur)
         if self.tracking():
-            for t in torch.utils._pytree.tree_leaves(out):
+            for t in compat.tree_leaves(out):
                 self._track(t)
         return out
 

@@ -104,13 +104,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
 def init_fake(world_size: int, rank: int = 0) -> None:
     """A fake process group of ``world_size`` ranks in this one process (this process is
     ``rank``).  Collectives do nothing; use it for shapes and accounting only."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # private; see NOTE [private torch]
+    from meshlm import _torch_compat as compat
 
     if dist.is_initialized():
         if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
             return
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world_size)
 
 
 def make_mesh(shape: "Mapping[str, int] | str | MeshSpec", *, fake: bool = False, device_type: str | None = None) -> DeviceMesh:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from meshlm import _torch_compat as compat
 from meshlm import main_grad
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
@@ -131,7 +132,7 @@ class ShardedOptimizer:
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
-        return [m.grad._local_tensor if isinstance(m.grad, DTensor) else m.grad
+        return [compat.local_tensor(m.grad) if isinstance(m.grad, DTensor) else m.grad
                 for _f, _p, m in self._pairs if m.grad is not None]
 
     def grad_norm(self) -> Tensor:
@@ -187,13 +188,13 @@ class ShardedOptimizer:
             local_params = []
             for m in group["params"]:
                 lp = self._locals.get(id(m))
-                if lp is None or lp.data.data_ptr() != m._local_tensor.data_ptr():
-                    lp = self._locals[id(m)] = nn.Parameter(m._local_tensor, requires_grad=m.requires_grad)
+                if lp is None or lp.data.data_ptr() != compat.local_tensor(m).data_ptr():
+                    lp = self._locals[id(m)] = nn.Parameter(compat.local_tensor(m), requires_grad=m.requires_grad)
                 g = m.grad
-                lp.grad = None if g is None else (g._local_tensor if isinstance(g, DTensor) else g)
+                lp.grad = None if g is None else (compat.local_tensor(g) if isinstance(g, DTensor) else g)
                 st = inner.state.pop(m, None)
                 if st:
-                    inner.state[lp] = {k: (v._local_tensor if isinstance(v, DTensor) else v) for k, v in st.items()}
+                    inner.state[lp] = {k: (compat.local_tensor(v) if isinstance(v, DTensor) else v) for k, v in st.items()}
                 local_params.append(lp)
             group["params"] = local_params
         try:
@@ -211,10 +212,10 @@ class ShardedOptimizer:
         """A local optimizer-state tensor shaped like master ``m``'s shard, as a DTensor
         placed like ``m`` (sharing storage; built once per state tensor); anything else
         (the step count) as it is."""
-        if not (isinstance(m, DTensor) and not isinstance(v, DTensor) and v.shape == m._local_tensor.shape):
+        if not (isinstance(m, DTensor) and not isinstance(v, DTensor) and v.shape == compat.local_tensor(m).shape):
             return v
         d = self._wrapped.get((id(m), key))
-        if d is None or d._local_tensor.data_ptr() != v.data_ptr() or d._local_tensor.shape != v.shape:
+        if d is None or compat.local_tensor(d).data_ptr() != v.data_ptr() or compat.local_tensor(d).shape != v.shape:
             d = self._wrapped[(id(m), key)] = DTensor.from_local(v, m.device_mesh, m.placements, run_check=False,
                                                           shape=m.shape, stride=m.stride())
         return d
@@ -249,7 +250,7 @@ def _shard_view(p: DTensor, opt_pl: tuple) -> Optional[DTensor]:
         sbox, obox = local_box(p.shape, mesh, p.placements), local_box(p.shape, mesh, opt_pl)
     except LayoutError:  # uneven shards: the copy path handles (or reports) them
         return None
-    local = p._local_tensor.detach()
+    local = compat.local_tensor(p).detach()
     for d, ((s0, _sn), (o0, on)) in enumerate(zip(sbox, obox)):
         if o0 < s0 or o0 + on > s0 + local.shape[d]:
             return None
@@ -262,10 +263,10 @@ def _chunk_keys(model: nn.Module, params: list, bucket_bytes: Optional[int] = No
     block, or outside blocks a chunk of its own or shared (below); with ``bucket_bytes``,
     such chunks (in order of their first parameter) merged until a merged chunk holds at
     least that many bytes of whole parameters (NOTE [optimizer chunks])."""
-    from meshlm.lower import _outer_blocks
+    from meshlm.annotate import outer_blocks
 
     where = {}
-    blocks = _outer_blocks(model)
+    blocks = outer_blocks(model)
     for n, blk in enumerate(blocks):
         for q in blk.parameters():
             where.setdefault(id(q), n)
@@ -317,15 +318,13 @@ def grad_norm(grads: list[Tensor], mesh) -> Tensor:
     is NCCL, which takes no CPU tensor) or span other ranks.  Accumulated in float64, which
     gloo and NCCL both reduce: the squares of float32 gradients stay finite there, so the
     norm is Inf or NaN only when a gradient is (``LossScaler`` relies on it)."""
-    from torch.distributed import _functional_collectives as funcol
-
     parts = []
     for g in grads:
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):
                 raise RuntimeError("grad_norm needs reduced gradients; call reduce_grads() first")
             reps = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
-            local = g._local_tensor
+            local = compat.local_tensor(g)
         else:  # a plain tensor: the same on every rank
             reps, local = mesh.size(), g
         parts.append(torch.linalg.vector_norm(local, dtype=torch.float64).square() / reps)
@@ -334,7 +333,7 @@ def grad_norm(grads: list[Tensor], mesh) -> Tensor:
     if dist.is_initialized():
         for i in range(mesh.ndim):
             if mesh.size(i) > 1:
-                total = funcol.all_reduce(total, "sum", mesh.get_group(i))
-        if isinstance(total, funcol.AsyncCollectiveTensor):
+                total = compat.all_reduce(total, "sum", mesh.get_group(i))
+        if compat.in_flight(total):
             total = total.wait()
     return total.sqrt().float()

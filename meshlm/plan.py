@@ -896,7 +896,7 @@ def _plot(plans: list[Plan], path: str, cap: Optional[float] = None) -> None:
 # --------------------------------------------------------------------------- entry point
 def _from_run_config(cfg) -> dict[str, Any]:
     """What the planner needs from a :class:`meshlm.config.RunConfig`."""
-    from meshlm.train import main_grads_allowed
+    from meshlm.precision import main_grads_allowed
 
     t, pc = cfg.train, cfg.plan
     devices = pc.devices

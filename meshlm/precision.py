@@ -31,11 +31,11 @@ NOTE [mixed precision]
     bf16 at-use copies autograd keeps for backward), zero1 2Ψ + 4Ψ + 12Ψ/N, zero2
     2Ψ + 16Ψ/N, fsdp 16Ψ/N (+ one block's gathered bf16 copy while it runs), tensor
     parallel divided by t (``tests/dist/test_memory_floor.py`` measures it, peak
-    included).  The at-use cast is ``lower._AtUse`` (per parameter) and
-    ``bucket._compute_locals`` (a block's flat gather); their backwards
-    (``_AtUse.backward``, ``bucket._Gather.backward``) cast to the reduce dtype (a block's
+    included).  The at-use cast is ``lowering.atuse.AtUse`` (per parameter) and
+    ``bucket.prefetch.compute_locals`` (a block's flat gather); their backwards
+    (``AtUse.backward``, ``bucket.Gather.backward``) cast to the reduce dtype (a block's
     gradients as they are packed into its flat reduction buffer: NOTE [reduce in place of
-    the casts] in bucket.py), reduce, and cast to the storage dtype or add into the main
+    the casts] in meshlm/bucket/flat.py), reduce, and cast to the storage dtype or add into the main
     gradient.
 
     float16 also needs loss scaling (its smallest normal number is 6e-5: small gradients of
@@ -154,3 +154,10 @@ class LossScaler:
     def load_state_dict(self, sd: dict) -> None:
         self.scale = float(sd["scale"])
         self.good_steps = int(sd["good_steps"])
+
+
+def main_grads_allowed(t) -> bool:
+    """Whether ``meshlm train`` may give training config ``t`` main gradients: they are
+    added in eager Python code (NOTE [main grads] in main_grad.py), not inside compiled
+    block graphs (``train.compile`` with ``compile_comms=graph``)."""
+    return t.compile == "none" or t.compile_comms == "eager"

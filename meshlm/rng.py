@@ -14,8 +14,8 @@ NOTE [dropout keys]
       element's linear index in the *global* tensor (``keep_mask``).  Each rank computes
       the indices of the elements it holds: from its DTensor placements under a DTensor
       root (``_Handler``), or from its rows of the global batch on local tensors (the local
-      root and local blocks, NOTE [local root] in root.py, NOTE [local blocks] in
-      bucket.py; ``_ROWS``).  So data-parallel ranks, which hold different rows, draw
+      root and local blocks, NOTE [local root] in meshlm/lowering/local_root.py, NOTE [local blocks] in
+      meshlm/bucket/__init__.py; ``_ROWS``).  So data-parallel ranks, which hold different rows, draw
       different masks, and the ranks of a tensor-parallel group, which hold the same
       elements of a replicated activation, draw the same mask (Megatron's and torchtitan's
       rules), with no per-rank generator state at all.
@@ -25,7 +25,7 @@ NOTE [dropout keys]
     - Recomputation redraws the same key: torch.utils.checkpoint restores the RNG state
       before its recompute (``preserve_rng_state``), which covers ``train.activation_
       checkpointing`` and meshlm's re-gather checkpoints (NOTE [re-gather in backward]);
-      the root forward itself runs exactly once per call (NOTE [local root] in root.py).
+      the root forward itself runs exactly once per call (NOTE [local root] in meshlm/lowering/local_root.py).
     - torch.compile: the key draw is an ``aten.randint`` in the graph.  aot_eager runs it
       on the global generator, as eager does.  Inductor replaces random ops with its own
       generator unless ``torch._inductor.config.fallback_random`` is set, which
@@ -133,7 +133,7 @@ def dropout_rows(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int, 
     """Dropout of a plain tensor that holds this rank's rows of the global batch: ``rows`` =
     (this rank's index among the ranks that split the batch, how many split it); the dim
     named ``batch`` in ``axes`` is the ``index``-th of ``n`` equal blocks, the others are
-    whole (NOTE [local blocks] in bucket.py: pure data parallelism)."""
+    whole (NOTE [local blocks] in meshlm/bucket/__init__.py: pure data parallelism)."""
     _check_axes(x, axes)
     index, n = rows
     if n == 1 or "batch" not in axes:
@@ -166,7 +166,7 @@ def _check_axes(x: Tensor, axes: Axes) -> None:
 
 
 # This rank's (index, count) among the ranks that split the batch while a local block runs
-# (set by lower._run_local), else None: under a DTensor root, a plain tensor is then this
+# (set by lowering.blocks.run_local), else None: under a DTensor root, a plain tensor is then this
 # rank's rows, not a replicated tensor (NOTE [dropout keys]).
 _ROWS: list = [None]
 

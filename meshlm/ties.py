@@ -102,11 +102,11 @@ def aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
     """(module, name, first module, its name) for every slot of a tied parameter but its
     first; raises unless each tied parameter's slots are all outside blocks or all in one
     outer block (NOTE [ties])."""
-    from meshlm.lower import _outer_blocks
+    from meshlm.annotate import outer_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
     block_of: dict[int, str] = {}
-    for b in _outer_blocks(model):
+    for b in outer_blocks(model):
         for sub in b.modules():
             block_of[id(sub)] = names[id(b)]
     out = []

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
+from meshlm import _torch_compat as compat
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler
@@ -88,7 +89,7 @@ def _selective_policy():
 
     def policy(ctx, op, *args, **kwargs):
         # Random ops (meshlm.dropout's key draw) are saved too: the recompute must not draw
-        # again (NOTE [dropout keys] in meshlm/rng.py; lower._random).
+        # again (NOTE [dropout keys] in meshlm/rng.py; lowering.policies.is_random).
         if op in save or torch.Tag.nondeterministic_seeded in op.tags:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -121,7 +122,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
                 return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
 
             m.forward = fwd
-            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lower._block_forward)
+            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lowering.blocks.block_forward)
             n += 1
     return n
 
@@ -133,16 +134,10 @@ def shard_dtypes(t: TrainConfig, layout=None, sizes=None) -> dict[str, torch.dty
     and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
     under a narrower ``train.param_dtype``, storage in that dtype with float32 main
     gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
-    from meshlm.precision import train_dtypes
+    from meshlm.precision import main_grads_allowed, train_dtypes
 
     return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype], layout, sizes,
                         main_grads=main_grads_allowed(t))
-
-
-def main_grads_allowed(t: TrainConfig) -> bool:
-    """Main gradients are added in eager Python code (NOTE [main grads] in main_grad.py):
-    not inside compiled block graphs (``train.compile`` with ``compile_comms=graph``)."""
-    return t.compile == "none" or t.compile_comms == "eager"
 
 
 def _device(t: TrainConfig) -> torch.device:
@@ -306,7 +301,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     mem_kinds: dict[str, Any] = {}
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        compat.record_cuda_memory_history(True, max_entries=100_000)
     model.train()
     for step in range(start + 1, t.steps + 1):
         if t.profile and step == t.profile_start:
@@ -424,8 +419,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if ckpt is not None:
         ckpt.close()
     if t.memory_snapshot and device.type == "cuda":
-        torch.cuda.memory._dump_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        compat.dump_cuda_memory_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
+        compat.record_cuda_memory_history(False)
     wall = time.perf_counter() - t_start
 
     # Memory of the fullest rank, by kind (NOTE [run memory]; -1: not measured), and the
@@ -523,12 +518,9 @@ def worker(cfg: RunConfig, run_dir: str) -> None:
             dist.destroy_process_group()
 
 
-def main(argv: "list[str] | None" = None) -> int:
-    """``python -m meshlm.train [overrides]``: the same as ``meshlm train [overrides]``."""
-    from meshlm.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m meshlm.train [overrides]``: the same as ``meshlm train [overrides]``.  Only
+    # here, never at import: train.py is below the CLI (tests/unit/test_imports.py).
+    from meshlm.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -43,7 +43,6 @@ Llama on token batches is the default (``LlamaBuild``, ``TokenBatches``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +51,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from meshlm import _torch_compat as compat
 from meshlm.testing import tolerances as tol
+from meshlm.testing.parity_mp import BF16
+from meshlm.testing.recipes import FP32
+from meshlm.testing.recipes import forward_seed as _forward_seed
+from meshlm.testing.recipes import full as _full
 
 # The optimizers the harness knows bounds for (NOTE [tolerances after steps]).  SGD's lr is
 # large enough that a gradient off by 2x moves the weights by far more than rounding.
@@ -124,19 +128,19 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
 
     Returns per optimizer the worst error/tolerance ratio of each checked quantity
     (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
-    on a local root or under DTensor (``root``; NOTE [local root] in meshlm/root.py).
+    on a local root or under DTensor (``root``; NOTE [local root] in meshlm/lowering/local_root.py).
     """
     import meshlm
-    from meshlm import root
+    from meshlm.lowering import shard_state
     from meshlm.train import apply_activation_checkpointing
 
-    torch._dynamo.reset()
+    compat.dynamo_reset()
     mesh = meshlm.make_mesh(mesh_shape)
     recipe = _recipe(precision, mesh)
     job = _Job(layout, mesh, build or LlamaBuild(), batches or TokenBatches(), dict(input_axes or {}),
                grad_accum, strict, recipe)
     dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
-    before = dict(root.ROOT_STATS)
+    roots = {"local": 0, "dtensor": 0}
     worst, losses = {}, {}
     for name in optims:
         cls, hp = OPTIMS[name]
@@ -154,71 +158,17 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
 
             compile_blocks(model, compile, comms=comms)
         worst[name], losses[name] = job.train(name, cls, hp, model, ref, seed, steps)
-    return {"worst": worst, "loss": losses, "root": {k: root.ROOT_STATS[k] - v for k, v in before.items()}}
-
-
-class FP32:
-    """The float32 recipe: the model as built, float32 throughout; one-step tolerances of
-    float32 summation order (``tolerances.LOSS_RTOL``, ``grad_tol``).  The interface of a
-    recipe (``parity_mp.BF16`` is the other one)."""
-
-    grad_dtype: torch.dtype | None = None  # the dtype every gradient must reach backward's end in (None: any)
-
-    def shard_dtypes(self, layout: str, mesh, compile: str | None, comms: str) -> dict:
-        """``meshlm.shard`` dtype arguments of the sharded model."""
-        return {}
-
-    def accumulate(self, model: nn.Module, micro: list, grad_accum: int, seed: int, step: int) -> list[Tensor]:
-        """One step's micro-batches through a plain torch model: the losses; the accumulated
-        gradients in its parameters' ``.grad``."""
-        return _accumulate(model, micro, grad_accum, seed, step)
-
-    def probe_weights(self, model: nn.Module, opt) -> dict[str, Tensor]:
-        """The weights (gathered, as the probe's float32 parameters) the sharded model steps from."""
-        return {n: _full(p) for n, p in model.named_parameters()}
-
-    @contextlib.contextmanager
-    def watching(self, mesh, what: str):
-        """Around a step's forwards, backwards and gradient reduction, which it may check;
-        gives a context to enter around the reduction at the step."""
-        yield contextlib.nullcontext
-
-    def tolerances(self, job: _Job, weights: dict, micro: list, losses: list, grads: dict, seed: int,
-                   step: int) -> tuple[list[Tensor], dict[str, Tensor]]:
-        """The one-step tolerances (per micro-batch loss, per parameter gradient) at the
-        probe's ``weights``, given the probe's ``losses`` and ``grads``."""
-        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g) for n, g in grads.items()}
+        for k, v in shard_state(model).roots.items():
+            roots[k] += v
+    return {"worst": worst, "loss": losses, "root": roots}
 
 
 def _recipe(precision: str, mesh) -> FP32:
     if precision == "fp32":
         return FP32()
     if precision == "bf16":
-        from meshlm.testing.parity_mp import BF16
-
         return BF16(mesh)
     raise ValueError(f"check_training(precision={precision!r}): 'fp32' or 'bf16'")
-
-
-def _full(t: Tensor | None) -> Tensor | None:
-    if t is None:
-        return None
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-
-
-def _forward_seed(seed: int, step: int, micro: int) -> int:
-    return 7919 * seed + 1000 * step + micro
-
-
-def _accumulate(model: nn.Module, micro_batches: list, grad_accum: int, seed: int, step: int) -> list[Tensor]:
-    """Forward and ``(loss / grad_accum).backward()`` per micro-batch, as meshlm.train does."""
-    losses = []
-    for j, (args, kwargs) in enumerate(micro_batches):
-        torch.manual_seed(_forward_seed(seed, step, j))
-        loss = model(*args, **kwargs)
-        (loss / grad_accum).backward()
-        losses.append(_full(loss))
-    return losses
 
 
 @dataclass
@@ -334,7 +284,6 @@ class _Job:
 
     def _check_placed(self, model: nn.Module) -> None:
         """Every gradient where the layout's ``grads`` section puts it, settled."""
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
         from meshlm import main_grad
         from meshlm.lower import placements, shard_state
@@ -352,5 +301,5 @@ class _Job:
             else:  # ZeRO-1: unreduced over the data axes until the step
                 assert any(pl.is_partial() for pl in g.placements) or self.mesh.size() == 1, \
                     f"grad of {n}: {g.placements}"
-            assert not isinstance(g._local_tensor, AsyncCollectiveTensor), \
+            assert not compat.in_flight(compat.local_tensor(g)), \
                 f"grad of {n} is still in flight after backward"

@@ -37,7 +37,10 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.testing import tolerances as tol
-from meshlm.testing.parity import FP32, _accumulate, _forward_seed, _full
+from meshlm.testing.recipes import FP32
+from meshlm.testing.recipes import accumulate as _accumulate
+from meshlm.testing.recipes import forward_seed as _forward_seed
+from meshlm.testing.recipes import full as _full
 
 
 class BF16(FP32):

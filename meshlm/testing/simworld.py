@@ -4,7 +4,8 @@
 ``SimWorld(sizes, groups)`` stands for a mesh of shape ``sizes`` (ranks row-major over
 the mesh coordinates; ``groups[i]`` names the process group of mesh dim i, as a bucket
 does).  ``world.patch(monkeypatch)`` replaces the collectives ``bucket`` calls
-(``_all_gather``, ``_REDUCE_SCATTER``, ``funcol.all_reduce``, ``_all_reduce_inplace``)
+(``all_gather_single``, ``reduce_scatter_single`` and ``all_reduce`` of ``meshlm._torch_compat``,
+``bucket.flat.all_reduce_inplace``)
 by exchanges among the threads; ``world.run(fn)`` calls ``fn(rank, coords)`` on one
 thread per rank and returns the results by rank.  A collective waits for every rank and
 checks that the ranks of each group issued the same one (op, group, dim, shape, dtype),
@@ -94,14 +95,13 @@ class SimWorld:
         return t.copy_(self._sum(ts))
 
     def patch(self, monkeypatch) -> None:
-        from torch.distributed import _functional_collectives as funcol
+        from meshlm import _torch_compat as compat
+        from meshlm.bucket import flat
 
-        from meshlm import bucket
-
-        monkeypatch.setattr(bucket, "_all_gather", self.all_gather)
-        monkeypatch.setattr(bucket, "_REDUCE_SCATTER", self.reduce_scatter)
-        monkeypatch.setattr(bucket, "_all_reduce_inplace", self.all_reduce_inplace)
-        monkeypatch.setattr(funcol, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(compat, "all_gather_single", self.all_gather)
+        monkeypatch.setattr(compat, "reduce_scatter_single", self.reduce_scatter)
+        monkeypatch.setattr(flat, "all_reduce_inplace", self.all_reduce_inplace)
+        monkeypatch.setattr(compat, "all_reduce", self.all_reduce)
 
     def run(self, fn: Callable[[int, tuple], object]) -> list:
         out: list = [None] * self.world

@@ -6,9 +6,9 @@ all-reduce or reduce-scatter anywhere fails the test.
 
 Notation (per rank): P = parameter bytes (fp32, whole model), Pb = bytes of the block
 parameters, L layers (blocks), nk = L + 3 collectives of a
-bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket.py, plus
+bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket/__init__.py, plus
 one per parameter outside the blocks: tok_emb, the final norm, lm_head; L + 1 where those
-three share one, NOTE [local root] in meshlm/lower.py), bsh = local batch x seq x embed x 4
+three share one, NOTE [local root] in meshlm/lowering/local_root.py), bsh = local batch x seq x embed x 4
 bytes (one activation of the residual stream).
 """
 
@@ -36,11 +36,13 @@ def _summary(cc) -> dict:
 
 
 def _count_step_prefetching(layout: str, mesh_shape: dict):
-    from meshlm import bucket
+    from meshlm.comm import count_step
+    from meshlm.lowering import shard_state
+    from meshlm.testing.setup import tiny_sharded
 
-    before = dict(bucket.PREFETCH_STATS)
-    counts = _count_step(layout, mesh_shape, overlap=True)
-    return counts, {k: bucket.PREFETCH_STATS[k] - before[k] for k in before}
+    mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, overlap=True)
+    counts = _summary(count_step(model, opt, x, y, mesh))
+    return counts, dict(shard_state(model).prefetch.stats)
 
 
 def _sizes():
@@ -80,7 +82,7 @@ def budget(layout: str, mesh: dict) -> dict:
     # The loss is a mean over the batch shards: one all-reduce per data mesh dim (DTensor
     # reduces a Partial scalar one mesh dim at a time), of 4 bytes.  Under a pure
     # data-parallel layout the root runs on local tensors (NOTE [local root] in
-    # meshlm/lower.py): the mean is combined from each rank's (loss x weight, weight), 8
+    # meshlm/lowering/local_root.py): the mean is combined from each rank's (loss x weight, weight), 8
     # bytes, and the parameters outside the blocks that compute uses as stored (ddp, zero2:
     # tok_emb, the final norm, lm_head) have their gradients reduced in one flat collective
     # at the end of backward, so a bucketed backward pass has L + 1 collectives, not nk.
@@ -102,7 +104,7 @@ def budget(layout: str, mesh: dict) -> dict:
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
         # 3(N-1)/N·Ψ·B.  Saving: only block parameters are re-gathered in backward
-        # (NOTE [re-gather in backward] in lower.py); the embedding's backward needs no
+        # (NOTE [re-gather in backward] in meshlm/lowering/policies.py); the embedding's backward needs no
         # weight, and the final norm and lm_head, used last in forward and first in
         # backward, stay gathered between the two (3 tensors, P - Pb bytes, saved).
         add("all_gather", "fsdp", "forward", nk, P)
@@ -132,7 +134,7 @@ def budget(layout: str, mesh: dict) -> dict:
         # The norm weights' gradients are reduce-scattered over fsdp first, then all-reduced
         # over tp on the 1/fsdp shard.  With a bucket (fsdp > 1) a block's two norms take one
         # flat reduce-scatter and one flat all-reduce of their own (their own route, so that
-        # their buffers die together; bucket.py), the final norm its own per-parameter ones.
+        # their buffers die together; meshlm/bucket/op.py), the final norm its own per-parameter ones.
         bucketed = mesh.get("fsdp", 1) > 1
         add("all_reduce", "tp", "backward", L + 1 if bucketed else 2 * L + 1,
             (2 * L + 1) * h * 4 // mesh.get("fsdp", 1))
@@ -140,7 +142,7 @@ def budget(layout: str, mesh: dict) -> dict:
             add("reduce_scatter", "fsdp", "backward", L, 0)
     # No recomputed activation collectives: a re-gathering block (fsdp_tp, fsdp_tp_sp) runs
     # under selective checkpointing that keeps the outputs of its tp collectives
-    # (lower.py _SAVED_COLLECTIVES), so backward re-runs only the parameter gathers.
+    # (meshlm/lowering/policies.py SAVED_COLLECTIVES), so backward re-runs only the parameter gathers.
     return out
 
 
@@ -167,7 +169,7 @@ def test_budget(pool4, layout, mesh):
 
 @pytest.mark.parametrize("layout,mesh", [("fsdp", {"fsdp": 4}), ("hsdp", {"dp": 2, "fsdp": 2})], ids=["fsdp", "hsdp"])
 def test_budget_with_prefetch(pool4, layout, mesh):
-    """With overlap (NOTE [prefetch] in meshlm/bucket.py) each block's gather is issued one
+    """With overlap (NOTE [prefetch] in meshlm/bucket/prefetch.py) each block's gather is issued one
     block ahead, in forward and in the backward recompute, and the step's collectives are
     still exactly the budget: every prefetched gather is the block's own, used once."""
     res = pool4.run(_count_step_prefetching, layout, mesh)
@@ -182,7 +184,8 @@ def _count_step_with_extra_gather(layout: str, mesh_shape: dict):
     """A counted step with one extra all-gather of a float over dp at the model's entry."""
     import torch
 
-    from meshlm.bucket import _all_gather, _wait
+    from meshlm import _torch_compat as compat
+    from meshlm.bucket import waited
     from meshlm.comm import count_step
     from meshlm.testing.setup import tiny_sharded
 
@@ -190,7 +193,7 @@ def _count_step_with_extra_gather(layout: str, mesh_shape: dict):
     group = mesh.get_group(0).group_name
 
     def extra(*_):
-        _wait(_all_gather(torch.ones(1), 0, group))
+        waited(compat.all_gather_single(torch.ones(1), 0, group))
 
     model.register_forward_pre_hook(extra)
     return _summary(count_step(model, opt, x, y, mesh))

@@ -6,7 +6,7 @@ need ``compile_blocks(comms="eager")`` (NOTE [compiled body] in meshlm/compile.p
 blocks' math is compiled and the reductions run around it.  Such a run trains as the
 uncompiled one does.  With ``comms="graph"`` the reductions would be traced into the block
 graphs, whose parameters then get no gradient at all: ``compile_blocks`` refuses, and
-``meshlm train`` never asks for it (it keeps float32 storage then: ``train.main_grads_allowed``).
+``meshlm train`` never asks for it (it keeps float32 storage then: ``precision.main_grads_allowed``).
 
 2 gloo processes, llama_tiny, aot_eager.
 """

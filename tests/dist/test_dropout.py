@@ -69,13 +69,13 @@ def test_dropout_parity_activation_checkpointing(pool2, layout, mesh, mode):
 def _step_recompute(layout, mesh):
     """An eager ZeRO-3 block that re-gathers by recomputing its forward (meshlm's own
     checkpoint, NOTE [re-gather in backward]) rather than by freeing."""
-    from meshlm import lower
+    from meshlm.lowering import blocks
 
-    prev, lower.EAGER_REGATHER = lower.EAGER_REGATHER, "recompute"
+    prev, blocks.EAGER_REGATHER = blocks.EAGER_REGATHER, "recompute"
     try:
         return _step(layout, mesh)
     finally:
-        lower.EAGER_REGATHER = prev
+        blocks.EAGER_REGATHER = prev
 
 
 def test_dropout_parity_regather_recompute(pool2):
@@ -87,7 +87,7 @@ def _no_grad_loss(layout, mesh_shape):
     blocks on local rows inside it (NOTE [local root]), so dropout must learn that the plain
     tensors there are this rank's rows from the block, not from the root."""
     import meshlm
-    from meshlm import root
+    from meshlm.lowering import shard_state
     from meshlm.models import Llama, llama_config
 
     cfg = llama_config("llama_tiny", dropout=P)
@@ -99,11 +99,10 @@ def _no_grad_loss(layout, mesh_shape):
         ref = float(Llama(cfg, seed=0)(tokens, labels))
     mesh = meshlm.make_mesh(mesh_shape)
     model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
-    roots = dict(root.ROOT_STATS)
     torch.manual_seed(0)
     with torch.no_grad():
         loss = float(model(meshlm.shard_batch(tokens, layout, mesh), meshlm.shard_batch(labels, layout, mesh)))
-    assert root.ROOT_STATS == {"local": roots["local"], "dtensor": roots["dtensor"] + 1}, "expected the DTensor root"
+    assert shard_state(model).roots == {"local": 0, "dtensor": 1}, "expected the DTensor root"
     return loss, ref
 
 

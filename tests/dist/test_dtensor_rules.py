@@ -1,4 +1,4 @@
-"""DTensor rules meshlm fixes (meshlm/_dtensor_ops.py), checked against one device.
+"""DTensor rules meshlm fixes (meshlm/_torch_compat/dtensor_ops.py), checked against one device.
 
 NOTE [mean loss backward]: torch's DTensor gives the gradient of a mean-reduced
 elementwise loss on a batch-sharded input (number of shards) times too large.
@@ -33,7 +33,7 @@ def _loss_job(name, mesh_shape, rows):
     from torch.distributed.tensor import distribute_tensor
 
     import meshlm
-    from meshlm import _dtensor_ops
+    from meshlm._torch_compat import dtensor_ops as _dtensor_ops
     from meshlm.lower import placements
     from meshlm.testing import tolerances as tol
 
@@ -70,7 +70,7 @@ def _local_view_job(mesh_shape):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import meshlm
-    from meshlm import _dtensor_ops
+    from meshlm._torch_compat import dtensor_ops as _dtensor_ops
     from meshlm.testing import tolerances as tol
 
     _dtensor_ops.install()
@@ -119,7 +119,7 @@ def _strided_unflatten_job(mesh_shape):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import meshlm
-    from meshlm import _dtensor_ops
+    from meshlm._torch_compat import dtensor_ops as _dtensor_ops
     from meshlm.testing import tolerances as tol
 
     _dtensor_ops.install()

@@ -169,7 +169,7 @@ def _grads_match(model, ref):
 
 def _run(cls, layout, mesh_shape, make_inputs, pick=lambda out: out, reduce=None):
     """Forward + backward of ``cls`` sharded vs one device; returns what the checks need."""
-    from meshlm import root
+    from meshlm.lowering import shard_state
     from meshlm.testing import tolerances as tol
 
     tokens, labels, target = _data()
@@ -185,7 +185,6 @@ def _run(cls, layout, mesh_shape, make_inputs, pick=lambda out: out, reduce=None
     model.reduce = reduce
     sargs = [meshlm.shard_batch(a, layout, mesh) for a in args]
     skw = {k: meshlm.shard_batch(v, layout, mesh) for k, v in kwargs.items()}
-    before = dict(root.ROOT_STATS)
     out = model(*sargs, **skw)
     loss = pick(out)
     assert loss.ndim == 0 and not isinstance(loss, torch.distributed.tensor.DTensor)
@@ -193,7 +192,7 @@ def _run(cls, layout, mesh_shape, make_inputs, pick=lambda out: out, reduce=None
     loss.backward()
     _grads_match(model, ref)
     return {"calls": model.calls, "out": out, "ref_out": ref_out,
-            "roots": {k: root.ROOT_STATS[k] - v for k, v in before.items()}}
+            "roots": dict(shard_state(model).roots)}
 
 
 def _dict_job(layout, mesh_shape):

@@ -231,7 +231,7 @@ def _fqns(model_kwargs: dict) -> set:
 # XPASS failure, and then its entry here goes.  None is open: the two found so far (a raw
 # "view size is not compatible" from DTensor's local aten.view, NOTE [local view], and a raw
 # "Cannot unflatten tensor with _StridedShard placement" in backward with seq over two mesh
-# axes, NOTE [strided unflatten], both in meshlm/_dtensor_views.py) are fixed, and their
+# axes, NOTE [strided unflatten], both in meshlm/_torch_compat/dtensor_views.py) are fixed, and their
 # repros are FIXED_BUGS below, held to one device's numbers.
 KNOWN_BUGS: dict[str, str] = {}
 

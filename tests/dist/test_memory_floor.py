@@ -27,10 +27,10 @@ NOTE [measuring model state]
     steady state the peak may exceed the bound by the transients of one block (or
     optimizer chunk) at a time, per local element of the largest one: its gathered
     compute-dtype parameters (2 bytes, ZeRO-3, from the block's re-gather to the end of its
-    backward), and during its gradient reduction (``bucket._Gather.backward``) the
+    backward), and during its gradient reduction (``bucket.Gather.backward``) the
     compute-dtype weight gradients autograd hands it (2; counted once the reduction reads
     them through a view), the flat buffer they are cast and packed into (4, NOTE [reduce in
-    place of the casts] in meshlm/bucket.py) and the reduced shards (4/N, N the smallest
+    place of the casts] in meshlm/bucket/flat.py) and the reduced shards (4/N, N the smallest
     data axis; 4 with none), until the reduction returns; plus the output head's and final
     norm's gathered copies that ZeRO-3 keeps from forward to backward (2 bytes per
     element).  Before the casts were packed straight into the flat buffer the reduction
@@ -81,7 +81,8 @@ class _ModelStatePeak(PeakStorage):
 
 def _instrument() -> None:
     """Mark the model-state code paths (NOTE [measuring model state])."""
-    from meshlm import bucket, lower, main_grad
+    from meshlm import bucket, main_grad
+    from meshlm.lowering import atuse
     from meshlm.optim import ShardedOptimizer
 
     def marked(fn):
@@ -95,12 +96,12 @@ def _instrument() -> None:
 
     if getattr(bucket, "_floor_marked", False):
         return
-    for cls in (lower._AtUse, bucket._Gather):
+    for cls in (atuse.AtUse, bucket.Gather):
         cls.forward = staticmethod(marked(cls.forward))
         cls.backward = staticmethod(marked(cls.backward))
     bucket.Freed.regather = marked(bucket.Freed.regather)
     main_grad._settle = marked(main_grad._settle)
-    bucket._settle = marked(bucket._settle)
+    bucket.op.settle = marked(bucket.op.settle)
     for name in ("reduce_grads", "step", "zero_grad"):
         setattr(ShardedOptimizer, name, marked(getattr(ShardedOptimizer, name)))
     bucket._floor_marked = True
@@ -129,7 +130,8 @@ def _elements(model) -> dict:
     gathered elements (held for backward under ZeRO-3)."""
     import math
 
-    from meshlm.lower import _outer_blocks, iter_params, shard_state
+    from meshlm.annotate import outer_blocks as _outer_blocks
+    from meshlm.lowering import iter_params, shard_state
 
     st = shard_state(model)
     sizes = st.sizes
@@ -241,7 +243,7 @@ def test_memory_floor_catches_fp32_storage(pool2, pool4, layout, world):
 
 def _regathered_job(layers: int):
     """How many blocks' re-gathered parameters a ZeRO-3 backward holds at once (eager, NOTE
-    [free and re-gather] in meshlm/bucket.py): counted by wrapping Freed.regather/free."""
+    [free and re-gather] in meshlm/bucket/regather.py): counted by wrapping Freed.regather/free."""
     import meshlm
     from meshlm import bucket
     from meshlm.models import Llama, llama_config

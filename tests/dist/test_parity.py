@@ -39,7 +39,7 @@ COMPILED_4 = [
     ("hsdp", "dp=2,fsdp=2"), ("tp", "tp=4"), ("tp_sp", "tp=4"), ("fsdp_tp", "fsdp=2,tp=2"),
     ("fsdp_tp_sp", "fsdp=2,tp=2"),
 ]
-# The overlapped reduction (NOTE [overlapped reduction] in meshlm/bucket.py; the default on
+# The overlapped reduction (NOTE [overlapped reduction] in meshlm/bucket/op.py; the default on
 # CUDA): all-reduce, reduce-scatter, both (hsdp), and with tp.
 OVERLAP_4 = [("ddp", "dp=4"), ("zero2", "dp=4"), ("hsdp", "dp=2,fsdp=2"), ("fsdp_tp_sp", "fsdp=2,tp=2")]
 
@@ -49,7 +49,7 @@ def _ids(cases):
 
 
 def _local_root(layout: str, mesh: str) -> bool:
-    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lower.py): on one
+    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lowering/local_root.py): on one
     device, or where the layout splits the batch over every mesh axis of size > 1 and those
     are all data axes
     (every shipped layout but single puts the batch on dp and fsdp; tp layouts on a mesh
@@ -78,7 +78,7 @@ def _ok(res, layout=None, mesh=None):
 @pytest.mark.parametrize("layout", ["single", "fsdp", "tp_sp"])
 def test_parity_one_device(pool1, layout, compile):
     """On a one-device mesh every layout's blocks and root run on local tensors (NOTE
-    [local blocks] in meshlm/bucket.py, NOTE [local root] in lower.py), eager and compiled."""
+    [local blocks] in meshlm/bucket/__init__.py, NOTE [local root] in meshlm/lowering/local_root.py), eager and compiled."""
     _ok(pool1.run(check_training, layout, "dp=1", compile=compile), layout, "dp=1")
 
 
@@ -109,7 +109,7 @@ def test_parity_compiled_inductor(pool2):
 @pytest.mark.parametrize("layout,mesh", OVERLAP_4, ids=_ids(OVERLAP_4))
 def test_parity_overlapped_reduction(pool4, layout, mesh):
     """Gradient reductions left in flight through backward (NOTE [overlapped reduction] in
-    meshlm/bucket.py; the default on CUDA), across accumulated micro-batches, give the same
+    meshlm/bucket/op.py; the default on CUDA), across accumulated micro-batches, give the same
     gradients, settled as plain tensors."""
     _ok(pool4.run(check_training, layout, mesh, overlap=True), layout, mesh)
 
@@ -156,10 +156,10 @@ def test_bf16_weights_of_a_seed_are_float32_rounded(pool2):
 def _check_training_1d_loss_handlers(layout, mesh):
     """check_training with the vocab-parallel loss run as on torch 2.11, whose loss-parallel
     handlers take 1-D meshes only: on the class dim's submesh (NOTE [loss on the class
-    submesh] in meshlm/_dtensor_ops.py), whatever torch runs this."""
+    submesh] in meshlm/_torch_compat/dtensor_ops.py), whatever torch runs this."""
     from torch.distributed.tensor.parallel import loss as torch_loss
 
-    from meshlm import _dtensor_ops as ops
+    from meshlm._torch_compat import dtensor_ops as ops
 
     ops.install()
     saved = dict(ops._MINE)
@@ -189,11 +189,11 @@ def test_parity_local_root_ignored_targets(pool4, layout, mesh):
 
 def _nll_sum_job():
     """An NLL sum over the rows (not the shipped model's mean): the local root lifts it by
-    its autograd node, summed over the ranks, once per call (NOTE [local root] in root.py)."""
+    its autograd node, summed over the ranks, once per call (NOTE [local root] in meshlm/lowering/local_root.py)."""
     import torch.nn.functional as F
 
     import meshlm
-    from meshlm import root
+    from meshlm.lowering import shard_state
     from meshlm.models import Llama, llama_config
     from meshlm.testing import tolerances as tol
 
@@ -210,7 +210,6 @@ def _nll_sum_job():
     ref_loss = ref(X, Y)
     ref_loss.backward()
     model = meshlm.shard(SumLoss(cfg, device="meta"), "ddp", mesh)
-    before = dict(root.ROOT_STATS)
     loss = model(meshlm.shard_batch(X, "ddp", mesh), meshlm.shard_batch(Y, "ddp", mesh))
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=tol.LOSS_RTOL, atol=0)
@@ -218,7 +217,7 @@ def _nll_sum_job():
         r = dict(ref.named_parameters())[n].grad
         torch.testing.assert_close(p.grad.full_tensor(), r, rtol=tol.GRAD_RTOL,
                                    atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()))
-    return {k: root.ROOT_STATS[k] - v for k, v in before.items()}
+    return dict(shard_state(model).roots)
 
 
 def test_local_root_lifts_nll_sum(pool2):
@@ -229,8 +228,8 @@ def test_local_root_lifts_nll_sum(pool2):
 class _Regressor(nn.Module):
     """A model meshlm did not shape: a two-layer MLP with an MSE loss, weights drawn by the
     caller.  An MSE is not an NLL, so the model says how it reduces over the batch
-    (``meshlm.reduce_batch``; NOTE [local root] in meshlm/root.py); under DTensor its
-    backward goes through NOTE [mean loss backward] in meshlm/_dtensor_ops.py."""
+    (``meshlm.reduce_batch``; NOTE [local root] in meshlm/lowering/local_root.py); under DTensor its
+    backward goes through NOTE [mean loss backward] in meshlm/_torch_compat/dtensor_ops.py."""
 
     param_axes: ClassVar[dict] = {"w_in": ("mlp", "embed"), "w_out": ("embed", "mlp")}
 
@@ -265,10 +264,11 @@ def test_parity_model_meshlm_did_not_shape(pool2, layout, mesh):
 def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
     """check_training (SGD, 2 steps) with ``bug`` injected into this worker only; the
     AssertionError it raises (None if none)."""
-    from meshlm import main_grad, root
+    from meshlm import main_grad
+    from meshlm.lowering import local_root
     from meshlm.optim import ShardedOptimizer
 
-    saved = ShardedOptimizer.reduce_grads, root._BatchReduce.backward, main_grad._add
+    saved = ShardedOptimizer.reduce_grads, local_root.BatchReduce.backward, main_grad._add
     kw = {}
     if bug == "zero_grad_averaged_twice":  # the ZeRO-1/2 gradient divided by the data-parallel size again
         def reduce_grads(self):
@@ -280,7 +280,7 @@ def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
                         m.grad.div_(self.mesh.size())
         ShardedOptimizer.reduce_grads = reduce_grads
     elif bug == "loss_ignores_grad_accum":  # the local root's loss drops the 1/grad_accum of its gradient
-        root._BatchReduce.backward = staticmethod(lambda ctx, g: (torch.ones_like(g) * ctx.scale.to(g.dtype)
+        local_root.BatchReduce.backward = staticmethod(lambda ctx, g: (torch.ones_like(g) * ctx.scale.to(g.dtype)
                                                                   if ctx.scale is not None else torch.ones_like(g),
                                                                   None, None, None))
     elif bug == "main_grad_doubled":  # NOTE [main grads]: the reduced gradient added twice
@@ -298,7 +298,7 @@ def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
     except AssertionError as e:
         return str(e)
     finally:
-        ShardedOptimizer.reduce_grads, root._BatchReduce.backward, main_grad._add = saved
+        ShardedOptimizer.reduce_grads, local_root.BatchReduce.backward, main_grad._add = saved
 
 
 @pytest.mark.parametrize("layout,bug", [("zero1", "zero_grad_averaged_twice"), ("zero2", "zero_grad_averaged_twice"),

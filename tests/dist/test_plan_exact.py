@@ -7,7 +7,7 @@ same span exactly.
 NOTE [measuring held activations]
     Saved-tensor hooks cannot see inside a checkpointed block (its own hooks replace ours,
     and what it keeps is a cache of selected op outputs), and the fsdp-family layouts
-    checkpoint every block (NOTE [re-gather in backward] in lower.py).  So the measurement
+    checkpoint every block (NOTE [re-gather in backward] in meshlm/lowering/policies.py).  So the measurement
     is hook-free: a TorchDispatchMode notes the storage of every op output in forward
     (the local shard of a DTensor output) with a weak reference; at the end of forward the
     storages still alive, less the parameters, the inputs and the loss, at their size then,
@@ -66,19 +66,20 @@ class _HeldAfterForward(TorchDispatchMode):
     def held(self, exclude: set[int]) -> tuple[int, int]:
         """(activation bytes, at-use parameter copy bytes) still alive, at their present
         size (a block's gathered parameters are freed to 0 bytes until backward: NOTE
-        [free and re-gather] in meshlm/bucket.py)."""
+        [free and re-gather] in meshlm/bucket/regather.py)."""
         alive = [(_storage(w).nbytes(), g)
                  for p, (w, n, g) in self.seen.items() if not w.expired() and p not in exclude]
         return sum(n for n, g in alive if not g), sum(n for n, g in alive if g)
 
 
 def _count_at_use() -> None:
-    """Mark what the parameter gathers make: per parameter (``_AtUse``) and flat
-    (``bucket._Gather``: the blocks', whose copies are freed after forward, and a local
-    root's, NOTE [local root] in lower.py)."""
-    from meshlm import bucket, lower
+    """Mark what the parameter gathers make: per parameter (``AtUse``) and flat
+    (``bucket.Gather``: the blocks', whose copies are freed after forward, and a local
+    root's, NOTE [local root] in meshlm/lowering/local_root.py)."""
+    from meshlm import bucket
+    from meshlm.lowering import atuse
 
-    for fn in (lower._AtUse, bucket._Gather):
+    for fn in (atuse.AtUse, bucket.Gather):
         if getattr(fn, "_test_counted", False):
             continue
         orig = fn.forward

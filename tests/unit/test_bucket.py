@@ -1,4 +1,4 @@
-"""bucket.py's helpers that decide numbers, in one process, against independent references:
+"""meshlm.bucket's helpers that decide numbers, in one process, against independent references:
 which parameters a bucket gathers and how (``member``, ``_gather_steps``), where a gradient
 ends (``_target``), how tensors are grouped into flat buffers (``_groups``), and how they are
 packed into and cut out of them (``_pack``, ``_split``), eager and traced.  The collectives
@@ -20,9 +20,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 @pytest.fixture(params=[True, False], ids=["eager", "traced"])
 def eager(request, monkeypatch):
-    """Both paths of ``_pack`` / ``_gather_flat``: ``_eager()`` is False under torch.compile
+    """Both paths of ``pack`` / ``gather_flat``: ``eager()`` is False under torch.compile
     and fake tensor mode, where the functional form is taken."""
-    monkeypatch.setattr(bucket, "_eager", lambda: request.param)
+    monkeypatch.setattr(bucket.flat, "eager", lambda: request.param)
     return request.param
 
 
@@ -66,10 +66,10 @@ def test_member_of_a_parameter_larger_than_memory():
 def test_target_is_grads_or_storage_keeping_partial():
     R, S0, P = Replicate(), Shard(0), Partial()
     m = bucket.member((S0, R), (R, R), (S0, R), (4, 4), torch.float32, (0, 1))
-    assert bucket._target(m, [P, P]) == (S0, R)
+    assert bucket.spec.grad_target(m, [P, P]) == (S0, R)
     local = bucket.member((S0, R, S0), (R, R, R), None, (4, 4), torch.float32, (0, 1, 2))
-    assert bucket._target(local, [P, R, P]) == (P, R, P)
-    assert bucket._target(local, [R, P, S0]) == (S0, P, S0)
+    assert bucket.spec.grad_target(local, [P, R, P]) == (P, R, P)
+    assert bucket.spec.grad_target(local, [R, P, S0]) == (S0, P, S0)
 
 
 # --------------------------------------------------------------------------- _groups, _gather_steps
@@ -81,7 +81,7 @@ def test_groups_partition_by_dtype_and_key(specs, data):
     key = {j: k for j, (_dt, k) in enumerate(specs) if k is not None}
     idx = data.draw(st.permutations(range(len(xs))).map(lambda p: p[:data.draw(st.integers(0, len(p)))]))
     force = data.draw(st.sampled_from([None, torch.float32]))
-    groups = bucket._groups(list(idx), xs, key, force)
+    groups = bucket.flat.group_indices(list(idx), xs, key, force)
     # a partition of idx, each group in idx's order, the groups in order of their first index
     assert sorted(j for g in groups for j in g) == sorted(idx)
     pos = {j: n for n, j in enumerate(idx)}
@@ -91,7 +91,7 @@ def test_groups_partition_by_dtype_and_key(specs, data):
     sig = {j: (force or xs[j].dtype, key.get(j)) for j in idx}
     assert all(len({sig[j] for j in g}) == 1 for g in groups)
     assert len(groups) == len(set(sig.values()))
-    assert bucket._by_dtype(list(idx), xs) == bucket._groups(list(idx), xs, {})
+    assert bucket.flat.by_dtype(list(idx), xs) == bucket.flat.group_indices(list(idx), xs, {})
 
 
 def test_gather_steps_inner_dim_first_grouped_by_dtype():
@@ -106,13 +106,13 @@ def test_gather_steps_inner_dim_first_grouped_by_dtype():
     b = bucket.Bucket(mesh=None, groups=("g0", "g1", ""), sizes=(2, 3, 1), data_dims=(0, 1, 2), members=members,
                       compute_dtype=None, reduce_dtype=None, local=True)
     xs = [torch.zeros(1, dtype=m.dtype) for m in members]
-    assert bucket._gather_steps(b, xs) == [(1, [[0, 3], [1]]), (0, [[0, 3], [4]])]
+    assert bucket.prefetch.gather_steps(b, xs) == [(1, [[0, 3], [1]]), (0, [[0, 3], [4]])]
     # the dtype of each flat buffer is that of the tensors gathered (the compute dtype, cast first)
     xs = [torch.zeros(1, dtype=bf16) for _ in members]
-    assert bucket._gather_steps(b, xs) == [(1, [[0, 1, 3]]), (0, [[0, 3, 4]])]
+    assert bucket.prefetch.gather_steps(b, xs) == [(1, [[0, 1, 3]]), (0, [[0, 3, 4]])]
     b2 = bucket.Bucket(mesh=None, groups=("g0", "g1", ""), sizes=(1, 3, 1), data_dims=(0, 1, 2), members=members,
                        compute_dtype=None, reduce_dtype=None, local=True)
-    assert bucket._gather_steps(b2, xs) == [(1, [[0, 1, 3]])]
+    assert bucket.prefetch.gather_steps(b2, xs) == [(1, [[0, 1, 3]])]
 
 
 # --------------------------------------------------------------------------- _split
@@ -121,7 +121,7 @@ def test_gather_steps_inner_dim_first_grouped_by_dtype():
 def test_split_cuts_views_in_order(shapes, extra):
     total = sum(torch.Size(s).numel() for s in shapes)
     flat = torch.randn(total + extra)
-    parts = bucket._split(flat, [tuple(s) for s in shapes])
+    parts = bucket.flat.split_flat(flat, [tuple(s) for s in shapes])
     assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]
     assert all(_shares(p, flat) for p in parts)
     assert torch.equal(torch.cat([p.reshape(-1) for p in parts]), flat[:total])
@@ -163,7 +163,7 @@ def _packs(draw):
 def test_pack_lays_out_rank_blocks_cast(eager, case):
     gs, dims, n, dtype = case
     before = [g.clone() for g in gs]
-    flat, own = bucket._pack(gs, dims, n, dtype)
+    flat, own = bucket.flat.pack(gs, dims, n, dtype)
     want = _ref_pack(gs, dims, n, dtype)
     assert flat.dtype == want.dtype and flat.shape == want.shape and flat.dim() == 1
     assert torch.equal(flat, want)
@@ -181,7 +181,7 @@ def test_pack_cases_by_hand(eager):
     """The layout on a case small enough to read: two ranks, a row-split and a column-split tensor."""
     a = torch.arange(4.0).view(2, 2)          # rows [0, 1] | [2, 3]
     b = torch.arange(10.0, 14.0).view(2, 2)   # columns [10, 12] | [11, 13]
-    flat, _ = bucket._pack([a, b], [0, 1], 2, torch.float64)
+    flat, _ = bucket.flat.pack([a, b], [0, 1], 2, torch.float64)
     assert flat.tolist() == [0, 1, 10, 12, 2, 3, 11, 13] and flat.dtype == torch.float64
-    assert bucket._pack([a, b], None, 2, None)[0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
-    assert bucket._pack([b], [1], 2, None)[0].tolist() == [10, 12, 11, 13]
+    assert bucket.flat.pack([a, b], None, 2, None)[0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert bucket.flat.pack([b], [1], 2, None)[0].tolist() == [10, 12, 11, 13]

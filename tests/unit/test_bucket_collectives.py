@@ -1,4 +1,4 @@
-"""bucket.py's flat collectives on simulated ranks (meshlm.testing.simworld: the ranks of a
+"""meshlm.bucket's flat collectives on simulated ranks (meshlm.testing.simworld: the ranks of a
 mesh as threads, the collectives as exchanges among them), against the layout the placements
 mean: every rank's result must be its block of the global tensor (or of the sum over ranks)
 under the target placements.  Values are small integers, so sums are exact in any order and
@@ -22,7 +22,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 @pytest.fixture(params=[True, False], ids=["eager", "traced"])
 def eager(request, monkeypatch):
-    monkeypatch.setattr(bucket, "_eager", lambda: request.param)
+    monkeypatch.setattr(bucket.flat, "eager", lambda: request.param)
     return request.param
 
 
@@ -64,8 +64,8 @@ def test_gather_flat_puts_each_ranks_block_at_its_offset(eager, monkeypatch, n, 
     def rank(r, _c):
         xs = [t.chunk(n, d)[r] for t, d in zip(full, dims)]
         dst = [torch.empty_like(t) if ok else None for t, ok in zip(full, into)]
-        issued = bucket._issue_gather(xs, "g") if prefetched else None
-        res = bucket._gather_flat(xs, dims, "g", n, issued, into=dst if any(into) else None)
+        issued = bucket.flat.issue_gather(xs, "g") if prefetched else None
+        res = bucket.flat.gather_flat(xs, dims, "g", n, issued, into=dst if any(into) else None)
         return res, dst
 
     for r, (res, dst) in enumerate(world.run(rank)):
@@ -83,10 +83,10 @@ def test_gather_flat_puts_each_ranks_block_at_its_offset(eager, monkeypatch, n, 
 
 def test_issue_gather_sends_one_tensor_as_it_is(monkeypatch):
     sent = []
-    monkeypatch.setattr(bucket, "_all_gather", lambda flat, dim, group: sent.append((flat, dim, group)) or flat)
+    monkeypatch.setattr(bucket.flat.compat, "all_gather_single", lambda flat, dim, group: sent.append((flat, dim, group)) or flat)
     x, y = torch.arange(6.0).view(2, 3), torch.arange(3.0)
-    bucket._issue_gather([x], "g")
-    bucket._issue_gather([x, y], "g")
+    bucket.flat.issue_gather([x], "g")
+    bucket.flat.issue_gather([x, y], "g")
     (one, d1, g1), (two, d2, g2) = sent
     assert one.shape == (6,) and one.data_ptr() == x.data_ptr()  # no copy of a lone tensor
     assert torch.equal(two, torch.cat([x.flatten(), y])) and (d1, g1, d2, g2) == (0, "g", 0, "g")
@@ -110,7 +110,7 @@ def test_reduce_scatter_flat_keeps_each_ranks_block_of_the_sum(eager, monkeypatc
     world = SimWorld([n], ["g"])
     world.patch(monkeypatch)
 
-    out = world.run(lambda r, _c: bucket._reduce_scatter_flat(grads[r], dims, "g", n, dtype=reduce_dtype))
+    out = world.run(lambda r, _c: bucket.flat.reduce_scatter_flat(grads[r], dims, "g", n, dtype=reduce_dtype))
     want_dtype = reduce_dtype or dtype
     for r, res in enumerate(out):
         assert [e[0] for e in world.log[r]] == ["reduce_scatter"] and world.log[r][0][4] == want_dtype
@@ -131,7 +131,7 @@ def test_all_reduce_flat_sums_without_touching_the_gradients(eager, monkeypatch,
     world = SimWorld([n], ["g"])
     world.patch(monkeypatch)
 
-    out = world.run(lambda r, _c: bucket._all_reduce_flat(grads[r], "g", dtype=reduce_dtype))
+    out = world.run(lambda r, _c: bucket.flat.all_reduce_flat(grads[r], "g", dtype=reduce_dtype))
     want_dtype = reduce_dtype or dtype
     fresh = len(shapes) > 1 or want_dtype != dtype  # the packing made a buffer of its own
     for r, res in enumerate(out):
@@ -193,7 +193,7 @@ def test_flat_moves_reach_the_target_layout(eager, monkeypatch, case):
         into = {j: torch.empty(w[c].shape, dtype=dtype or cs[3] if Partial() in cs[1] else cs[3])
                 for j, (w, cs) in enumerate(zip(want, cases)) if cs[5]}
         keys = {j: cs[4] for j, cs in enumerate(cases) if cs[4] is not None}
-        bucket._flat_moves(xs, pls, [tuple(cs[2]) for cs in cases], sizes, groups, order, key=keys, into=into,
+        bucket.flat.flat_moves(xs, pls, [tuple(cs[2]) for cs in cases], sizes, groups, order, key=keys, into=into,
                            dtype=dtype)
         return xs, pls, into
 
@@ -231,10 +231,10 @@ def test_flat_moves_leave_other_moves_and_skipped_tensors():
     R, S0, P = Replicate(), Shard(0), Partial()
     x = torch.ones(4)
     xs, pls = [x, None], [[R], [P]]
-    bucket._flat_moves(xs, pls, [(S0,), (R,)], (2,), ("g",), [("rs", 0), ("ar", 0), ("ag", 0)])
+    bucket.flat.flat_moves(xs, pls, [(S0,), (R,)], (2,), ("g",), [("rs", 0), ("ar", 0), ("ag", 0)])
     assert xs[0] is x and xs[1] is None and pls == [[R], [P]]
     xs, pls = [x], [[P]]
-    bucket._flat_moves(xs, pls, [(S0,)], (2,), ("g",), [("ar", 0), ("ag", 0)])
+    bucket.flat.flat_moves(xs, pls, [(S0,)], (2,), ("g",), [("ar", 0), ("ag", 0)])
     assert xs[0] is x and pls == [[P]]
 
 
@@ -248,7 +248,7 @@ def test_flat_moves_share_a_collective_per_dtype_and_key(monkeypatch):
 
     def rank(_r, _c, key):
         xs, pls = list(xs0), [[P] for _ in xs0]
-        bucket._flat_moves(xs, pls, [(S0,)] * 4, (2,), ("g",), [("rs", 0)], key=key)
+        bucket.flat.flat_moves(xs, pls, [(S0,)] * 4, (2,), ("g",), [("rs", 0)], key=key)
         return xs
 
     for key, n in (({0: "a", 1: "b"}, 4), (None, 2), ({}, 2), ({0: "a", 1: "a", 2: "a"}, 2)):
@@ -270,7 +270,7 @@ def test_flat_moves_reduce_in_one_dtype_and_gather_in_each(monkeypatch):
     def rank(r, _c, src):
         xs = [torch.full((2,), r + 1.0, dtype=f32), torch.full((2,), r + 1.0, dtype=bf16)]
         pls = [[src], [src]]
-        bucket._flat_moves(xs, pls, [(R,), (R,)], (2,), ("g",), [("ar", 0), ("ag", 0)], dtype=f32)
+        bucket.flat.flat_moves(xs, pls, [(R,), (R,)], (2,), ("g",), [("ar", 0), ("ag", 0)], dtype=f32)
         return xs
 
     for xs in world.run(lambda r, c: rank(r, c, P)):  # a sum over ranks 1 + 2, both in float32
@@ -288,5 +288,5 @@ def test_sim_world_refuses_mismatched_collectives(monkeypatch):
     world = SimWorld([2], ["g"])
     world.patch(monkeypatch)
     with pytest.raises(AssertionError):
-        world.run(lambda r, _c: bucket._all_gather(torch.zeros(r + 1), 0, "g"))
+        world.run(lambda r, _c: bucket.flat.compat.all_gather_single(torch.zeros(r + 1), 0, "g"))
     assert list(itertools.chain(*world.log))  # it did run

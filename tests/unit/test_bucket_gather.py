@@ -1,5 +1,5 @@
-"""A block bucket's gather (``_gather_locals``, ``_Gather.forward``) and gradient reduction
-(``_Gather.backward``) on simulated ranks (meshlm.testing.simworld), against the layout the
+"""A block bucket's gather (``gather_locals``, ``Gather.forward``) and gradient reduction
+(``Gather.backward``) on simulated ranks (meshlm.testing.simworld), against the layout the
 placements mean: the gathered parameters must be their compute blocks, and each gradient
 its block, under the layout's ``grads`` placements, of the sum over every rank's gradient.
 The DTensors live on a fake process group's mesh (metadata only): any collective the
@@ -69,9 +69,9 @@ def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dty
     def rank(r, c):
         params = [SimpleNamespace(_local_tensor=s[c]) for s in stored]
         ctx = SimpleNamespace()
-        ys = bucket._Gather.forward(ctx, key, True, *params)
+        ys = bucket.Gather.forward(ctx, key, True, *params)
         n_fwd = len(world.log[r])
-        out = bucket._Gather.backward(ctx, *grads[r])
+        out = bucket.Gather.backward(ctx, *grads[r])
         return ys, out, n_fwd
 
     for r, (ys, out, n_fwd) in enumerate(world.run(rank)):
@@ -122,7 +122,7 @@ def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch
     def rank(_r, c):
         gs = [DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride)
               for p, pl, m in zip(parts, arrive, b.members)]
-        return bucket._Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
+        return bucket.Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
 
     for r, out in enumerate(world.run(rank)):
         c = world.coords[r]
@@ -148,7 +148,7 @@ def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch):
     def rank(_r, _c):
         params = [SimpleNamespace() for _ in specs]
         for _step in range(2):  # main gradients accumulate across backward passes
-            out = bucket._Gather.backward(SimpleNamespace(key=key, local=True, params=params), *grads[_r])
+            out = bucket.Gather.backward(SimpleNamespace(key=key, local=True, params=params), *grads[_r])
             assert out == (None,) * 4  # nothing to autograd
         return params
 

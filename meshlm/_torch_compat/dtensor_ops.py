@@ -32,7 +32,7 @@ What it adds (installed once, on the first ``shard``):
   view is impossible, instead of "view size is not compatible" (NOTE [local view]); and the
   unflatten of a dim DTensor flattened into two _StridedShards (seq sharded over two mesh
   axes, flattened for the loss), which DTensor's view rule cannot undo in torch 2.13
-  (NOTE [strided unflatten]); both in meshlm/_dtensor_views.py.
+  (NOTE [strided unflatten]); both in meshlm/_torch_compat/dtensor_views.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-aten = torch.ops.aten
+from meshlm._torch_compat import dtensor_views
+from meshlm._torch_compat.dtensor_base import aten, wrap
+from meshlm._torch_compat.dtensor_base import contiguous_stride as _contiguous_stride
+from meshlm._torch_compat.dtensor_base import default as _default
+
 _lock = threading.Lock()
 _installed = False
 
@@ -65,10 +69,9 @@ def install() -> None:
         _MINE[aten.embedding_dense_backward.default] = _embedding_backward_handler
         for op in _MEAN_LOSS_BACKWARD:
             _MINE[op] = _mean_loss_backward_handler
-        from meshlm import _dtensor_views
 
-        for op in _dtensor_views.VIEW_OPS:
-            _MINE[op] = _dtensor_views.view_handler
+        for op in dtensor_views.VIEW_OPS:
+            _MINE[op] = dtensor_views.view_handler
         handlers.update(_MINE)
         _installed = True
 
@@ -119,32 +122,9 @@ def waited(x: DTensor) -> DTensor:
     return x
 
 
-def wrap(local: Tensor, mesh, placements, shape, stride) -> DTensor:
-    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``
-    for a tensor that no gradient flows back through: gradients made in backward, results
-    of gathers inside an autograd Function, outputs of dispatch handlers.  Eager, it builds
-    the DTensor from its spec directly, without from_local's autograd node and argument
-    normalisation, several times cheaper, which adds up over every parameter's gradient
-    in every step.  Traced code (torch.compile) and
-    a ``local`` that records autograd go through from_local."""
-    if (local.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                  stride=tuple(stride))
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local.view_as(local), spec, requires_grad=False)  # a fresh alias, as from_local
-
 
 # --------------------------------------------------------------------------- fallback
-def _default(op, args, kwargs):
-    """Run ``op`` through DTensor's default propagation (our handler removed meanwhile)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    mine = handlers.pop(op)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        handlers[op] = mine
+
 
 
 # --------------------------------------------------------------------------- mean losses
@@ -415,12 +395,7 @@ def _embedding_backward_handler(op_call, args, kwargs):
     return wrap(local, mesh, out_pl, shape, _contiguous_stride(shape))
 
 
-def _contiguous_stride(shape):
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+
 
 
 # id(ids DTensor) -> (weakref to it, vocab mesh dims, lo, hi, local rows, ids placements

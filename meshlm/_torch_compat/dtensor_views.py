@@ -1,4 +1,4 @@
-"""DTensor view rules meshlm adds to torch (part of the adapter in ``meshlm/_dtensor_ops.py``,
+"""DTensor view rules meshlm adds to torch (part of the adapter in ``meshlm/_torch_compat/dtensor_ops.py``,
 installed by its ``install``; NOTE [private torch] there): a view of a local tensor whose
 layout differs from the global strides (NOTE [local view]) and the unflatten of a dim sharded
 over two mesh dims (NOTE [strided unflatten])."""
@@ -13,7 +13,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from meshlm._dtensor_ops import _contiguous_stride, _default, aten, wrap
+from meshlm._torch_compat.dtensor_base import aten, wrap
+from meshlm._torch_compat.dtensor_base import contiguous_stride as _contiguous_stride
+from meshlm._torch_compat.dtensor_base import default as _default
 
 # --------------------------------------------------------------------------- view
 # NOTE [local view]

@@ -1,0 +1,156 @@
+"""Every private torch API meshlm uses, in one package, for torch 2.11 to 2.13.
+
+Private names (``torch._dynamo``, ``torch._C``, ``torch.distributed._functional_collectives``,
+``torch.ops._c10d_functional``, ``torch.utils._python_dispatch``, autograd engine and node
+internals, a DTensor's ``_local_tensor``) move between releases; here each is looked up
+once, with the version differences spelled out, so that a new torch breaks this package
+only.  This module holds the small wrappers; ``dtensor_ops.py`` and ``dtensor_views.py`` the
+DTensor op rules meshlm adds through DTensor's dispatcher (NOTE [private torch] in
+dtensor_ops.py).  ``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside
+this package names a private torch API.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+# TorchDispatchMode: the base of a mode that sees every aten op (CommCounter, PeakStorage)
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+
+# Version differences are detected by feature (``hasattr``, ``getattr`` with a fallback),
+# never by comparing version numbers, so a patch release that backports a name just works.
+
+# --------------------------------------------------------------------------- Dynamo
+#: mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
+allow_in_graph = torch._dynamo.allow_in_graph
+
+
+def dynamo_reset() -> None:
+    """Forget every compiled graph (tests compile several models in one process)."""
+    torch._dynamo.reset()
+
+
+def raise_recompile_limit(n: int) -> None:
+    """Let Dynamo recompile a function up to ``n`` times without warning (the option is
+    ``recompile_limit`` from torch 2.7 on, ``cache_size_limit`` before)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), n))
+
+
+def allow_side_effects_under_checkpoint() -> None:
+    """Let Dynamo trace a Python side effect (a dict written and cleared) inside a
+    checkpointed region without replaying it in backward.  The option exists from torch
+    2.11 on; where it does not, nothing is set and such a region graph-breaks."""
+    cfg = torch._dynamo.config
+    if hasattr(cfg, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def fake_mode_active() -> bool:
+    """Whether tensors are being traced as fake tensors now (AOTAutograd, FakeTensorMode)."""
+    return torch._guards.detect_fake_mode() is not None
+
+
+def inductor_mode_options(mode: str) -> dict:
+    """The inductor options a ``torch.compile`` ``mode`` stands for."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+# --------------------------------------------------------------------------- autograd engine
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass is done (inside backward only)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+#: a context manager: in-place writes to a tensor inside it do not bump its version counter
+unsafe_preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+# --------------------------------------------------------------------------- functional collectives
+AsyncCollectiveTensor = funcol.AsyncCollectiveTensor
+all_reduce = funcol.all_reduce
+# torch 2.13 renamed all_gather_tensor to all_gather_single and reduce_scatter_tensor to
+# reduce_scatter_single (the old names: deprecated aliases that warn on every eager call;
+# 2.11 has only the old ones).  Both issue the same _c10d_functional op.
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+#: the functional collective ops (``all_reduce``, ``wait_tensor``, ...) as they appear in traces
+c10d_functional = torch.ops._c10d_functional
+
+
+def resolve_process_group(name: str):
+    """The process group a functional collective names by its group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def all_reduce_inplace(flat: Tensor, op: str, group: str, wait: bool) -> Tensor:
+    """Reduce ``flat`` over ``group`` in place (eager only); ``wait=False``: left in flight
+    as an AsyncCollectiveTensor."""
+    out = c10d_functional.all_reduce_(flat, op, group)
+    return c10d_functional.wait_tensor(out) if wait else funcol._maybe_wrap_tensor(out)
+
+
+def in_flight(t: Tensor) -> bool:
+    """Whether ``t`` is the result of an eager collective that has not been waited for."""
+    return isinstance(t, AsyncCollectiveTensor)
+
+
+# --------------------------------------------------------------------------- DTensor
+def local_tensor(t) -> Tensor:
+    """A DTensor's local tensor as it is stored (``to_local()`` would add an autograd node
+    and wait for a collective in flight)."""
+    return t._local_tensor
+
+
+def eager() -> bool:
+    """Whether this code runs eagerly on real tensors: not traced by Dynamo, nor by
+    AOTAutograd on fake tensors."""
+    return not torch.compiler.is_compiling() and not fake_mode_active()
+
+
+# --------------------------------------------------------------------------- dispatch, fake PG, memory
+def tree_leaves(tree) -> list:
+    """The leaves of a pytree (``torch.utils._pytree``)."""
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+def fake_store():
+    """A ``FakeStore`` for the fake process group (``backend="fake"``); torch ships it only
+    under ``torch.testing._internal`` (2.11 to 2.13)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def record_cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) recording CUDA allocations for a memory snapshot."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    torch.cuda.memory._dump_snapshot(path)
+
+
+# --------------------------------------------------------------------------- autograd nodes
+def nll_node_fields(node) -> Optional[tuple[int, Tensor, Tensor]]:
+    """(reduction, total weight, target) saved by an NLL loss's autograd node (reduction:
+    0 none, 1 mean, 2 sum), or None if ``node`` is not one."""
+    if node is None or type(node).__name__ != "NllLossBackward0":
+        return None
+    return node._saved_reduction, node._saved_total_weight, node._saved_target

@@ -1,0 +1,89 @@
+"""Materialisation: each rank's shards only, from a seed (the canonical init order replayed
+one module at a time) or sliced from real weights that every rank holds."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshlm import annotate, main_grad
+from meshlm.errors import AnnotationError, MeshlmError
+from meshlm.lowering.params import ParamPlan, iter_params, local_slice, placements
+from meshlm.mesh import mesh_spec
+
+
+def materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
+                param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+    """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
+    gradients, NOTE [main grads] in meshlm/main_grad.py), each parameter also gets this rank's
+    optimizer-placement block of its initial weights in ``master_dtype``, before they are
+    rounded to the storage dtype (``main_grad.INIT_MASTER``), which ``ShardedOptimizer``
+    takes as the master: a bf16-stored model keeps its float32 initialisation."""
+    dev = torch.device(mesh.device_type)
+    owner: dict[int, str] = {}
+    for fqn, _m, _n, p in iter_params(model):
+        owner[id(p)] = fqn
+    every = set(owner)
+    first: dict[int, tuple[nn.Module, str]] = {}  # NOTE [ties] in ties.py: each parameter's first slot
+    any_meta = any(p.is_meta for p in model.parameters())
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    for mname, m in model.named_modules():
+        # every slot draws (the stream does not depend on ties); its first slot's draw is kept
+        own = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in every]
+        direct = [(n, p) for n, p in own if id(p) in owner]
+        fulls = annotate.init_module(m, gen, own) if any_meta and seed is not None else {}
+        for n, p in direct:
+            fqn = owner.pop(id(p))
+            first[id(p)] = (m, n)
+            if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
+                pl = placements(plans[fqn].storage, mesh)
+                local = torch.empty(plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
+                                    dtype=param_dtype or p.dtype, device=dev)
+                dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                        stride=torch.empty(plans[fqn].shape, device="meta").stride())
+                m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                continue
+            if p.is_meta:
+                if n not in fulls:
+                    raise AnnotationError(
+                        f"parameter `{fqn}` is on the meta device but {type(m).__name__} has no "
+                        "init_weights(generator): define it to fill the module's own parameters, or build "
+                        "the model with real weights."
+                    )
+                full = fulls[n]
+            else:
+                full = p.detach()
+            pl = placements(plans[fqn].storage, mesh)
+            local = local_slice(full.to("cpu") if full.device.type != dev.type else full, mesh, pl)
+            src = full.to("cpu") if full.device.type != dev.type else full
+            local = local.to(dev, dtype=param_dtype or p.dtype).clone().contiguous()
+            stride = torch.empty(plans[fqn].shape, device="meta").stride()
+            dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                    stride=stride)
+            m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            if master_dtype is not None and master_dtype != local.dtype and p.requires_grad:
+                opl = placements(plans[fqn].optimizer, mesh)
+                init = local_slice(src, mesh, opl).to(dev, dtype=master_dtype).clone().contiguous()
+                setattr(m._parameters[n], main_grad.INIT_MASTER,
+                        DTensor.from_local(init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape),
+                                           stride=stride))
+    for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
+        for n, p in m._parameters.items():
+            if p is not None and id(p) in first and first[id(p)] != (m, n):
+                f, fn = first[id(p)]
+                m._parameters[n] = f._parameters[fn]
+    _check_no_shared_params(model)
+
+
+def _check_no_shared_params(model: nn.Module) -> None:
+    """Every slot holds a sharded parameter: none was left with the unsharded tensor."""
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for n, p in m._parameters.items():
+            if isinstance(p, nn.Parameter) and not isinstance(p.data, DTensor):
+                raise MeshlmError(f"internal error: parameter `{mname}.{n}` was left unsharded by meshlm.shard "
+                                  "(a slot of a tied parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)")
+

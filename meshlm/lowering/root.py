@@ -1,0 +1,51 @@
+"""The sharded model's root forward: inputs in, outputs out.
+
+Every tensor leaf of the inputs (inside dicts, lists, tuples, named tuples, dataclasses:
+``meshlm.tree``) is each rank's slice of a global input, placed by the layout's input
+rules for its logical axes: the model's ``input_axes`` entry for the leaf's path
+(``"tokens"``, ``"batch.images"``), else ``("batch", "seq", None, ...)`` for its dims.
+The root then runs either under DTensor (``constrain`` redistributes, a 0-d output comes
+back as a plain tensor) or, under a pure data-parallel layout, on local tensors (NOTE
+[local root] in lowering/local_root.py).  Either way the user's forward runs exactly once per call.
+
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from meshlm import _torch_compat as compat
+from meshlm import annotate, tree
+from meshlm._torch_compat import dtensor_ops
+from meshlm.lowering.inputs import arguments, input_axes, set_arguments, wrap_input
+from meshlm.lowering.local_root import local_root_forward, local_rows
+
+
+def root_forward(self, *args, **kwargs):
+    """The forward of a sharded root module (installed by ``meshlm.shard``)."""
+    st = self._meshlm_state
+    orig = self._meshlm_orig_forward
+    bound = inspect.signature(orig).bind(self, *args, **kwargs)
+    inputs = arguments(bound)
+    leaves = tree.tensor_leaves(inputs)  # raises for tensors meshlm cannot see
+    if st.root is not None and torch.is_grad_enabled() and compat.eager():
+        rows = local_rows(self, st, leaves)
+        if rows is not None:
+            return local_root_forward(self, st, orig, bound, inputs, rows)
+    st.roots["dtensor"] += 1
+
+    def wrap(path: str, t: Tensor) -> Tensor:
+        return t if isinstance(t, DTensor) else wrap_input(st, t, input_axes(self, path, t.ndim))
+
+    set_arguments(bound, tree.map_tensors(inputs, wrap))
+    dtensor_ops.ensure_installed()
+    dtensor_ops.allow_implicit_replication()
+    with annotate.handling(st.handler):  # constrain, and dropout (NOTE [dropout keys] in rng.py)
+        out = orig(*bound.args, **bound.kwargs)
+    # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is
+    return tree.map_tensors(out, lambda _p, t: t.full_tensor() if isinstance(t, DTensor) and t.ndim == 0 else t,
+                            strict=False)

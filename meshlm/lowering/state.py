@@ -1,0 +1,87 @@
+"""The per-model state of a sharded model: ``ShardState``, the one object ``shard`` attaches
+to the root module (``model._meshlm_state``).  Everything a sharded model needs at run time
+that is not a parameter lives here and dies with the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from meshlm import rng
+from meshlm.axes import Axes
+from meshlm.bucket import Prefetch
+from meshlm.errors import AnnotationError, MeshlmError
+from meshlm.layout import INPUT_MESH_AXES, DimPlan, Layout, resolve
+from meshlm.lowering.params import ParamPlan, placements
+from meshlm.mesh import mesh_spec
+
+
+@dataclass
+class ShardState:
+    """What ``shard`` attaches to the root module (``model._meshlm_state``)."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    plans: dict[str, ParamPlan]
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    grad_dtype: Optional[torch.dtype] = None  # NOTE [main grads] in main_grad.py
+    # Plain copies of the mesh's names and sizes: traced code must not read attributes off
+    # the DeviceMesh (an opaque object to torch.compile).
+    sizes: dict[str, int] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+    overlap: bool = False  # NOTE [overlapped reduction] in meshlm/bucket/op.py
+    root: Optional[object] = None  # local_root.RootSpec (NOTE [local root] in lowering/root.py); None: under DTensor
+    coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
+    handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
+    vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)
+    # the blocks' order and gathers in flight (NOTE [prefetch] in meshlm/bucket/prefetch.py)
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    # root forwards run on local tensors / under DTensor (NOTE [local root] in lowering/root.py)
+    roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
+
+    def __post_init__(self) -> None:
+        self.sizes = mesh_spec(self.mesh).as_dict()
+        self.names = tuple(self.mesh.mesh_dim_names or ())
+        self.coord = tuple(self.mesh.get_coordinate() or (0,) * len(self.names))
+        self.handler = rng.Handler(self.constrain, self.coord, tuple(self.sizes[n] for n in self.names))
+
+    def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
+        return placements(plan, self.names)
+
+    def activation_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
+        plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
+                       what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout, known=self.vocab)
+        return placements(plan, self.names)
+
+    def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
+        """Placements of an input given as each rank's local slice (any local size works:
+        the global size is the local one times the mesh axes splitting it)."""
+        plan = resolve(tuple(axes), self.layout.compute, self.sizes, what=f"input {tuple(axes)}",
+                       layout=self.layout, allow_mesh=INPUT_MESH_AXES, known=self.vocab)
+        return placements(plan, self.names)
+
+    def constrain(self, x: Tensor, axes: Axes) -> Tensor:
+        if not isinstance(x, DTensor):
+            return x
+        if len(axes) != x.ndim:
+            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}")
+        pl = self.activation_placements(axes, x.shape)
+        # Always through redistribute, even when the placements already agree: its backward
+        # puts the gradient at the same placements, so a Partial gradient is reduced here
+        # (Megatron's "f" operator at the input of a tensor-parallel block) rather than
+        # carried through the residual stream and reduced later per weight.
+        return x.redistribute(x.device_mesh, pl)
+
+
+def shard_state(model: nn.Module) -> ShardState:
+    st = getattr(model, "_meshlm_state", None)
+    if st is None:
+        raise MeshlmError("this module was not lowered: call meshlm.shard(model, layout, mesh) first")
+    return st
+
