@@ -184,19 +184,6 @@ def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.M
     return model
 
 
-def build_sharded(cfg: ModelConfig, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs: Any) -> nn.Module:
-    """The model of ``cfg`` sharded under ``layout`` on ``mesh``: built on the meta device
-    and initialised from ``seed`` shard by shard, or, with ``init_from``, the Hugging Face
-    model in that directory (its ``config.json`` gives the architecture) with its weights."""
-    import meshlm
-
-    if cfg.init_from:
-        from meshlm.hf import load_hf
-
-        return load_hf(cfg.init_from, layout, mesh, **shard_kwargs)
-    return meshlm.shard(build_model(cfg, "meta"), layout, mesh, seed=seed, **shard_kwargs)
-
-
 def loss_of(out: Any, cfg: ModelConfig) -> Tensor:
     """The scalar loss in what ``model(tokens, targets)`` returned: the output itself, or its
     ``"loss"`` entry (a dict) or ``.loss`` attribute (Hugging Face's outputs).  Anything else

@@ -192,7 +192,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.comm import CommCounter
     from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss
-    from meshlm.model_config import build_sharded, loss_of, model_vocab
+    from meshlm.model_build import build_sharded
+    from meshlm.model_config import loss_of, model_vocab
     from meshlm.optim import ShardedOptimizer
 
     t = cfg.train
