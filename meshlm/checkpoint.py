@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from meshlm import _ckpt_runs as _runs
 from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
 from meshlm.errors import CheckpointError
 
@@ -267,9 +268,13 @@ def _model_info(model: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- save
 def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = None,
-                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0) -> str:
+                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0,
+                    run_id: Optional[str] = None) -> str:
     """Save a complete checkpoint of step ``step`` under ``root`` (collective: every rank
-    calls it) and return its directory.  See NOTE [commit protocol]."""
+    calls it) and return its directory.  See NOTE [commit protocol].  ``run_id`` goes into
+    meta.json; ``keep`` > 0 deletes the oldest checkpoints of that run only, and a complete
+    ``step_<N>`` that exists already is never replaced (NOTE [one run per checkpoint
+    directory] in _ckpt_runs.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -279,12 +284,20 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            for stale in (tmp, final):  # a torn earlier attempt, or a re-save of the same step
+            if is_complete(final):
+                raise CheckpointError(
+                    f"checkpoint.dir={root!r}: {final} exists (run {_runs.checkpoint_run_id(final)}); a checkpoint is "
+                    "never overwritten: move it away, or save into another checkpoint.dir")
+            for stale in (tmp, final):  # a torn earlier attempt
                 if os.path.exists(stale):
                     shutil.rmtree(stale)
             os.makedirs(os.path.join(tmp, "rng"))
+            if run_id is not None:
+                _runs.claim(root, run_id)
         except OSError as e:
             err = f"checkpoint.dir={root!r}: cannot create {tmp} ({e})"
+        except CheckpointError as e:
+            err = str(e)
     _agree(err)
     sd, opt_extra = _tensor_state(model, optimizer)
     dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
@@ -310,7 +323,7 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
         md = os.path.join(tmp, ".metadata")
         files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
         meta = {
-            "format": FORMAT, "step": int(step), "world_size": _world(), "time": time.time(),
+            "format": FORMAT, "step": int(step), "run_id": run_id, "world_size": _world(), "time": time.time(),
             "torch": torch.__version__, "model": _model_info(model), "run": _jsonable(run_meta or {}),
             "files": files,
         }
@@ -320,7 +333,7 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
         os.rename(tmp, final)  # NOTE [commit protocol]: the checkpoint becomes visible here
         _fsync_dir(root)
         if keep > 0:
-            for _s, old in list_checkpoints(root)[:-keep]:
+            for _s, old in _runs.own(list_checkpoints(root), run_id)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         for name in os.listdir(root):  # torn saves of other steps
             if name.startswith(".tmp_step_"):
@@ -541,7 +554,11 @@ def _restore_groups(path: str, optimizer: Any, blob: dict) -> None:
 # --------------------------------------------------------------------------- Checkpointer
 class Checkpointer:
     """What the train loop talks to: ``resume()`` once, ``maybe_save(step, extra)`` every
-    step, ``close()`` at the end.  ``cfg.dir=None`` disables saving."""
+    step, ``close()`` at the end.  ``cfg.dir=None`` disables saving.
+
+    ``resume()`` also settles the run id (NOTE [one run per checkpoint directory] in
+    _ckpt_runs.py): the resumed checkpoint's, or a new one, and claims ``cfg.dir`` for it;
+    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``)."""
 
     def __init__(self, cfg: CheckpointConfig, *, model: nn.Module, optimizer: Any = None, mesh: Any = None,
                  run_meta: Optional[dict] = None):
@@ -551,6 +568,8 @@ class Checkpointer:
         self.mesh = mesh
         self.run_meta = dict(run_meta or {})
         self.last_saved: Optional[str] = None
+        self.run_id: Optional[str] = None
+        self.resumed: Optional[dict] = None
 
     def _resume_path(self) -> Optional[str]:
         from meshlm.config import check_resume
@@ -565,10 +584,38 @@ class Checkpointer:
             return _bcast(latest_checkpoint(self.cfg.dir) if _rank() == 0 else None)
         return str(r)
 
+    def _settle_run(self, path: Optional[str]) -> tuple[str, Optional[dict]]:
+        """(run id, meta of the checkpoint resumed from); rank 0 only; raises CheckpointError."""
+        root = self.cfg.dir
+        cps = list_checkpoints(root) if root else []
+        meta = None
+        if path is None:
+            if root and self.cfg.resume is None:
+                _runs.check_fresh(root, cps)
+            rid = (_runs.dir_owner(root) if root else None) or _runs.new_run_id()
+        else:
+            path = resolve_path(path)
+            meta = dict(read_meta(path), path=path)
+            rid = meta.get("run_id") or _runs.new_run_id()
+            if root:
+                _runs.check_resume(root, cps, meta.get("run_id"), int(meta.get("step", 0)))
+        if root:
+            _runs.claim(root, rid)
+        return rid, meta
+
     def resume(self) -> Optional[dict]:
         """Load the checkpoint ``cfg.resume`` names (``auto``: the latest complete one in
         ``cfg.dir``, None when there is none yet) and return its ``extra`` (with "step")."""
         path = self._resume_path()
+        out, err = (None, None), None
+        if _rank() == 0:
+            try:
+                out = self._settle_run(path)
+            except CheckpointError as e:
+                err = str(e)
+        (self.run_id, self.resumed), err = _bcast((out, err))
+        if err:
+            raise CheckpointError(err)
         if path is None:
             return None
         return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
@@ -580,13 +627,16 @@ class Checkpointer:
         return self.save(step, extra)
 
     def save(self, step: int, extra: Optional[dict] = None) -> str:
-        """Save now (collective); keeps the last ``cfg.keep`` checkpoints."""
+        """Save now (collective); keeps the last ``cfg.keep`` checkpoints of this run."""
         if not self.cfg.dir:
             raise CheckpointError("Checkpointer.save: checkpoint.dir is not set; set checkpoint.dir=PATH")
         extra = dict(extra or {})
         extra.setdefault("step", step)
+        if self.run_id is None:  # saved without resume(): a run of its own
+            self.run_id = _bcast(self._settle_run(None)[0] if _rank() == 0 else None)
         self.last_saved = save_checkpoint(self.cfg.dir, step, model=self.model, optimizer=self.optimizer,
-                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep)
+                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep,
+                                          run_id=self.run_id)
         return self.last_saved
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
             if dist.is_initialized():
                 dist.destroy_process_group()
     check_world(cfg, n)
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -127,6 +129,8 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
     # The agent logs every failure and stack at ERROR level; we report the root cause once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
+    # "Received 15 death signal, shutting down workers": the run says what it did on a signal
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process ..." on a failure
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
@@ -140,6 +144,13 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
         elastic_launch(lc, worker)(cfg, str(run_dir))
     except ChildFailedError as e:
         raise JobFailedError(_root_cause(e)) from None
+    except SignalException as e:
+        # SIGTERM/SIGINT to this process: the agent has passed it on to the workers and waited
+        # for them to save and stop (NOTE [stopping on a signal] in meshlm/lifecycle.py)
+        p = run_dir / "summary.json"
+        out = json.loads(p.read_text()) if p.exists() else {}
+        out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
+        return out
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
+from meshlm import lifecycle
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler
@@ -215,7 +216,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
     layout = meshlm.load_layout(cfg.layout.name)
-    mcfg = cfg.model.llama()
+    mcfg = lifecycle.model_config(cfg, cfg.model.llama())  # resumed: the checkpoint's shapes
     from meshlm.mesh import mesh_spec
 
     eff = _effective(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
@@ -254,22 +255,10 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             model.train()
         return total / n
 
-    ckpt = None
-    start = 0
-    if cfg.checkpoint.dir or cfg.checkpoint.resume:
-        try:
-            from meshlm.checkpoint import Checkpointer
-        except ImportError as e:
-            raise ConfigError(f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
-                              "set checkpoint.dir=null") from None
-        ckpt = Checkpointer(cfg.checkpoint, model=model, optimizer=opt, mesh=mesh,
-                            run_meta={"config": cfg.to_dict()})
-        extra = ckpt.resume()
-        if extra:
-            start = int(extra["step"])
-            loader.load_state_dict(extra["loader"])
-            if scaler is not None and "loss_scaler" in extra:
-                scaler.load_state_dict(extra["loss_scaler"])
+    # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
+    life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=eff.label(),
+                               mesh_label=str(cfg.mesh), device=device)
+    start = life.resume(loader, scaler)
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
@@ -289,6 +278,14 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         if not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if start >= t.steps:
+        life.close()
+        msg = lifecycle.nothing_to_do(start, t.steps, life)
+        log.info(msg)
+        if is_main:
+            writer.close()
+            print(f"meshlm train: {msg}", flush=True)
+        return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
     bar = None
     if is_main and t.progress:
@@ -297,6 +294,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
             bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout,
                        mininterval=0.5)
+            life.say = bar.write
         except ImportError:
             bar = None
 
@@ -313,6 +311,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if t.memory_snapshot and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     model.train()
+    life.install_signal_handlers()
+    step = start
     for step in range(start + 1, t.steps + 1):
         if t.profile and step == t.profile_start:
             prof = torch.profiler.profile(record_shapes=True, profile_memory=True, with_stack=False)
@@ -393,7 +393,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
-        row: dict[str, Any] = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+        row: dict[str, Any] = {"step": step, "steps_run": step - start, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
                                "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
                                "wall_s": time.perf_counter() - t_start, "rss_bytes": mem}
         if step == measure_step:
@@ -419,15 +419,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if bar is not None:
             bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {_fmt_bytes(mem)}", refresh=False)
             bar.update(1)
-        if ckpt is not None:
-            state = {"step": step, "loader": loader.state_dict()}
-            if scaler is not None:
-                state["loss_scaler"] = scaler.state_dict()
-            ckpt.maybe_save(step, state)
+        if life.after_step(step, functools.partial(_ckpt_state, step, loader, scaler)):
+            break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
     if bar is not None:
         bar.close()
-    if ckpt is not None:
-        ckpt.close()
+    life.close()
     if t.memory_snapshot and device.type == "cuda":
         torch.cuda.memory._dump_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -444,7 +440,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     rates.sort()
     summary = {
         "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.name, "world_size": world,
-        "steps": t.steps, "skipped_steps": skipped,
+        "steps": t.steps, "start_step": start, "steps_run": step - start, "global_step": step,
+        "run_id": life.run_id, "stopped_by": life.stop_signal and lifecycle.signal.Signals(life.stop_signal).name,
+        "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
         "layout_effective": eff.label(), "layout_warnings": eff.problems(),
         "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step,
@@ -462,11 +460,22 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
                   title=f"{cfg.model.name} {layout.name} mesh {cfg.mesh}")
         tp = summary["tokens_per_s"]
-        print(f"done: {t.steps - start} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
-              f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in {run_dir}",
-              flush=True)
+        if life.stop_signal:
+            print(f"meshlm train: {life.stopped_line(step)}", flush=True)
+        else:
+            print(f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
+                  f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in "
+                  f"{run_dir}", flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
+    """What a checkpoint holds besides the tensors: step, data-loader position, loss scale."""
+    state = {"step": step, "loader": loader.state_dict()}
+    if scaler is not None:
+        state["loss_scaler"] = scaler.state_dict()
+    return state
 
 
 def _effective(cfg: RunConfig, layout, resolved: dict[str, int]):

@@ -1,0 +1,241 @@
+"""What a training run does around its steps: resume, save, stop on a signal, report.
+
+``meshlm.train.run`` owns the model, data and optimizer; it hands them to a :class:`Lifecycle`
+that resumes from a checkpoint (``resume``), saves after a step and stops the loop when the
+job is asked to (``after_step``), and writes the lines that say what happened.
+
+NOTE [stopping on a signal]
+    SIGTERM (what SLURM and Kubernetes send before a kill) and SIGINT (Ctrl-C) only set a
+    flag.  The step in progress finishes; after it every rank takes part in one all-reduce
+    of the flags, so all ranks stop after the *same* step even when the signal reached them
+    at different times (or reached only one of them).  Then, if ``checkpoint.dir`` is set,
+    the run saves that step (unless it was just saved), rank 0 prints one line naming the
+    signal, the step and the checkpoint, and the process exits with status 128 + the signal
+    number (143 for SIGTERM, 130 for SIGINT): the status a shell, SLURM or Kubernetes reads
+    as "terminated by that signal".  A second signal more than a second after the first
+    stops the process at once, without saving.  The saved step is a step boundary, so a
+    resume continues the loss curve exactly (tests/dist/test_preemption.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from meshlm.errors import ConfigError
+
+log = logging.getLogger("meshlm.train")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def resume_path(cfg) -> Optional[str]:
+    """The checkpoint directory this run resumes from, or None (local read, no collective)."""
+    from meshlm.checkpoint import latest_checkpoint, resolve_path
+
+    r = cfg.checkpoint.resume
+    if r is None:
+        return None
+    if r == "auto":
+        return latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    return resolve_path(str(r))
+
+
+def model_config(cfg, mcfg):
+    """The model config to build: the one saved with the checkpoint this run resumes from,
+    if it has one (a resumed model must have the saved shapes; so resuming a checkpoint of
+    ``meshlm convert`` needs only its directory); else ``mcfg``.  ``dropout`` is a training
+    setting, not part of the weights: this run's value stays."""
+    path = resume_path(cfg)
+    if path is None or not dataclasses.is_dataclass(mcfg):
+        return mcfg
+    from meshlm.checkpoint import read_meta
+
+    try:
+        saved = dict(read_meta(path).get("model", {}).get("config") or {})
+    except Exception:  # noqa: BLE001 - the load reports a bad checkpoint, on every rank at once
+        return mcfg
+    names = {f.name for f in dataclasses.fields(mcfg)}
+    saved = {k: v for k, v in saved.items() if k in names and k != "dropout"}
+    if not saved or all(getattr(mcfg, k) == v for k, v in saved.items()):
+        return mcfg
+    new = dataclasses.replace(mcfg, **saved)
+    diff = ", ".join(f"{k}={v}" for k, v in saved.items() if getattr(mcfg, k) != v)
+    log.info("model config taken from checkpoint %s (%s)", path, diff)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"meshlm train: model config from the checkpoint resumed ({path}): {diff}", flush=True)
+    return new
+
+
+def _where(layout: Any, mesh: Any, world: Any) -> str:
+    return f"layout {layout}, mesh {mesh} ({world} ranks)"
+
+
+def _mesh_str(sizes: Optional[dict]) -> str:
+    if not sizes:
+        return "?"
+    act = [f"{a}={s}" for a, s in sizes.items() if s > 1]
+    return ",".join(act) or "single"
+
+
+class Lifecycle:
+    """Resume, save and stop for one run (every rank makes one; collective methods are
+    called by all ranks alike)."""
+
+    def __init__(self, cfg, *, model, optimizer, mesh, layout_label: str, mesh_label: str, device: torch.device,
+                 say: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.model, self.optimizer, self.mesh = model, optimizer, mesh
+        self.now = _where(layout_label, mesh_label, dist.get_world_size() if dist.is_initialized() else 1)
+        self.device = device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.say = say  # rank 0's stdout (the progress bar's write while it runs)
+        self.ckpt = None
+        self.start = 0
+        self.last_saved_step: Optional[int] = None
+        self.stop_signal: Optional[int] = None
+        self._got: Optional[int] = None
+        self._got_at = 0.0
+        self._old: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, loader, scaler) -> int:
+        """Open the checkpointer, load the checkpoint to resume from (if any) into the
+        model, optimizer, ``loader`` and ``scaler``; return the global step to start after."""
+        c = self.cfg.checkpoint
+        if not (c.dir or c.resume):
+            return 0
+        try:
+            from meshlm.checkpoint import Checkpointer
+        except ImportError as e:
+            raise ConfigError(f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
+                              "set checkpoint.dir=null") from None
+        self.ckpt = Checkpointer(c, model=self.model, optimizer=self.optimizer, mesh=self.mesh,
+                                 run_meta={"config": self.cfg.to_dict()})
+        extra = self.ckpt.resume()
+        rid = self.ckpt.run_id
+        if extra is None:
+            if c.dir:
+                self._line(f"checkpoints: run {rid} in {c.dir}" + (" (none to resume yet)" if c.resume else ""))
+            return 0
+        self.start = int(extra["step"])
+        if "loader" in extra:  # none in a checkpoint of meshlm convert (step 0)
+            loader.load_state_dict(extra["loader"])
+        if scaler is not None and "loss_scaler" in extra:
+            scaler.load_state_dict(extra["loss_scaler"])
+        meta = self.ckpt.resumed or {}
+        lay = (meta.get("model", {}).get("layout") or {}).get("name") or "?"
+        then = _where(lay, _mesh_str(meta.get("model", {}).get("mesh")), meta.get("world_size", "?"))
+        self._line(f"resumed from step {self.start} ({meta.get('path')}, run {rid}): saved under {then}; "
+                   f"now {self.now}")
+        return self.start
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.ckpt.run_id if self.ckpt is not None else None
+
+    def _line(self, msg: str) -> None:
+        log.info(msg)
+        if self.rank == 0:
+            self.say(f"meshlm train: {msg}")
+
+    # ------------------------------------------------------------------ save / stop
+    def _save(self, step: int, state: dict, why: str) -> None:
+        assert self.ckpt is not None
+        path = self.ckpt.save(step, state)
+        self.last_saved_step = step
+        self._line(f"saved step {step}{why}: {path} (run {self.ckpt.run_id}; {self.now})")
+
+    def after_step(self, step: int, state: Callable[[], dict]) -> bool:
+        """After global step ``step``: save if ``checkpoint.every`` says so; True when the
+        job was asked to stop (NOTE [stopping on a signal]; it has then saved)."""
+        c = self.cfg.checkpoint
+        if self.ckpt is not None and c.dir and c.every > 0 and step % c.every == 0:
+            self._save(step, state(), "")
+        self.stop_signal = self._agree_stop()
+        if self.stop_signal is None:
+            return False
+        name = signal.Signals(self.stop_signal).name
+        if self.ckpt is not None and c.dir and self.last_saved_step != step:
+            self._save(step, state(), f" (stopping on {name})")
+        return True
+
+    def _agree_stop(self) -> Optional[int]:
+        got = self._got or 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+            t = torch.tensor([got], dtype=torch.int32, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            got = int(t.item())
+        return got or None
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT set the stop flag (main thread only; elsewhere a no-op)."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in STOP_SIGNALS:
+            self._old[s] = signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self._got is not None and time.monotonic() - self._got_at > 1.0:
+            # a second request: stop now (the launcher's own forward of the first arrives sooner)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._got is None:
+            self._got, self._got_at = signum, time.monotonic()
+            log.warning("got %s: stopping after the current step", signal.Signals(signum).name)
+
+    def restore_signal_handlers(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def close(self) -> None:
+        self.restore_signal_handlers()
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+    # ------------------------------------------------------------------ lines
+    def steps_line(self, last: int, total: int) -> str:
+        """``N steps (this process; global steps a-b of T)``."""
+        ran = last - self.start
+        span = f"global steps {self.start + 1}-{last}" if ran > 0 else f"global step {last}"
+        return f"{ran} steps (this process; {span} of {total})"
+
+    def stopped_line(self, step: int) -> str:
+        name = signal.Signals(self.stop_signal or signal.SIGTERM).name
+        c = self.cfg.checkpoint
+        if self.ckpt is not None and c.dir:
+            saved = (f"checkpoint {self.ckpt.last_saved} (run {self.ckpt.run_id}); continue with "
+                     f"checkpoint.dir={c.dir} checkpoint.resume=auto")
+        else:
+            saved = "no checkpoint saved (checkpoint.dir is not set)"
+        return (f"stopped by {name} after {self.steps_line(step, self.cfg.train.steps)}; {saved}; "
+                f"exit status {exit_status(self.stop_signal)}")
+
+
+def exit_status(signum: Optional[int]) -> int:
+    """128 + the signal number: what a shell reports for a process the signal ended."""
+    return 128 + int(signum or signal.SIGTERM)
+
+
+def nothing_to_do(start: int, steps: int, life: Lifecycle) -> str:
+    """The line of a run resumed at (or past) its last step."""
+    rid = f", run {life.run_id}" if life.run_id else ""
+    return (f"nothing to do: the checkpoint resumed is at step {start}{rid} and train.steps={steps}; "
+            f"raise train.steps to train further")
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
