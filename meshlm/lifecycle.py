@@ -76,14 +76,15 @@ def model_config(cfg, mcfg):
 
 
 def _where(layout: Any, mesh: Any, world: Any) -> str:
-    return f"layout {layout}, mesh {mesh} ({world} ranks)"
+    return f"layout {layout}, mesh {mesh} ({world} rank{'' if world == 1 else 's'})"
 
 
 def _mesh_str(sizes: Optional[dict]) -> str:
+    """``fsdp=2,tp=2``: the axes of size > 1 (one process: the first axis), as configs print."""
     if not sizes:
         return "?"
     act = [f"{a}={s}" for a, s in sizes.items() if s > 1]
-    return ",".join(act) or "single"
+    return ",".join(act) or f"{next(iter(sizes))}=1"
 
 
 class Lifecycle:
@@ -155,11 +156,13 @@ class Lifecycle:
         self._line(f"saved step {step}{why}: {path} (run {self.ckpt.run_id}; {self.now})")
 
     def after_step(self, step: int, state: Callable[[], dict]) -> bool:
-        """After global step ``step``: save if ``checkpoint.every`` says so; True when the
-        job was asked to stop (NOTE [stopping on a signal]; it has then saved)."""
+        """After global step ``step``: save if ``checkpoint.every`` says so, or at the last
+        step (whenever ``checkpoint.dir`` is set); True when the job was asked to stop (NOTE [stopping on a signal]; it has then saved)."""
         c = self.cfg.checkpoint
         if self.ckpt is not None and c.dir and c.every > 0 and step % c.every == 0:
             self._save(step, state(), "")
+        elif self.ckpt is not None and c.dir and step == self.cfg.train.steps:
+            self._save(step, state(), " (the last step)")
         self.stop_signal = self._agree_stop()
         if self.stop_signal is None:
             return False
