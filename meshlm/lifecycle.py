@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -240,5 +239,26 @@ def nothing_to_do(start: int, steps: int, life: Lifecycle) -> str:
             f"raise train.steps to train further")
 
 
-def stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+class StartupClock:
+    """Where a run's start-up goes, in seconds (summary.json ``startup_s``): ``launch``, from
+    ``meshlm.launch`` starting the job to this worker entering ``train.run`` (rendezvous,
+    process spawn, imports; absent under torchrun); ``process_group`` (joining it, the
+    mesh); ``build`` (model, layout, optimizer, data, resume); ``first_step`` (the first
+    step, compilation included)."""
+
+    def __init__(self) -> None:
+        self.t0 = float(os.environ.get(LAUNCH_T0, "nan"))
+        self.marks = [("run", time.time())]
+
+    def mark(self, name: str) -> None:
+        if name not in dict(self.marks):
+            self.marks.append((name, time.time()))
+
+    def result(self) -> dict[str, float]:
+        out = {} if self.t0 != self.t0 else {"launch": round(self.marks[0][1] - self.t0, 3)}
+        for (_a, ta), (b, tb) in zip(self.marks, self.marks[1:]):
+            out[b] = round(tb - ta, 3)
+        return out
+
+
+LAUNCH_T0 = "MESHLM_LAUNCH_T0"  #: set by meshlm.launch: the wall-clock time the job started

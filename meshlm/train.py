@@ -201,6 +201,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.optim import ShardedOptimizer
 
     t = cfg.train
+    clock = lifecycle.StartupClock()  # where start-up time goes: summary.json's startup_s
     run_dir = Path(run_dir)
     device = _device(t)
     _init_process_group(cfg, device)
@@ -210,6 +211,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     mesh = meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
     rank = dist.get_rank()
     is_main = rank == 0
+    clock.mark("process_group")
     _setup_logging(run_dir, rank)
     if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -259,6 +261,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=eff.label(),
                                mesh_label=str(cfg.mesh), device=device)
     start = life.resume(loader, scaler)
+    clock.mark("build")
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     model_name = f"{cfg.model.init_from}" if cfg.model.init_from else cfg.model.name
@@ -390,6 +393,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if step > start + 1 and step != measure_step:
             rates.append(tps)  # the first step includes compilation and warm-up; the measured one, tracking
         if first_loss is None:
+            clock.mark("first_step")
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
@@ -449,7 +453,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         **measured, **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
         "rss_bytes_per_rank": int(peak[4].item()), "comm_bytes_per_step": comm_bytes,
         "first_train_loss": first_loss, "final_train_loss": last_loss, "final_val_loss": val_loss,
-        "wall_s": wall, "activation_checkpointed_blocks": n_ckpt,
+        "wall_s": wall, "startup_s": clock.result(), "activation_checkpointed_blocks": n_ckpt,
     }
     if is_main:
         assert writer is not None
@@ -515,10 +519,12 @@ def _mem_line(s: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- worker entry
-def worker(cfg: RunConfig, run_dir: str) -> None:
+def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> None:
     """Entry point of a worker started by ``meshlm.launch``: train, then leave the process
     group.  On an error the worker records it in the launcher's error file (the root cause
     the launcher prints once) and in ``logs/rank<N>.log``, and exits quietly with status 1."""
+    if launch_t0 is not None:  # a forkserver's environment is that of the job it first served
+        os.environ[lifecycle.LAUNCH_T0] = str(launch_t0)
     try:
         run(cfg, run_dir)
     except BaseException as e:  # noqa: BLE001 - everything must reach the error file
