@@ -1,14 +1,13 @@
 """Where the start-up of a tiny ``meshlm train`` goes (docs/train.md, "Start-up time").
 
-    python benchmarks/startup.py [--repeat 3] [--procs 4] [key=value ...]
+    python benchmarks/startup.py [--repeat 3] [key=value ...]
 
 Runs ``meshlm train`` (llama_tiny, 10 steps, ``mesh=fsdp2_tp2`` by default) ``--repeat``
-times and prints, per run: the wall time of the whole command; the CPU seconds of the
-command and all its processes (user + system, from ``getrusage``: on a shared machine the
-steadier figure); and the phases each worker reports in ``summary.json`` (``startup_s``,
-meshlm/lifecycle.py ``StartupClock``) together with the launcher's own start (from this
-script starting the command to the job starting: Python, Hydra, config) and the training
-after the first step.  ``MESHLM_START_METHOD=spawn`` measures the previous way of starting
+times and prints the median and each run's seconds: the wall time of the whole command;
+the phases rank 0 reports in ``summary.json`` (``startup_s``, meshlm/lifecycle.py
+``StartupClock``); the training after the first step; and the rest (the launcher's own
+start: Python, Hydra, config; and the end of the run: validation, summary, loss plot,
+exit).  ``MESHLM_START_METHOD=spawn`` measures the previous way of starting
 workers.
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,19 +32,16 @@ def one(overrides: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.time()
         r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides, f"hydra.run.dir={d}"],
                            cwd=d, env=env, capture_output=True, text=True)
         wall = time.time() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if r.returncode:
             sys.exit(r.stderr[-3000:])
         s = json.loads((Path(d) / "summary.json").read_text())
         rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     phases = s["startup_s"]
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    out = {"wall": wall, "cpu": cpu}
+    out = {"wall": wall}
     worker_total = sum(phases.values())
     out.update({f"worker {k}": v for k, v in phases.items()})
     out["train after step 1"] = sum(r["step_time_s"] for r in rows[1:])
