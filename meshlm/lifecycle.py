@@ -139,6 +139,11 @@ class Lifecycle:
         return self.start
 
     @property
+    def stop_name(self) -> Optional[str]:
+        """``SIGTERM``/``SIGINT`` when the run stopped on a signal, else None."""
+        return signal.Signals(self.stop_signal).name if self.stop_signal else None
+
+    @property
     def run_id(self) -> Optional[str]:
         return self.ckpt.run_id if self.ckpt is not None else None
 

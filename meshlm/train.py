@@ -397,8 +397,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
-        row: dict[str, Any] = {"step": step, "steps_run": step - start, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                               "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
+        row: dict[str, Any] = {"step": step, "steps_run": step - start, "loss": loss_val, "lr": lr,
+                               "grad_norm": gnorm, "tokens_per_s": tps, "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
                                "wall_s": time.perf_counter() - t_start, "rss_bytes": mem}
         if step == measure_step:
             row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
@@ -445,7 +445,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     summary = {
         "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.name, "world_size": world,
         "steps": t.steps, "start_step": start, "steps_run": step - start, "global_step": step,
-        "run_id": life.run_id, "stopped_by": life.stop_signal and lifecycle.signal.Signals(life.stop_signal).name,
+        "run_id": life.run_id, "stopped_by": life.stop_name,
         "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
         "layout_effective": eff.label(), "layout_warnings": eff.problems(),
