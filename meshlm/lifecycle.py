@@ -12,8 +12,8 @@ NOTE [stopping on a signal]
     the run saves that step (unless it was just saved), rank 0 prints one line naming the
     signal, the step and the checkpoint, and the process exits with status 128 + the signal
     number (143 for SIGTERM, 130 for SIGINT): the status a shell, SLURM or Kubernetes reads
-    as "terminated by that signal".  A second signal more than a second after the first
-    stops the process at once, without saving.  The saved step is a step boundary, so a
+    as "terminated by that signal".  A second signal more than ``REPEAT_S`` (3 s) after the
+    first stops the process at once, without saving.  The saved step is a step boundary, so a
     resume continues the loss curve exactly (tests/dist/test_preemption.py).
 """
 
@@ -34,6 +34,9 @@ from meshlm.errors import ConfigError
 log = logging.getLogger("meshlm.train")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A repeat of the signal sooner than this is the same request (Ctrl-C reaches a worker from
+# the terminal and again from the launcher passing it on); later, it means "stop now".
+REPEAT_S = 3.0
 
 
 def resume_path(cfg) -> Optional[str]:
@@ -194,7 +197,7 @@ class Lifecycle:
             self._old[s] = signal.signal(s, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
-        if self._got is not None and time.monotonic() - self._got_at > 1.0:
+        if self._got is not None and time.monotonic() - self._got_at > REPEAT_S:
             # a second request: stop now (the launcher's own forward of the first arrives sooner)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
