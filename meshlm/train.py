@@ -258,7 +258,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         return total / n
 
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
-    life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=eff.label(),
+    life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name,
                                mesh_label=str(cfg.mesh), device=device)
     start = life.resume(loader, scaler)
     clock.mark("build")
