@@ -49,9 +49,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
+from meshlm import _ckpt_runs as _runs
 from meshlm.errors import CheckpointError
 
 __all__ = [
@@ -267,9 +266,13 @@ def _model_info(model: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- save
 def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = None,
-                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0) -> str:
+                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0,
+                    run_id: Optional[str] = None) -> str:
     """Save a complete checkpoint of step ``step`` under ``root`` (collective: every rank
-    calls it) and return its directory.  See NOTE [commit protocol]."""
+    calls it) and return its directory.  See NOTE [commit protocol].  ``run_id`` goes into
+    meta.json; ``keep`` > 0 deletes the oldest checkpoints of that run only, and a complete
+    ``step_<N>`` that exists already is never replaced (NOTE [one run per checkpoint
+    directory] in _ckpt_runs.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -279,12 +282,20 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            for stale in (tmp, final):  # a torn earlier attempt, or a re-save of the same step
+            if is_complete(final):
+                raise CheckpointError(
+                    f"checkpoint.dir={root!r}: {final} exists (run {_runs.checkpoint_run_id(final)}); a checkpoint is "
+                    "never overwritten: move it away, or save into another checkpoint.dir")
+            for stale in (tmp, final):  # a torn earlier attempt
                 if os.path.exists(stale):
                     shutil.rmtree(stale)
             os.makedirs(os.path.join(tmp, "rng"))
+            if run_id is not None:
+                _runs.claim(root, run_id)
         except OSError as e:
             err = f"checkpoint.dir={root!r}: cannot create {tmp} ({e})"
+        except CheckpointError as e:
+            err = str(e)
     _agree(err)
     sd, opt_extra = _tensor_state(model, optimizer)
     dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
@@ -310,7 +321,7 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
         md = os.path.join(tmp, ".metadata")
         files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
         meta = {
-            "format": FORMAT, "step": int(step), "world_size": _world(), "time": time.time(),
+            "format": FORMAT, "step": int(step), "run_id": run_id, "world_size": _world(), "time": time.time(),
             "torch": torch.__version__, "model": _model_info(model), "run": _jsonable(run_meta or {}),
             "files": files,
         }
@@ -320,7 +331,7 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
         os.rename(tmp, final)  # NOTE [commit protocol]: the checkpoint becomes visible here
         _fsync_dir(root)
         if keep > 0:
-            for _s, old in list_checkpoints(root)[:-keep]:
+            for _s, old in _runs.own(list_checkpoints(root), run_id)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         for name in os.listdir(root):  # torn saves of other steps
             if name.startswith(".tmp_step_"):
@@ -353,195 +364,14 @@ def _jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
-# --------------------------------------------------------------------------- verify + load
-def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = True) -> Optional[str]:
-    """What is wrong with the files of checkpoint ``path`` (first problem), or None.
-
-    Checks the commit marker, that every file listed in ``meta.json`` exists with its size
-    and CRC-32, and that every byte range the DCP metadata points at lies inside its file.
-    Local only (no collectives)."""
-    if not os.path.isdir(path):
-        return f"checkpoint {path}: no such directory"
-    if not os.path.isfile(os.path.join(path, COMMIT)):
-        return (f"checkpoint {path}: no {COMMIT} marker, so the save that wrote it did not finish "
-                "(killed mid-save?); resume from an earlier step_* directory or use checkpoint.resume=auto")
-    try:
-        meta = meta or read_meta(path)
-    except CheckpointError as e:
-        return str(e)
-    for name, want in sorted(meta.get("files", {}).items()):
-        f = os.path.join(path, name)
-        if not os.path.isfile(f):
-            return (f"checkpoint {path}: shard file {f} is missing (meta.json lists it with {want['bytes']} bytes); "
-                    "the checkpoint is incomplete: copy the whole directory, or resume from another checkpoint")
-        size = os.path.getsize(f)
-        if size != want["bytes"]:
-            return (f"checkpoint {path}: file {f} has {size} bytes but meta.json records {want['bytes']} "
-                    f"({'truncated' if size < want['bytes'] else 'grown'}); the checkpoint is corrupted, resume from another one")
-        if crc:
-            got = _crc32(f)
-            if got != want["crc32"]:
-                return (f"checkpoint {path}: file {f} fails its CRC-32 check (0x{got:08x}, meta.json records "
-                        f"0x{want['crc32']:08x}); the file is corrupted, resume from another checkpoint")
-    return None
-
-
-def _read_dcp_metadata(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 (any unpickling error means a bad file)
-        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, '.metadata')} is unreadable "
-                              f"({type(e).__name__}: {e}); the checkpoint is corrupted, resume from another one") from None
-
-
-def _fmt_shape(s) -> str:
-    return "(" + ", ".join(str(int(x)) for x in s) + ")"
-
-
-def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> tuple[dict[str, Tensor], list]:
-    """The DCP state dict to load into (creating optimizer state where missing), after
-    checking every key and global shape against the checkpoint; raises CheckpointError."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved = md.state_dict_metadata
-    params = _params(model)
-    cfg_note = ""
-    if meta.get("model", {}).get("config"):
-        cfg_note = f" (saved model config: {meta['model']['config']})"
-    for fqn, p in params.items():
-        key = f"model/{fqn}"
-        if key not in saved:
-            raise CheckpointError(f"checkpoint {path}: has no parameter `{fqn}` that the model has; it was saved "
-                                  f"from a different model{cfg_note}")
-        m = saved[key]
-        if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(p.shape):
-            got = _fmt_shape(m.size) if isinstance(m, TensorStorageMetadata) else "a non-tensor"
-            raise CheckpointError(f"checkpoint {path}: parameter `{fqn}` has shape {got} there but the model "
-                                  f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
-                                  "model with the saved config, or start without checkpoint.resume")
-        if f"master/{fqn}" in saved and tuple(saved[f"master/{fqn}"].size) != tuple(p.shape):
-            raise CheckpointError(f"checkpoint {path}: the master of `{fqn}` has shape "
-                                  f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}")
-    extra_keys = sorted(k[len("model/"):] for k in saved if k.startswith("model/") and k[len("model/"):] not in params)
-    if extra_keys:
-        raise CheckpointError(f"checkpoint {path}: has parameters the model lacks ({', '.join(extra_keys[:5])}); "
-                              f"it was saved from a different model{cfg_note}")
-    masters = _masters(optimizer)
-    sd, post = weight_targets(saved, params, masters)  # NOTE [checkpoint weights]
-    if optimizer is not None:
-        inner = _inner(optimizer)
-        for fqn, m in masters.items():
-            prefix = f"optim/{fqn}/"
-            keys = [k for k in saved if k.startswith(prefix)]
-            if not keys:
-                continue  # saved before the first step: keep the fresh state
-            state = inner.state.setdefault(m, {})
-            for k in keys:
-                name = k[len(prefix):]
-                km = saved[k]
-                if not isinstance(km, TensorStorageMetadata):
-                    continue
-                cur = state.get(name)
-                size = tuple(km.size)
-                if size == tuple(m.shape):
-                    if cur is None or tuple(cur.shape) != size:
-                        cur = torch.zeros_like(m.detach(), dtype=km.properties.dtype)
-                elif size == ():
-                    if cur is None or cur.ndim != 0 or isinstance(cur, DTensor):
-                        cur = torch.zeros((), dtype=km.properties.dtype)
-                else:
-                    raise CheckpointError(f"checkpoint {path}: optimizer state `{name}` of `{fqn}` has shape "
-                                          f"{_fmt_shape(size)} but the parameter has {_fmt_shape(m.shape)}")
-                state[name] = cur
-                sd[k] = cur
-    return sd, post
-
-
-def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any = None, verify: bool = True,
-                    restore_rng: bool = True) -> dict:
-    """Load checkpoint ``path`` into ``model`` (and ``optimizer``) in place, under whatever
-    layout and mesh they are sharded with now; return the saved ``extra`` dict.  Collective.
-    Raises :class:`CheckpointError` (on every rank) for a bad or mismatched checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    path = resolve_path(path)
-    rank, world = _rank(), _world()
-    # rank 0 reads meta.json; each rank verifies every world-th file; all agree before DCP runs
-    meta, err = None, None
-    if rank == 0:
-        try:
-            if not os.path.isdir(path):
-                raise CheckpointError(f"checkpoint {path}: no such directory (checkpoint.resume={path!r})")
-            if not os.path.isfile(os.path.join(path, COMMIT)):
-                raise CheckpointError(verify_checkpoint(path) or f"checkpoint {path}: incomplete")
-            meta = read_meta(path)
-        except CheckpointError as e:
-            err = str(e)
-    meta, err = _bcast((meta, err))
-    if err:
-        raise CheckpointError(err)
-    if verify:
-        names = sorted(meta.get("files", {}))
-        part = {"files": {n: meta["files"][n] for i, n in enumerate(names) if i % world == rank}}
-        _agree(verify_checkpoint(path, part))
-    err = None
-    try:
-        md = _read_dcp_metadata(path)
-        sd, post = _plan_load(path, md, model, optimizer, meta)
-    except CheckpointError as e:
-        err, sd, post = str(e), {}, []
-    _agree(err)
-    try:
-        dcp.load(sd, storage_reader=FileSystemReader(path))
-    except Exception as e:  # noqa: BLE001 (DCP gathers every rank's error, so all ranks land here)
-        raise CheckpointError(f"checkpoint {path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
-    copy_followers(post)  # NOTE [checkpoint weights]: what did not load the weights follows them
-    drop_grads(_params(model), optimizer)  # gradients of the replaced weights
-    try:
-        blob = torch.load(os.path.join(path, EXTRA), weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, EXTRA)} is unreadable ({type(e).__name__}: {e})") from None
-    if optimizer is not None:
-        _restore_groups(path, optimizer, blob)
-    if restore_rng and meta.get("world_size") == world:
-        f = os.path.join(path, "rng", f"rank{rank}.pt")
-        if os.path.isfile(f):
-            rng = torch.load(f, weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-    extra = dict(blob.get("extra", {}))
-    extra.setdefault("step", meta.get("step"))
-    return extra
-
-
-def _restore_groups(path: str, optimizer: Any, blob: dict) -> None:
-    inner = _inner(optimizer)
-    masters = _masters(optimizer)
-    by_fqn_group = {}
-    for i, g in enumerate(inner.param_groups):
-        for p in g["params"]:
-            fqn = next((f for f, m in masters.items() if m is p), None)
-            if fqn is not None:
-                by_fqn_group[fqn] = i
-    for sg in blob.get("param_groups", []):
-        idx = {by_fqn_group.get(f) for f in sg["params"]} - {None}
-        for i in idx:
-            for k, v in sg.items():
-                if k != "params":
-                    inner.param_groups[i][k] = v
-    for fqn, other in blob.get("optim_other", {}).items():
-        if fqn in masters:
-            inner.state.setdefault(masters[fqn], {}).update(other)
-
-
 # --------------------------------------------------------------------------- Checkpointer
 class Checkpointer:
     """What the train loop talks to: ``resume()`` once, ``maybe_save(step, extra)`` every
-    step, ``close()`` at the end.  ``cfg.dir=None`` disables saving."""
+    step, ``close()`` at the end.  ``cfg.dir=None`` disables saving.
+
+    ``resume()`` also settles the run id (NOTE [one run per checkpoint directory] in
+    _ckpt_runs.py): the resumed checkpoint's, or a new one, and claims ``cfg.dir`` for it;
+    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``)."""
 
     def __init__(self, cfg: CheckpointConfig, *, model: nn.Module, optimizer: Any = None, mesh: Any = None,
                  run_meta: Optional[dict] = None):
@@ -551,6 +381,8 @@ class Checkpointer:
         self.mesh = mesh
         self.run_meta = dict(run_meta or {})
         self.last_saved: Optional[str] = None
+        self.run_id: Optional[str] = None
+        self.resumed: Optional[dict] = None
 
     def _resume_path(self) -> Optional[str]:
         from meshlm.config import check_resume
@@ -565,10 +397,42 @@ class Checkpointer:
             return _bcast(latest_checkpoint(self.cfg.dir) if _rank() == 0 else None)
         return str(r)
 
+    def _settle_run(self, path: Optional[str]) -> tuple[str, Optional[dict]]:
+        """(run id, meta of the checkpoint resumed from); rank 0 only; raises CheckpointError."""
+        root = self.cfg.dir
+        cps = list_checkpoints(root) if root else []
+        meta = None
+        if path is None:
+            if root and self.cfg.resume is None:
+                _runs.check_fresh(root, cps)
+            rid = (_runs.dir_owner(root) if root else None) or _runs.new_run_id()
+        else:
+            path = resolve_path(path)
+            meta = dict(read_meta(path), path=path)
+            rid = meta.get("run_id") or _runs.new_run_id()
+            if root:
+                _runs.check_resume(root, cps, meta.get("run_id"), int(meta.get("step", 0)))
+        if root:
+            _runs.claim(root, rid)
+        return rid, meta
+
+    def _settle(self, path: Optional[str]) -> None:
+        """``_settle_run`` on rank 0, its outcome (or its error) on every rank."""
+        out, err = (None, None), None
+        if _rank() == 0:
+            try:
+                out = self._settle_run(path)
+            except CheckpointError as e:
+                err = str(e)
+        (self.run_id, self.resumed), err = _bcast((out, err))
+        if err:
+            raise CheckpointError(err)
+
     def resume(self) -> Optional[dict]:
         """Load the checkpoint ``cfg.resume`` names (``auto``: the latest complete one in
         ``cfg.dir``, None when there is none yet) and return its ``extra`` (with "step")."""
         path = self._resume_path()
+        self._settle(path)
         if path is None:
             return None
         return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
@@ -580,14 +444,21 @@ class Checkpointer:
         return self.save(step, extra)
 
     def save(self, step: int, extra: Optional[dict] = None) -> str:
-        """Save now (collective); keeps the last ``cfg.keep`` checkpoints."""
+        """Save now (collective); keeps the last ``cfg.keep`` checkpoints of this run."""
         if not self.cfg.dir:
             raise CheckpointError("Checkpointer.save: checkpoint.dir is not set; set checkpoint.dir=PATH")
         extra = dict(extra or {})
         extra.setdefault("step", step)
+        if self.run_id is None:  # saved without resume(): a run of its own
+            self._settle(None)
         self.last_saved = save_checkpoint(self.cfg.dir, step, model=self.model, optimizer=self.optimizer,
-                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep)
+                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep,
+                                          run_id=self.run_id)
         return self.last_saved
 
     def close(self) -> None:
         """Nothing is pending (saves are synchronous); here for symmetry with async saving."""
+
+
+# Loading lives in _ckpt_load.py, which uses the helpers above; import it through this module.
+from meshlm._ckpt_load import load_checkpoint, verify_checkpoint  # noqa: E402

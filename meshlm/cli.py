@@ -75,7 +75,7 @@ def _train_task(dc) -> None:
                 f"# {line}\n" for line in [f"effective on mesh {cfg.mesh}: {eff.summary()}", *eff.problems()])
             (run_dir / "config.yaml").write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             _write_job(run_dir, job)
-        launch(cfg, run_dir)
+        _exit_if_stopped(launch(cfg, run_dir))
     except Exception as e:  # noqa: BLE001 - a sweep goes on with its other jobs (below)
         if not isinstance(e, MeshlmError) and not multirun:
             raise
@@ -92,6 +92,20 @@ def _train_task(dc) -> None:
             _write_job(run_dir, {**job, "error": f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__})
         if not multirun:
             sys.exit(1)
+
+
+def _exit_if_stopped(summary) -> None:
+    """A run stopped by SIGTERM/SIGINT exits with status 128 + the signal number (143, 130;
+    NOTE [stopping on a signal] in meshlm/lifecycle.py), a sweep included."""
+    import signal
+
+    name = (summary or {}).get("stopped_by")
+    if not name:
+        return
+    if "global_step" not in summary:  # stopped before a worker reached its first step: nothing said it yet
+        print(f"meshlm train: stopped by {name} before the first step; nothing saved", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.exit(128 + int(getattr(signal, name)))
 
 
 def _effective(cfg):

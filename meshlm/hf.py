@@ -338,14 +338,15 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     """Convert a Hugging Face Llama or GPT-2 directory to a meshlm checkpoint (step 0, weights only)."""
     import torch.distributed as dist
 
-    from meshlm.checkpoint import save_checkpoint
+    from meshlm.checkpoint import CheckpointConfig, Checkpointer
     from meshlm.mesh import make_mesh
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     m = make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
     model = load_hf(path, layout if world > 1 or mesh else "single", m)
-    return save_checkpoint(out, 0, model=model, extra={"step": 0, "init_from": f"hf:{_strip(path)}"},
-                           run_meta={"converted_from": _strip(path)})
+    # a run of its own (step 0): `meshlm train checkpoint.dir=OUT checkpoint.resume=auto` continues it
+    ck = Checkpointer(CheckpointConfig(dir=out, keep=0), model=model, run_meta={"converted_from": _strip(path)})
+    return ck.save(0, {"step": 0, "init_from": f"hf:{_strip(path)}"})
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,22 @@ def _root_cause(err: Any) -> str:
     return out
 
 
+def _start_method() -> str:
+    """How workers start (NOTE [start-up] in docs/train.md, "Start-up time"): ``forkserver``
+    with ``meshlm.train`` preloaded, so torch and meshlm are imported once per job rather
+    than once per worker; ``MESHLM_START_METHOD=spawn`` starts each worker from scratch."""
+    import multiprocessing as mp
+
+    method = os.environ.get("MESHLM_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods():
+        from meshlm.errors import ConfigError
+
+        raise ConfigError(f"MESHLM_START_METHOD={method!r}: choose one of {', '.join(mp.get_all_start_methods())}")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["meshlm.train"])
+    return method
+
+
 def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | None:
     """Run training under ``cfg`` with its output in ``run_dir``; return rank 0's summary
     (None when this process is not rank 0 of a launch it started)."""
@@ -109,6 +127,8 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     if in_torchrun():
         return run(cfg, run_dir)
+    t0 = time.time()  # the workers' lifecycle.StartupClock
+    os.environ["MESHLM_LAUNCH_T0"] = str(t0)
     n = cfg.mesh.size()
     if n == 1:
         import torch.distributed as dist
@@ -119,6 +139,7 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
             if dist.is_initialized():
                 dist.destroy_process_group()
     check_world(cfg, n)
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -127,19 +148,28 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
     # The agent logs every failure and stack at ERROR level; we report the root cause once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
+    # "Received 15 death signal, shutting down workers": the run says what it did on a signal
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process ..." on a failure
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
     )
     env_threads = os.environ.get("OMP_NUM_THREADS")
     if env_threads is None:  # what torchrun does for more than one process per node
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     try:
-        elastic_launch(lc, worker)(cfg, str(run_dir))
+        elastic_launch(lc, worker)(cfg, str(run_dir), t0)
     except ChildFailedError as e:
         raise JobFailedError(_root_cause(e)) from None
+    except SignalException as e:
+        # SIGTERM/SIGINT to this process: the agent has passed it on to the workers and waited
+        # for them to save and stop (NOTE [stopping on a signal] in meshlm/lifecycle.py)
+        p = run_dir / "summary.json"
+        out = json.loads(p.read_text()) if p.exists() else {}
+        out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
+        return out
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 from meshlm import _torch_compat as compat
+from meshlm import lifecycle
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler
@@ -197,6 +198,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.optim import ShardedOptimizer
 
     t = cfg.train
+    clock = lifecycle.StartupClock()  # where start-up time goes: summary.json's startup_s
     run_dir = Path(run_dir)
     device = _device(t)
     _init_process_group(cfg, device)
@@ -206,18 +208,20 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     mesh = meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
     rank = dist.get_rank()
     is_main = rank == 0
+    clock.mark("process_group")
     _setup_logging(run_dir, rank)
     if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
     layout = meshlm.load_layout(cfg.layout.name)
+    mcfg = lifecycle.model_config(cfg, cfg.model)  # resumed: the checkpoint's model and shapes
     from meshlm.mesh import mesh_spec
 
     eff = _effective(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
 
     shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
-    model = build_sharded(cfg.model, layout, mesh, seed=t.seed, **shard_kw)
+    model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
@@ -246,22 +250,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             model.train()
         return total / n
 
-    ckpt = None
-    start = 0
-    if cfg.checkpoint.dir or cfg.checkpoint.resume:
-        try:
-            from meshlm.checkpoint import Checkpointer
-        except ImportError as e:
-            raise ConfigError(f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
-                              "set checkpoint.dir=null") from None
-        ckpt = Checkpointer(cfg.checkpoint, model=model, optimizer=opt, mesh=mesh,
-                            run_meta={"config": cfg.to_dict()})
-        extra = ckpt.resume()
-        if extra:
-            start = int(extra["step"])
-            loader.load_state_dict(extra["loader"])
-            if scaler is not None and "loss_scaler" in extra:
-                scaler.load_state_dict(extra["loss_scaler"])
+    # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
+    life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name,
+                               mesh_label=str(cfg.mesh), device=device)
+    start = life.resume(loader, scaler)
+    clock.mark("build")
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     header = (f"meshlm train: {cfg.model.label} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
@@ -280,6 +273,14 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         if not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if start >= t.steps:
+        life.close()
+        msg = lifecycle.nothing_to_do(start, t.steps, life)
+        log.info(msg)
+        if is_main:
+            writer.close()
+            print(f"meshlm train: {msg}", flush=True)
+        return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
     bar = None
     if is_main and t.progress:
@@ -288,6 +289,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
             bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout,
                        mininterval=0.5)
+            life.say = bar.write
         except ImportError:
             bar = None
 
@@ -304,6 +306,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if t.memory_snapshot and device.type == "cuda":
         compat.record_cuda_memory_history(True, max_entries=100_000)
     model.train()
+    life.install_signal_handlers()
+    step = start
     for step in range(start + 1, t.steps + 1):
         if t.profile and step == t.profile_start:
             prof = torch.profiler.profile(record_shapes=True, profile_memory=True, with_stack=False)
@@ -381,11 +385,12 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if step > start + 1 and step != measure_step:
             rates.append(tps)  # the first step includes compilation and warm-up; the measured one, tracking
         if first_loss is None:
+            clock.mark("first_step")
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
-        row: dict[str, Any] = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
-                               "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
+        row: dict[str, Any] = {"step": step, "steps_run": step - start, "loss": loss_val, "lr": lr,
+                               "grad_norm": gnorm, "tokens_per_s": tps, "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
                                "wall_s": time.perf_counter() - t_start, "rss_bytes": mem}
         if step == measure_step:
             row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
@@ -410,15 +415,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if bar is not None:
             bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {_fmt_bytes(mem)}", refresh=False)
             bar.update(1)
-        if ckpt is not None:
-            state = {"step": step, "loader": loader.state_dict()}
-            if scaler is not None:
-                state["loss_scaler"] = scaler.state_dict()
-            ckpt.maybe_save(step, state)
+        if life.after_step(step, functools.partial(_ckpt_state, step, loader, scaler)):
+            break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
     if bar is not None:
         bar.close()
-    if ckpt is not None:
-        ckpt.close()
+    life.close()
     if t.memory_snapshot and device.type == "cuda":
         compat.dump_cuda_memory_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
         compat.record_cuda_memory_history(False)
@@ -435,14 +436,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     rates.sort()
     summary = {
         "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.label, "world_size": world,
-        "steps": t.steps, "skipped_steps": skipped,
+        "steps": t.steps, "start_step": start, "steps_run": step - start, "global_step": step,
+        "run_id": life.run_id, "stopped_by": life.stop_name,
+        "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
         "layout_effective": eff.label(), "layout_warnings": eff.problems(),
         "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step,
         **measured, **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
         "rss_bytes_per_rank": int(peak[4].item()), "comm_bytes_per_step": comm_bytes,
         "first_train_loss": first_loss, "final_train_loss": last_loss, "final_val_loss": val_loss,
-        "wall_s": wall, "activation_checkpointed_blocks": n_ckpt,
+        "wall_s": wall, "startup_s": clock.result(), "activation_checkpointed_blocks": n_ckpt,
     }
     if is_main:
         assert writer is not None
@@ -453,11 +456,22 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
                   title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}")
         tp = summary["tokens_per_s"]
-        print(f"done: {t.steps - start} steps in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, val_loss "
-              f"{val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in {run_dir}",
-              flush=True)
+        if life.stop_signal:
+            print(f"meshlm train: {life.stopped_line(step)}", flush=True)
+        else:
+            print(f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
+                  f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in "
+                  f"{run_dir}", flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
+    """What a checkpoint holds besides the tensors: step, data-loader position, loss scale."""
+    state = {"step": step, "loader": loader.state_dict()}
+    if scaler is not None:
+        state["loss_scaler"] = scaler.state_dict()
+    return state
 
 
 def _effective(cfg: RunConfig, layout, resolved: dict[str, int]):
@@ -497,10 +511,12 @@ def _mem_line(s: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- worker entry
-def worker(cfg: RunConfig, run_dir: str) -> None:
+def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> None:
     """Entry point of a worker started by ``meshlm.launch``: train, then leave the process
     group.  On an error the worker records it in the launcher's error file (the root cause
     the launcher prints once) and in ``logs/rank<N>.log``, and exits quietly with status 1."""
+    if launch_t0 is not None:  # a forkserver's environment is that of the job it first served
+        os.environ[lifecycle.LAUNCH_T0] = str(launch_t0)
     try:
         run(cfg, run_dir)
     except BaseException as e:  # noqa: BLE001 - everything must reach the error file

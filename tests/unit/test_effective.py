@@ -92,3 +92,16 @@ def test_layout_show_prints_the_effective_sharding():
     out = layout_table("llama_tiny", "tp", "fsdp=4")
     assert "effective on this mesh: data parallel over fsdp=4" in out
     assert "warning: layout 'tp' on mesh fsdp=4: its tensor parallel (tp) drops out" in out
+
+
+def test_a_pipeline_axis_no_layout_uses_is_duplicated_work():
+    """``mesh.pp=2``: no shipped layout names ``pp`` (no pipeline parallelism yet), so its two
+    ranks run identical copies; a warning naming the axis, an error under strict."""
+    eff = check(load_layout("fsdp_tp"), {"fsdp": 2, "tp": 2, "pp": 2}, strict=False)
+    assert eff.unused == ["pp"]
+    [msg] = eff.problems()
+    assert "'pp' (size 2)" in msg and "2x duplicated work" in msg
+    with pytest.raises(LayoutError, match=r"'pp' \(size 2\).*layout.strict=true"):
+        check(load_layout("fsdp_tp"), {"fsdp": 2, "tp": 2, "pp": 2}, strict=True)
+    with pytest.raises(LayoutError, match=r"'tp' \(size 2\)"):
+        check(load_layout("ddp"), {"dp": 1, "fsdp": 2, "tp": 2}, strict=True)

@@ -1,0 +1,166 @@
+"""A run as a scheduler and a user drive it, through the real ``meshlm train`` on 2 gloo
+processes: SIGTERM mid-run saves and the resume continues the uninterrupted loss curve
+exactly; a resume at the last step exits 0; a second fresh run into the same checkpoint
+directory refuses and changes nothing; a converted Hugging Face checkpoint resumes from its
+directory alone (meshlm/lifecycle.py, meshlm/_ckpt_runs.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 30
+RUN = ["model=llama_tiny", "layout=fsdp", "mesh=fsdp2", "train.seq_len=32", "train.batch_size=8",
+       "train.warmup_steps=2", "train.val_every=0", "train.val_batches=1", "train.progress=false",
+       "train.pg_timeout_s=60", f"train.steps={STEPS}", "checkpoint.every=0"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides,
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return p.returncode, out, err
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """An uninterrupted run; the same run sent SIGTERM (the launcher only, as Kubernetes
+    does) after step 3; its resume with checkpoint.resume=auto."""
+    d = tmp_path_factory.mktemp("preempt")
+    rc, out, err = _finish(_start(d / "ref"))
+    assert rc == 0, err[-3000:]
+    ref = _losses(d / "ref")
+    assert sorted(ref) == list(range(1, STEPS + 1))
+
+    ck = d / "ck"
+    p = _start(d / "run1", f"checkpoint.dir={ck}")
+    deadline = time.time() + 240
+    while p.poll() is None and time.time() < deadline:
+        m = d / "run1" / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    os.kill(p.pid, signal.SIGTERM)
+    stopped = _finish(p)
+    listing = sorted(os.listdir(ck))
+    resumed = _finish(_start(d / "run2", f"checkpoint.dir={ck}", "checkpoint.resume=auto"))
+    return {"dir": d, "ck": ck, "ref": ref, "stopped": stopped, "listing": listing,
+            "resumed": resumed}
+
+
+def test_sigterm_saves_and_exits_143_without_a_traceback(preempted):
+    rc, out, err = preempted["stopped"]
+    assert rc == 143, (out[-2000:], err[-3000:])
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    got = _losses(preempted["dir"] / "run1")
+    last = max(got)
+    assert 3 <= last < STEPS and sorted(got) == list(range(1, last + 1))
+    assert preempted["listing"] == ["run.json", f"step_{last:08d}"]
+    [line] = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
+    assert f"global steps 1-{last} of {STEPS}" in line and f"step_{last:08d}" in line and "exit status 143" in line
+    assert f"saved step {last} (stopping on SIGTERM)" in out
+
+
+def test_resume_after_sigterm_equals_the_uninterrupted_curve(preempted):
+    rc, out, err = preempted["resumed"]
+    assert rc == 0, err[-3000:]
+    before = _losses(preempted["dir"] / "run1")
+    after = _losses(preempted["dir"] / "run2")
+    last = max(before)
+    assert sorted(after) == list(range(last + 1, STEPS + 1))
+    for step, loss in {**before, **after}.items():
+        assert loss == preempted["ref"][step], f"step {step}: {loss} != uninterrupted {preempted['ref'][step]}"
+    assert f"resumed from step {last} ({preempted['ck']}/step_{last:08d}" in out
+    assert "saved under layout fsdp, mesh fsdp=2 (2 ranks); now layout fsdp, mesh fsdp=2 (2 ranks)" in out
+    assert f"done: {STEPS - last} steps (this process; global steps {last + 1}-{STEPS} of {STEPS})" in out
+    rows = [json.loads(x) for x in (preempted["dir"] / "run2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["steps_run"] for r in rows] == list(range(1, STEPS - last + 1))
+    s = json.loads((preempted["dir"] / "run2" / "summary.json").read_text())
+    assert (s["start_step"], s["steps_run"], s["global_step"]) == (last, STEPS - last, STEPS)
+
+
+def test_resume_at_the_last_step_exits_0(preempted, tmp_path):
+    rc, out, err = _finish(_start(tmp_path, f"checkpoint.dir={preempted['ck']}", "checkpoint.resume=auto"))
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert f"nothing to do: the checkpoint resumed is at step {STEPS}" in out and "raise train.steps" in out
+
+
+def test_a_second_fresh_run_into_the_directory_refuses(preempted, tmp_path):
+    before = _digest(preempted["ck"])
+    rc, out, err = _finish(_start(tmp_path, f"checkpoint.dir={preempted['ck']}", "train.seed=1"))
+    assert rc == 1
+    assert "CheckpointError" in err and f"checkpoint.dir='{preempted['ck']}'" in err
+    assert "checkpoint.resume=auto" in err and "another checkpoint.dir" in err
+    assert _digest(preempted["ck"]) == before
+
+
+def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
+    """``meshlm convert <hf> <ck>`` then ``checkpoint.resume=auto`` with the default model:
+    the model config comes with the checkpoint, and training continues from the Hugging
+    Face weights exactly as ``model.init_from`` starts from them."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, head_dim=8, rms_norm_eps=1e-5,
+                                   rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    conv = subprocess.run([sys.executable, "-m", "meshlm.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "ck")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    base = [a for a in RUN if not a.startswith(("model=", "train.steps="))] + ["train.steps=3"]
+
+    def run(run_dir, *overrides):
+        p = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *base, *overrides,
+                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return _finish(p)
+
+    rc, out, err = run(tmp_path / "resumed", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=auto")
+    assert rc == 0, err[-3000:]
+    assert "model config from the checkpoint resumed" in out and "embed=32" in out
+    assert "resumed from step 0" in out
+    rc, out, err = run(tmp_path / "init", f"model.init_from={tmp_path / 'hf'}")
+    assert rc == 0, err[-3000:]
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "init")
+    run_id = json.loads((tmp_path / "ck" / "run.json").read_text())["run_id"]
+    metas = [json.loads((tmp_path / "ck" / d / "meta.json").read_text()) for d in ("step_00000000",)]
+    assert [m["run_id"] for m in metas] == [run_id]
