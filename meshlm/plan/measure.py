@@ -1,0 +1,170 @@
+"""Measure one training step of any model on fake tensors: per-rank memory and every
+collective, with no hardware and no per-model formula.
+
+NOTE [fake measurement]
+    ``measure`` builds the model on the meta device (``build("meta")``), shards it with
+    ``meshlm.shard`` on a mesh of the fake process group (``backend="fake"``: every
+    collective is a no-op with the right shapes) and runs what ``meshlm train`` runs, under
+    torch's ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no data):
+    ``train.grad_accum`` micro-batches of forward and backward on this rank's slice of the
+    tokens and targets, then the optimizer step (``ShardedOptimizer`` over AdamW), twice.
+    The second step is measured as ``meshlm train`` measures its own (NOTE [run memory] in
+    meshlm/metrics.py), so the two compare directly:
+
+    - ``params``, ``grads`` (after the last backward), ``optimizer`` (after the step):
+      the storages of parameters, gradients (``.grad``, main gradients, the masters'),
+      masters and optimizer state, each counted once;
+    - ``activations``: the storages the first forward made that are still alive when it
+      returns, less the parameters, the inputs and the loss: what autograd and
+      checkpointing hold for backward, at-use parameter copies included;
+    - ``peak``: the most storage alive at once during the step, model state included
+      (``meshlm.memory.PeakStorage``);
+    - ``comm``: every collective of the step (``meshlm.comm.CommCounter``);
+    - ``flops``: this rank's floating-point operations in the step
+      (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
+      included).
+
+    Storages are told apart by their storage object, never by data pointers (a fake
+    tensor has none).  This process plays rank 0; every rank holds the same shapes except
+    where a dim does not divide evenly, where rank 0 holds the largest shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshlm.comm import CommCounter
+
+Build = Callable[[str], torch.nn.Module]
+
+
+@dataclass
+class Measured:
+    """One fake step's figures, per rank (NOTE [fake measurement])."""
+
+    memory: dict[str, int]  # params, grads, optimizer, activations, peak
+    comm: CommCounter
+    flops: int
+    psi: int  # parameters of the model
+
+
+def _local(t):
+    from meshlm.memory import local_data
+
+    return local_data(t)
+
+
+def _key(t) -> int:
+    return _local(t).untyped_storage()._cdata
+
+
+def _nbytes(ts) -> dict[int, int]:
+    """Storage -> bytes for the tensors ``ts`` (None skipped), each storage once."""
+    out = {}
+    for t in ts:
+        if t is not None:
+            st = _local(t).untyped_storage()
+            out[st._cdata] = st.nbytes()
+    return out
+
+
+class _Made(TorchDispatchMode):
+    """Notes the storage of every op output (weakly), to sum what is still alive later."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = _local(t).untyped_storage()
+                old = self.made.get(st._cdata)
+                if old is None or old.expired():  # a storage freed since may have left its address
+                    self.made[st._cdata] = StorageWeakRef(st)
+        return out
+
+    def alive(self, exclude: set[int]) -> int:
+        """Bytes of the noted storages still alive, at their size now, less ``exclude``."""
+        n = 0
+        for key, ref in list(self.made.items()):
+            if not ref.expired() and key not in exclude:
+                n += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return n
+
+
+def _grads(model, opt) -> list:
+    params = list(model.parameters())
+    return ([p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
+            + [m.grad for m in opt.masters().values()])
+
+
+def _state(model, opt) -> tuple[dict[int, int], dict[int, int]]:
+    """(params, optimizer) storages -> bytes: the masters that are not a parameter's own
+    storage, and the optimizer's state."""
+    params = _nbytes(model.parameters())
+    inner = [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    opt_ = {k: v for k, v in _nbytes(list(opt.masters().values()) + inner).items() if k not in params}
+    return params, opt_
+
+
+def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch: int, seq: int,
+            grad_accum: int = 1, activation_checkpointing: str = "none",
+            shard_kw: "Mapping[str, Any] | None" = None) -> Measured:
+    """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
+    of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
+    sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
+    ``meshlm.shard``'s dtype arguments (``meshlm.train.shard_dtypes``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import meshlm
+    from meshlm.memory import PeakStorage
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.train import apply_activation_checkpointing
+
+    mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
+    micro = global_batch // grad_accum
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
+        apply_activation_checkpointing(model, activation_checkpointing)
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        psi = sum(p.numel() for p in model.parameters())
+        toks = torch.zeros(micro, seq + 1, dtype=torch.long)
+        x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
+        y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+        inputs = {_key(x), _key(y)}
+
+        def step(first: bool, cc=None, made=None) -> tuple[int, int]:
+            held, grads = 0, 0
+            for i in range(grad_accum):
+                ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
+                with ctx, (cc.phase("forward") if cc is not None else contextlib.nullcontext()):
+                    loss = model(x, y)
+                if made is not None and i == 0:
+                    held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
+                (loss / grad_accum).backward()
+            grads = sum(_nbytes(_grads(model, opt)).values())
+            with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
+                opt.step()
+            opt.zero_grad()
+            return held, grads
+
+        step(True)
+        params, state = _state(model, opt)
+        seed = list(model.parameters()) + list(opt.masters().values()) + [
+            v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        cc, made, flops = CommCounter(mesh), _Made(), FlopCounterMode(display=False)
+        peak = PeakStorage(seed)
+        with flops, cc, peak:
+            held, grads = step(False, cc, made)
+    memory = {"params": sum(params.values()), "grads": grads, "optimizer": sum(state.values()),
+              "activations": held, "peak": peak.peak}
+    return Measured(memory, cc, int(flops.get_total_flops()), psi)
