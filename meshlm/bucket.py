@@ -32,6 +32,7 @@ NOTE [local blocks]
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -42,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from meshlm import _dtensor_ops, main_grad
+from meshlm.memory import where
 
 # torch 2.13 renamed funcol.reduce_scatter_tensor (now a deprecated alias that warns on
 # every eager call) to reduce_scatter_single; both issue the same _c10d_functional op.
@@ -331,12 +333,21 @@ def link(keys: Sequence[int], params: Sequence[Callable[[], list]]) -> None:
         _ORDER[id(get()[0])] = (blocks[n + 1] if n + 1 < len(blocks) else None, blocks[n - 1] if n else None)
 
 
+# NOTE [fake eager]: a fake tensor mode usually means torch.compile is tracing, but
+# meshlm.plan's measurement (NOTE [fake measurement] in meshlm/plan/measure.py) runs the
+# eager step on fake tensors and must take the eager paths (free and re-gather, prefetch,
+# the local root) exactly as a real run does.
+FAKE_IS_EAGER: contextvars.ContextVar[bool] = contextvars.ContextVar("meshlm_fake_is_eager", default=False)
+
+
 def _eager() -> bool:
-    return not torch.compiler.is_compiling() and torch._guards.detect_fake_mode() is None
+    if torch.compiler.is_compiling():
+        return False
+    return torch._guards.detect_fake_mode() is None or FAKE_IS_EAGER.get()
 
 
 def _stamp(params) -> tuple:
-    return tuple((p._local_tensor.data_ptr(), p._local_tensor._version) for p in params)
+    return tuple((where(p._local_tensor), p._local_tensor._version) for p in params)
 
 
 def _compute_locals(b: Bucket, params) -> list[Tensor]:
@@ -427,13 +438,13 @@ class Freed:
 
     def __init__(self, key: int, params, xs: Sequence[Tensor], local: bool):
         self.key, self.params, self.local = key, tuple(params), local
-        own = {p._local_tensor.untyped_storage().data_ptr() for p in params}
+        own = {p._local_tensor.untyped_storage()._cdata for p in params}  # storages, NOTE [fake eager]
         self.slots: dict[int, tuple[torch.UntypedStorage, int, list]] = {}
         for j, x in enumerate(xs):
             st = x.untyped_storage()
-            if st.data_ptr() in own or st.nbytes() == 0:  # a stored shard itself: never freed
+            if st._cdata in own or st.nbytes() == 0:  # a stored shard itself: never freed
                 continue
-            self.slots.setdefault(st.data_ptr(), (st, st.nbytes(), []))[2].append((j, x))
+            self.slots.setdefault(st._cdata, (st, st.nbytes(), []))[2].append((j, x))
         self.freed = False
 
     def free(self) -> None:

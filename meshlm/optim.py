@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshlm import main_grad
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
+from meshlm.memory import where
 
 
 class ShardedOptimizer:
@@ -187,7 +188,7 @@ class ShardedOptimizer:
             local_params = []
             for m in group["params"]:
                 lp = self._locals.get(id(m))
-                if lp is None or lp.data.data_ptr() != m._local_tensor.data_ptr():
+                if lp is None or where(lp.data) != where(m._local_tensor):
                     lp = self._locals[id(m)] = nn.Parameter(m._local_tensor, requires_grad=m.requires_grad)
                 g = m.grad
                 lp.grad = None if g is None else (g._local_tensor if isinstance(g, DTensor) else g)
@@ -214,7 +215,7 @@ class ShardedOptimizer:
         if not (isinstance(m, DTensor) and not isinstance(v, DTensor) and v.shape == m._local_tensor.shape):
             return v
         d = self._wrapped.get((id(m), key))
-        if d is None or d._local_tensor.data_ptr() != v.data_ptr() or d._local_tensor.shape != v.shape:
+        if d is None or where(d._local_tensor) != where(v) or d._local_tensor.shape != v.shape:
             d = self._wrapped[(id(m), key)] = DTensor.from_local(v, m.device_mesh, m.placements, run_check=False,
                                                           shape=m.shape, stride=m.stride())
         return d

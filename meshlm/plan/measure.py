@@ -40,6 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.comm import CommCounter
+from meshlm.errors import ConfigError
 
 Build = Callable[[str], torch.nn.Module]
 
@@ -100,21 +101,6 @@ class _Made(TorchDispatchMode):
         return n
 
 
-def _grads(model, opt) -> list:
-    params = list(model.parameters())
-    return ([p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
-            + [m.grad for m in opt.masters().values()])
-
-
-def _state(model, opt) -> tuple[dict[int, int], dict[int, int]]:
-    """(params, optimizer) storages -> bytes: the masters that are not a parameter's own
-    storage, and the optimizer's state."""
-    params = _nbytes(model.parameters())
-    inner = [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    opt_ = {k: v for k, v in _nbytes(list(opt.masters().values()) + inner).items() if k not in params}
-    return params, opt_
-
-
 def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch: int, seq: int,
             grad_accum: int = 1, activation_checkpointing: str = "none",
             shard_kw: "Mapping[str, Any] | None" = None) -> Measured:
@@ -122,16 +108,36 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
     ``meshlm.shard``'s dtype arguments (``meshlm.train.shard_dtypes``)."""
+    import torch.distributed as dist
+
+    import meshlm
+    from meshlm.bucket import FAKE_IS_EAGER
+
+    own = not dist.is_initialized()
+    if not own and dist.get_backend() != "fake":
+        raise ConfigError(f"meshlm.plan measures on a fake process group, but this process is in a "
+                          f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
+                          "resolved before launch), or use plan.method=formula")
+    token = FAKE_IS_EAGER.set(True)  # NOTE [fake eager] in bucket.py
+    try:
+        mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
+        return _measure(build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing,
+                        shard_kw)
+    finally:
+        FAKE_IS_EAGER.reset(token)
+        if own and dist.is_initialized():
+            dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)
+
+
+def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw) -> Measured:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     import meshlm
-    from meshlm.memory import PeakStorage
+    from meshlm.memory import PeakStorage, model_state_bytes
     from meshlm.optim import ShardedOptimizer
     from meshlm.train import apply_activation_checkpointing
 
-    mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
-    micro = global_batch // grad_accum
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
         apply_activation_checkpointing(model, activation_checkpointing)
@@ -142,8 +148,9 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
         y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
         inputs = {_key(x), _key(y)}
 
-        def step(first: bool, cc=None, made=None) -> tuple[int, int]:
-            held, grads = 0, 0
+        def step(cc=None, made=None) -> tuple[int, int]:
+            """One step as meshlm train runs it; (held activations, grads after backward)."""
+            held = 0
             for i in range(grad_accum):
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
                 with ctx, (cc.phase("forward") if cc is not None else contextlib.nullcontext()):
@@ -151,20 +158,20 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
                 if made is not None and i == 0:
                     held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
                 (loss / grad_accum).backward()
-            grads = sum(_nbytes(_grads(model, opt)).values())
+            grads = model_state_bytes(model, opt)["grads"]
             with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                 opt.step()
             opt.zero_grad()
             return held, grads
 
-        step(True)
-        params, state = _state(model, opt)
+        step()
         seed = list(model.parameters()) + list(opt.masters().values()) + [
             v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
         cc, made, flops = CommCounter(mesh), _Made(), FlopCounterMode(display=False)
         peak = PeakStorage(seed)
         with flops, cc, peak:
-            held, grads = step(False, cc, made)
-    memory = {"params": sum(params.values()), "grads": grads, "optimizer": sum(state.values()),
+            held, grads = step(cc, made)
+        state = model_state_bytes(model, opt)
+    memory = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"],
               "activations": held, "peak": peak.peak}
     return Measured(memory, cc, int(flops.get_total_flops()), psi)
