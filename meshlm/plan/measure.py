@@ -11,7 +11,8 @@ NOTE [fake measurement]
     The second step is measured as ``meshlm train`` measures its own (NOTE [run memory] in
     meshlm/metrics.py), so the two compare directly:
 
-    - ``params``, ``grads`` (after the last backward), ``optimizer`` (after the step):
+    - ``params``, ``grads`` (after the last backward or in the step, whichever holds
+      more), ``optimizer`` (after the step):
       the storages of parameters, gradients (``.grad``, main gradients, the masters'),
       masters and optimizer state, each counted once;
     - ``activations``: the storages the first forward made that are still alive when it
@@ -161,6 +162,9 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             grads = model_state_bytes(model, opt)["grads"]
             with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                 opt.step()
+            # ZeRO-1 releases main gradients as the step reduces them into the masters'
+            # (NOTE [main grads] in main_grad.py): whichever point holds more
+            grads = max(grads, model_state_bytes(model, opt)["grads"])
             opt.zero_grad()
             return held, grads
 
