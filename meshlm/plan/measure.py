@@ -76,6 +76,17 @@ def _nbytes(ts) -> dict[int, int]:
     return out
 
 
+class _WaitIsIdentity(TorchDispatchMode):
+    """``wait_tensor`` returns its input, as a real collective's wait does; the fake
+    kernel returns a new tensor, which would count the collective's output twice while
+    both live (a prefetched gather, held until its block runs)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
 class _Made(TorchDispatchMode):
     """Notes the storage of every op output (weakly), to sum what is still alive later."""
 
@@ -139,7 +150,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
     from meshlm.optim import ShardedOptimizer
     from meshlm.train import apply_activation_checkpointing
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _WaitIsIdentity():
         model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
         apply_activation_checkpointing(model, activation_checkpointing)
         opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
