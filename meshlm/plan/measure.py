@@ -21,7 +21,7 @@ NOTE [fake measurement]
     - ``peak``: the most storage alive at once during the step, model state included
       (``meshlm.memory.PeakStorage``);
     - ``comm``: every collective of the step (``meshlm.comm.CommCounter``);
-    - ``flops``: this rank's floating-point operations in the step
+    - ``flops``: this rank's floating-point operations in a step (counted in the first)
       (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
       included).
 
@@ -179,12 +179,16 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             opt.zero_grad()
             return held, grads
 
-        step()
+        # FLOPs in the first step (the same ops): FlopCounterMode keeps module hooks whose
+        # references would hold a checkpointed block's recompute and raise the peak.
+        flops = FlopCounterMode(display=False)
+        with flops:
+            step()
         seed = list(model.parameters()) + list(opt.masters().values()) + [
             v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
-        cc, made, flops = CommCounter(mesh), _Made(), FlopCounterMode(display=False)
+        cc, made = CommCounter(mesh), _Made()
         peak = PeakStorage(seed)
-        with flops, cc, peak:
+        with cc, peak:
             held, grads = step(cc, made)
         state = model_state_bytes(model, opt)
     memory = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"],
