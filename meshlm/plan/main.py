@@ -83,7 +83,8 @@ def train_command(layout: str, mesh: dict, argv: Sequence[str] = ()) -> str:
     from meshlm.axes import MESH_AXES
 
     keep = [a for a in argv if a.split("=", 1)[0].lstrip("+~").split(".", 1)[0] not in ("layout", "mesh", "plan")]
-    mesh_args = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES if mesh.get(a, 1) != 1] or ["mesh=cpu1"]
+    # every mesh axis the planner enumerates, so none keeps the configured mesh's size
+    mesh_args = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES if a in ("dp", "fsdp", "tp") or mesh.get(a, 1) != 1]
     return " ".join(["meshlm", "train", *keep, f"layout={layout}", *mesh_args])
 
 

@@ -26,7 +26,7 @@ def plan_model(build: Build, layout, mesh: "Mapping[str, int] | str | MeshSpec",
 
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
-    sizes = dict(spec.axes)
+    sizes = {a: n for a, n in spec.axes if n > 1} or {"dp": 1}  # the mesh meshlm train builds
     kw = dict(shard_kw or {})
     m = measure(build, lay, sizes, global_batch=global_batch, seq=seq, grad_accum=grad_accum,
                 activation_checkpointing=activation_checkpointing, shard_kw=kw)

@@ -108,3 +108,24 @@ def test_measured_plan_is_exact_for_gpt2_4(pool4, layout):
 @pytest.mark.parametrize("ac", ["selective", "full"])
 def test_measured_plan_is_exact_for_gpt2_checkpointed(pool2, ac):
     _check(pool2, 2, "fsdp", ac)
+
+
+def test_plans_printed_command_runs(tmp_path):
+    """`meshlm plan layout=auto` ends with the `meshlm train` command of its winner, and that
+    command trains the winner's layout on the winner's mesh."""
+    import json
+    import shlex
+
+    from test_train_cli import TINY, meshlm
+
+    r = meshlm("plan", *TINY, "train.steps=2", "layout=auto", "plan.devices=2", "plan.profile=cpu", "plan.top=1",
+               f"plan.png={tmp_path / 'plan.png'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    winner = r.stdout.splitlines()[2].split()  # rank, layout, mesh, ...
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("run it: meshlm train "), last
+    args = shlex.split(last.removeprefix("run it: meshlm train "))
+    t = meshlm("train", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert t.returncode == 0, t.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["world_size"] == 2 and f"layout {winner[1]}" in t.stdout, (winner, t.stdout[:500])
