@@ -15,5 +15,5 @@ big="model=llama3_70b layout=auto plan.devices=256 plan.max_memory_per_device=80
 run 70b_none $big train.activation_checkpointing=none
 # shellcheck disable=SC2086
 run 70b_full $big train.activation_checkpointing=full plan.png=docs/plan_70b.png
-run tiny_measured model=llama_tiny layout=auto plan.devices=4 plan.profile=cpu train.batch_size=8 train.seq_len=32 \
-    plan.top=3 plan.png=outputs/plan/tiny.png
+run small_measured model=llama_small layout=auto plan.devices=4 plan.profile=cpu train.batch_size=16 \
+    train.seq_len=1024 plan.top=3 plan.png=outputs/plan/small.png

@@ -33,6 +33,7 @@ NOTE [fake measurement]
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -131,12 +132,18 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
                           f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
                           "resolved before launch), or use plan.method=formula")
     token = FAKE_IS_EAGER.set(True)  # NOTE [fake eager] in bucket.py
+    # DTensor warns, per redistribution, about sequential all-reduces over two mesh axes
+    # (a gradient Partial over dp and tp): a fact of the layout, not news to a planner's user
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
         return _measure(build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing,
                         shard_kw)
     finally:
         FAKE_IS_EAGER.reset(token)
+        log.setLevel(level)
         if own and dist.is_initialized():
             dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)
 
