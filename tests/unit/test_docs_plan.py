@@ -21,6 +21,12 @@ def test_every_regenerated_output_is_quoted_verbatim():
         assert f"```\n{f.read_text().rstrip()}\n```" in page, f"docs/plan.md does not quote {f.name} as it is"
 
 
+def test_readme_quotes_the_start_of_a_regenerated_output():
+    readme = (DOCS.parent / "README.md").read_text()
+    block = readme.split("abridged):\n\n```\n", 1)[1].split("\n```", 1)[0]
+    assert any(f.read_text().startswith(block + "\n") for f in OUTPUTS), block
+
+
 @pytest.mark.parametrize("name", [f.stem for f in OUTPUTS if "plan.method=formula" in f.read_text().splitlines()[0]])
 def test_formula_outputs_are_what_the_command_prints(name, capsys, monkeypatch):
     from meshlm.cli import main
