@@ -15,8 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
-from meshlm.checkpoint import (
+from meshlm._ckpt_files import (
     COMMIT,
     EXTRA,
     _agree,
@@ -30,6 +29,7 @@ from meshlm.checkpoint import (
     read_meta,
     resolve_path,
 )
+from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
 from meshlm.errors import CheckpointError
 
 

@@ -165,7 +165,7 @@ def plan_cmd(argv: list[str]) -> int:
     from meshlm.config import load_config
     from meshlm.plan import plan_main
 
-    return int(plan_main(load_config(argv)) or 0)
+    return int(plan_main(load_config(argv), argv) or 0)
 
 
 def convert_cmd(argv: list[str]) -> int:

@@ -132,6 +132,8 @@ class PlanConfig:
     format: str = "text"  #: text | json
     png: Optional[str] = None  #: layout=auto: memory plot of the candidates (meshlm plan: outputs/plan/...)
     top: int = 5  #: how many candidate layouts to show
+    headroom: float = 0.1  #: fraction of each device's memory layout=auto keeps free (allocator, runtime)
+    method: str = "measure"  #: measure (a fake step of any model) | formula (analytic, the shipped Llama only)
 
 
 @dataclass

@@ -185,6 +185,13 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
                               "model, or config.json (e.g. its layer count) does not describe them")
 
 
+def model_of(path: str) -> nn.Module:
+    """The meshlm model (on the meta device, no weights) of the Hugging Face directory
+    ``path``: what :func:`load_hf` fills, for planning it."""
+    fam, cfg = _read_config(_strip(path))
+    return fam.build(cfg)
+
+
 def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs: Any) -> nn.Module:
     """The meshlm model of the Hugging Face directory ``path`` (``hf:`` prefix allowed;
     ``model_type`` ``llama`` or ``gpt2``) sharded under ``layout`` on ``mesh``, with its

@@ -26,16 +26,23 @@ def local_data(t):
     return getattr(t, "elem", t)
 
 
+def where(t) -> tuple[int, int]:
+    """Where ``t``'s data starts: its storage (the object, not its address: a fake tensor's
+    storage has no address, NOTE [fake eager] in bucket.py) and its offset in it.  Equal for
+    two tensors exactly when their data pointers are."""
+    return compat.storage_key(t.untyped_storage()), t.storage_offset()
+
+
 def storage_bytes(ts: Iterable, seen: set[int]) -> int:
-    """Bytes of the storages of ``ts`` (None skipped) not already in ``seen`` (data
-    pointers, updated): each storage counted once however many tensors view it."""
+    """Bytes of the storages of ``ts`` (None skipped) not already in ``seen`` (storages,
+    by identity: ``where``; updated): each storage counted once however many tensors view it."""
     n = 0
     for t in ts:
         if t is None:
             continue
         st = local_data(t).untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
+        if st.nbytes() and compat.storage_key(st) not in seen:
+            seen.add(compat.storage_key(st))
             n += st.nbytes()
     return n
 
@@ -79,7 +86,7 @@ class PeakStorage(compat.TorchDispatchMode):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         st = t.untyped_storage()
-        key = st._cdata
+        key = compat.storage_key(st)
         if key in self.live:
             return
         self.live[key] = weakref.ref(st)

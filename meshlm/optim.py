@@ -46,6 +46,7 @@ from meshlm import _torch_compat as compat
 from meshlm import main_grad
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
+from meshlm.memory import where
 
 
 class ShardedOptimizer:
@@ -188,7 +189,7 @@ class ShardedOptimizer:
             local_params = []
             for m in group["params"]:
                 lp = self._locals.get(id(m))
-                if lp is None or lp.data.data_ptr() != compat.local_tensor(m).data_ptr():
+                if lp is None or where(lp.data) != where(compat.local_tensor(m)):
                     lp = self._locals[id(m)] = nn.Parameter(compat.local_tensor(m), requires_grad=m.requires_grad)
                 g = m.grad
                 lp.grad = None if g is None else (compat.local_tensor(g) if isinstance(g, DTensor) else g)
@@ -215,7 +216,7 @@ class ShardedOptimizer:
         if not (isinstance(m, DTensor) and not isinstance(v, DTensor) and v.shape == compat.local_tensor(m).shape):
             return v
         d = self._wrapped.get((id(m), key))
-        if d is None or compat.local_tensor(d).data_ptr() != v.data_ptr() or compat.local_tensor(d).shape != v.shape:
+        if d is None or where(compat.local_tensor(d)) != where(v) or compat.local_tensor(d).shape != v.shape:
             d = self._wrapped[(id(m), key)] = DTensor.from_local(v, m.device_mesh, m.placements, run_check=False,
                                                           shape=m.shape, stride=m.stride())
         return d

@@ -161,3 +161,17 @@ def main_grads_allowed(t) -> bool:
     added in eager Python code (NOTE [main grads] in main_grad.py), not inside compiled
     block graphs (``train.compile`` with ``compile_comms=graph``)."""
     return t.compile == "none" or t.compile_comms == "eager"
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_dtypes(t, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
+    """``meshlm.shard`` dtype arguments for ``t`` (the ``train`` config section) under ``layout`` on a mesh of ``sizes``
+    (NOTE [mixed precision] in precision.py, ``precision.train_dtypes``): parameters used
+    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
+    and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
+    under a narrower ``train.param_dtype``, storage in that dtype with float32 main
+    gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
+    return train_dtypes(DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], layout, sizes,
+                        main_grads=main_grads_allowed(t))

@@ -31,13 +31,13 @@ import torch.distributed as dist
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 from meshlm import _torch_compat as compat
 from meshlm import lifecycle
+from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
-from meshlm.precision import LossScaler
+from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
 
 log = logging.getLogger("meshlm.train")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteLossError(MeshlmError):
@@ -75,70 +75,6 @@ def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
         rank = rank * mesh.size(i) + mesh.get_local_rank(i)
         size *= mesh.size(i)
     return rank, size
-
-
-def _selective_policy():
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default}
-    cpu_sdpa = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if cpu_sdpa is not None:
-        save.add(cpu_sdpa.default)
-
-    def policy(ctx, op, *args, **kwargs):
-        # Random ops (meshlm.dropout's key draw) are saved too: the recompute must not draw
-        # again (NOTE [dropout keys] in meshlm/rng.py; lowering.policies.is_random).
-        if op in save or torch.Tag.nondeterministic_seeded in op.tags:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
-    """Wrap each ``@meshlm.block`` module's forward in torch.utils.checkpoint (non-reentrant).
-    ``full`` recomputes the whole block in backward; ``selective`` saves matmul and
-    attention outputs and recomputes the cheap elementwise ops."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    from meshlm.annotate import is_block
-    from meshlm.lower import keep_constraints
-
-    if mode == "none":
-        return 0
-    kw: dict[str, Any] = {"use_reentrant": False}
-    if mode == "selective":
-        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
-    n = 0
-    for m in model.modules():
-        if is_block(m):
-            inner = m.forward
-
-            def fwd(*args, _inner=inner, **kwargs):
-                # keep_constraints: the recompute in backward runs outside the sharded
-                # forward; without it constrain() would be the identity there.
-                return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
-
-            m.forward = fwd
-            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lowering.blocks.block_forward)
-            n += 1
-    return n
-
-
-def shard_dtypes(t: TrainConfig, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
-    """``meshlm.shard`` dtype arguments for ``t`` under ``layout`` on a mesh of ``sizes``
-    (NOTE [mixed precision] in precision.py, ``precision.train_dtypes``): parameters used
-    in ``train.param_dtype``, gradients reduced in ``train.reduce_dtype``
-    and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
-    under a narrower ``train.param_dtype``, storage in that dtype with float32 main
-    gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
-    from meshlm.precision import main_grads_allowed, train_dtypes
-
-    return train_dtypes(_DTYPES[t.param_dtype], _DTYPES[t.reduce_dtype], layout, sizes,
-                        main_grads=main_grads_allowed(t))
 
 
 def _device(t: TrainConfig) -> torch.device:

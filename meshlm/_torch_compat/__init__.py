@@ -12,6 +12,7 @@ this package names a private torch API.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Callable, Optional
 
 import torch
@@ -115,10 +116,37 @@ def local_tensor(t) -> Tensor:
     return t._local_tensor
 
 
+# NOTE [fake eager]: a fake tensor mode usually means torch.compile is tracing, but
+# meshlm.plan's measurement (NOTE [fake measurement] in meshlm/plan/measure.py) runs the
+# eager step on fake tensors and must take the eager paths (free and re-gather, prefetch,
+# the local root) exactly as a real run does: it sets this for the step it measures.
+FAKE_IS_EAGER: ContextVar[bool] = ContextVar("meshlm_fake_is_eager", default=False)
+
+
 def eager() -> bool:
-    """Whether this code runs eagerly on real tensors: not traced by Dynamo, nor by
-    AOTAutograd on fake tensors."""
-    return not torch.compiler.is_compiling() and not fake_mode_active()
+    """Whether this code runs eagerly: not traced by Dynamo, nor by AOTAutograd on fake
+    tensors (fake tensors under FAKE_IS_EAGER run eagerly: NOTE [fake eager])."""
+    if torch.compiler.is_compiling():
+        return False
+    return not fake_mode_active() or FAKE_IS_EAGER.get()
+
+
+def storage_nbytes_if_alive(ref) -> int:
+    """The size now of the storage a ``StorageWeakRef`` points at (it must not have expired)."""
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+
+
+def fake_tensor_mode(**kwargs):
+    """A new ``FakeTensorMode`` (``torch._subclasses``, private in every torch meshlm supports)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def storage_key(st) -> int:
+    """An untyped storage's identity: equal for two storages exactly when they are one
+    storage, fake storages included (a fake tensor's storage has no data pointer)."""
+    return st._cdata
 
 
 # --------------------------------------------------------------------------- dispatch, fake PG, memory

@@ -29,6 +29,7 @@ from torch import Tensor
 from meshlm import _torch_compat as compat
 from meshlm.bucket.flat import by_dtype, gather_flat, issue_gather, waited
 from meshlm.bucket.spec import BUCKETS, Bucket
+from meshlm.memory import where
 
 
 class Prefetch:
@@ -97,7 +98,7 @@ def current_site() -> Site:
 
 
 def _stamp(params) -> tuple:
-    return tuple((compat.local_tensor(p).data_ptr(), compat.local_tensor(p)._version) for p in params)
+    return tuple((where(compat.local_tensor(p)), compat.local_tensor(p)._version) for p in params)
 
 
 def compute_locals(b: Bucket, params) -> list[Tensor]:

@@ -33,13 +33,13 @@ class Freed:
 
     def __init__(self, key: int, params, xs: Sequence[Tensor], local: bool, site: Site = None):
         self.key, self.params, self.local, self.site = key, tuple(params), local, site
-        own = {compat.local_tensor(p).untyped_storage().data_ptr() for p in params}
+        own = {compat.storage_key(compat.local_tensor(p).untyped_storage()) for p in params}  # NOTE [fake eager]
         self.slots: dict[int, tuple[torch.UntypedStorage, int, list]] = {}
         for j, x in enumerate(xs):
             st = x.untyped_storage()
-            if st.data_ptr() in own or st.nbytes() == 0:  # a stored shard itself: never freed
+            if compat.storage_key(st) in own or st.nbytes() == 0:  # a stored shard itself: never freed
                 continue
-            self.slots.setdefault(st.data_ptr(), (st, st.nbytes(), []))[2].append((j, x))
+            self.slots.setdefault(compat.storage_key(st), (st, st.nbytes(), []))[2].append((j, x))
         self.freed = False
 
     def free(self) -> None:

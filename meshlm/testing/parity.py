@@ -131,8 +131,8 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
     on a local root or under DTensor (``root``; NOTE [local root] in meshlm/lowering/local_root.py).
     """
     import meshlm
+    from meshlm.activation_checkpointing import apply_activation_checkpointing
     from meshlm.lowering import shard_state
-    from meshlm.train import apply_activation_checkpointing
 
     compat.dynamo_reset()
     mesh = meshlm.make_mesh(mesh_shape)

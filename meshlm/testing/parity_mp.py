@@ -57,7 +57,7 @@ class BF16(FP32):
     def shard_dtypes(self, layout: str, mesh, compile: str | None, comms: str) -> dict:
         import meshlm
         from meshlm.config import TrainConfig
-        from meshlm.train import shard_dtypes
+        from meshlm.precision import shard_dtypes
 
         self.compiled = compile is not None
         t = TrainConfig(param_dtype="bfloat16", compile=compile or "none", compile_comms=comms)

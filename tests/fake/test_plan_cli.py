@@ -14,7 +14,7 @@ def test_plan_text_and_json(capsys):
     from meshlm.plan import plan_main
 
     over = ["model=llama3_70b", "mesh.dp=4", "mesh.fsdp=8", "mesh.tp=8", "layout=fsdp_tp",
-            "train.batch_size=256", "train.seq_len=8192", "train.param_dtype=bfloat16"]
+            "train.batch_size=256", "train.seq_len=8192", "train.param_dtype=bfloat16", "plan.method=formula"]
     assert plan_main(load_config(over)) == 0
     text = capsys.readouterr().out
     assert "layout fsdp_tp, mesh dp=4,fsdp=8,tp=8 (256 ranks)" in text and "param re-gather in backward" in text
@@ -29,7 +29,7 @@ def test_choose_layout_from_run_config(tmp_path):
     from meshlm.plan import choose_layout
 
     cfg = load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8", "train.seq_len=16",
-                       "plan.profile=cpu", f"plan.png={tmp_path / 'c.png'}"])
+                       "plan.profile=cpu", f"plan.png={tmp_path / 'c.png'}", "plan.method=formula"])
     out = io.StringIO()
     layout, mesh = choose_layout(cfg, out=out)
     assert layout in out.getvalue().splitlines()[2] and (tmp_path / "c.png").exists()
@@ -44,7 +44,7 @@ def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     assert plan_main(load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8",
-                                  "train.seq_len=16", "plan.profile=cpu"])) == 0
+                                  "train.seq_len=16", "plan.profile=cpu", "plan.method=formula"])) == 0
     (png,) = [p.relative_to(tmp_path) for p in tmp_path.rglob("*.png")]
     assert png.parts[:2] == ("outputs", "plan") and png.name == "plan.png" and len(png.parts) == 5, png
     assert f"(memory breakdown of these candidates: {png})" in capsys.readouterr().out
@@ -65,3 +65,46 @@ def test_405b_on_16384_ranks_plans():
     p = plan("llama3_405b", "fsdp_tp_sp", {"dp": 16, "fsdp": 128, "tp": 8}, global_batch=2048, seq=8192,
              activation_checkpointing="full", param_dtype="bfloat16", master_dtype="float32")
     assert p.world_size == 16384 and 0 < p.memory["total"] < 80 * 2**30
+
+
+def test_measured_plan_ends_with_the_train_command_of_its_winner(tmp_path, capsys):
+    """`meshlm plan layout=auto` (measured: a fake step per candidate) prints the winner's
+    `meshlm train` command: the given overrides, less layout/mesh/plan, plus the winner."""
+    from meshlm.config import load_config
+    from meshlm.plan import plan_main
+
+    argv = ["layout=auto", "model=llama_tiny", "mesh=dp2", "train.batch_size=4", "train.seq_len=8",
+            "plan.profile=cpu", f"plan.png={tmp_path / 'p.png'}", "plan.top=1"]
+    assert plan_main(load_config(argv), argv) == 0
+    out = capsys.readouterr().out
+    winner = out.splitlines()[2].split()
+    cmd = out.strip().splitlines()[-1]
+    assert cmd.startswith("run it: meshlm train model=llama_tiny train.batch_size=4 train.seq_len=8 "), cmd
+    assert f"layout={winner[1]}" in cmd and "plan." not in cmd and "mesh=dp2" not in cmd
+    sizes = dict(kv.split("=") for kv in winner[2].split(","))
+    assert [f"mesh.{a}={sizes.get(a, 1)}" for a in ("dp", "fsdp", "tp")] == cmd.split(f"layout={winner[1]} ")[1].split()
+
+
+def test_headroom_and_ties_toward_lower_memory():
+    """plan.headroom shrinks the limit; of two equally fast candidates the one with less
+    memory ranks first, whatever their communication time."""
+    from meshlm.plan import Candidate, Plan
+    from meshlm.plan.search import rank_key
+
+    def cand(total, comm_s):
+        p = Plan("m", "l", {"dp": 2}, 2, 2, 2, "float32", "float32", "none", {"total": total}, {})
+        return Candidate(p, {"step_s": 1.0, "comm_s": comm_s})
+
+    rows = sorted([cand(200, 0.1), cand(100, 0.5)], key=rank_key)
+    assert [r.plan.memory["total"] for r in rows] == [100, 200]
+    with pytest.raises(NothingFits_(), match=r"nothing fits in 0\.5 GiB"):
+        from meshlm.plan import choose_layout
+
+        choose_layout(model="llama_small", devices=1, max_memory="1GiB", headroom=0.5, global_batch=8, seq=4096,
+                      hardware="cpu", out=io.StringIO())
+
+
+def NothingFits_():
+    from meshlm.plan import NothingFits
+
+    return NothingFits

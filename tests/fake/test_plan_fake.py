@@ -56,3 +56,34 @@ def test_plan_comm_matches_fake_step_checkpointed(fake8, layout, ac):
     block's gathers and (early-stopped) tensor-parallel collectives in backward, and the
     lowering nests no re-gathering checkpoint of its own inside it."""
     _check_comm(layout, ac)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_measured_plan_equals_the_llama_formula(fake8, layout, ac):
+    """The measured planner (one fake step of the model, NOTE [fake measurement] in
+    meshlm/plan/measure.py) against the analytic one for our Llama, where the formula is
+    exact (tests/dist/test_plan_exact.py): model state and every collective equal, and the
+    held activations equal the formula's activations plus its held parameter copies, which
+    the measurement cannot tell apart, plus, under a local root (pure data parallelism,
+    NOTE [local root] in meshlm/root.py), the 4-byte loss weight it keeps beside the loss,
+    which the formula leaves out."""
+    from meshlm.layout import load_layout
+    from meshlm.lower import _pure_data_parallel
+    from meshlm.models import Llama, llama_config
+    from meshlm.plan import plan, plan_model
+
+    cfg = llama_config("llama_tiny")
+    m = plan_model(lambda device: Llama(cfg, device=device), layout, MESHES[layout], global_batch=B, seq=S,
+                   activation_checkpointing=ac)
+    p = plan("llama_tiny", layout, MESHES[layout], global_batch=B, seq=S, activation_checkpointing=ac)
+    for k in ("params", "grads", "optimizer"):
+        assert m.memory[k] == p.memory[k], f"{layout} {k}: measured {m.memory[k]} formula {p.memory[k]}"
+    root_weight = 4 if _pure_data_parallel(load_layout(layout), MESHES[layout]) else 0
+    assert m.memory["activations"] == p.memory["activations"] + p.memory["gathered"] + root_weight
+    assert m.memory["peak"] >= m.memory["params"] + m.memory["optimizer"] + m.memory["activations"]
+
+    def summary(x):
+        return {k: (int(v["count"]), int(v["bytes"])) for k, v in x.comm_summary(by_phase=True).items()}
+
+    assert summary(m) == summary(p)

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 COMPAT = REPO / "meshlm" / "_torch_compat"
 # Private attributes of torch objects that are not reached through a ``torch.`` chain.
-PRIVATE_ATTRS = {"_local_tensor", "_spec", "_op_dispatcher", "_execution_engine"}
+PRIVATE_ATTRS = {"_local_tensor", "_spec", "_op_dispatcher", "_execution_engine", "_cdata"}
 
 
 def _private(dotted: str) -> bool:

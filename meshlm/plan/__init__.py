@@ -1,0 +1,66 @@
+"""``meshlm plan``: per-rank memory and communication of a model under a layout and mesh,
+without the hardware, and automatic layout choice under a memory limit.
+
+Two planners share the report, the search and the cost model:
+
+- measured (any model): one training step run on fake tensors under the fake process
+  group (NOTE [fake measurement] in measure.py); what ``meshlm plan`` uses for a model
+  built by ``meshlm.plan.main.build_model``;
+- analytic (our Llama): the figures below, from the lowering's plans and formulas.
+
+The analytic planner computes everything from the per-parameter plans of
+``meshlm.lower.plan_params`` on a meta-device model (no tracing, no process group), so
+Llama 3 405B on 16,384 ranks plans in seconds.  Each figure sits beside its textbook
+formula (README, shipped layouts): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
+and the activation formula re-derived for our Llama block (docs/plan.md).
+
+NOTE [plan = lowering]
+    The predictions mirror what ``meshlm.shard`` + ``ShardedOptimizer`` do, parameter by
+    parameter: storage/grads/optimizer placements give the memory; the difference between
+    storage and compute placements gives the at-use all-gathers (again in backward for a
+    block whose parameters are gathered over a data axis: NOTE [re-gather in backward] in
+    meshlm/lowering); the data axes that split the batch give the gradient reductions (a
+    reduce-scatter where the grads placement shards over the axis, else an all-reduce, in
+    mesh order).  tests/dist/test_plan_exact.py holds the two to equality on real gloo runs.
+
+Modules, each importing only those above it (and meshlm's core, never the app; measure imports
+meshlm.train's activation checkpointing lazily, until it moves out of the app):
+
+    report      Plan, CommEntry, the text report, dtype and size helpers
+    hardware    hardware profiles
+    state       model-state memory from the lowering's per-parameter plans; ZeRO formula
+    activations the activation formula for our Llama block
+    comm_model  the collectives predicted per parameter; textbook volumes
+    analytic    plan(): the analytic planner for our Llama
+    measure     measure(): one fake training step of any model, measured
+    measured    plan_model(): a Plan from a measurement
+    plot        the memory picture of the candidates
+    search      candidates, cost model, choose_layout (layout=auto)
+    main        meshlm plan over a RunConfig: the model builder, the winner's train command
+"""
+
+from meshlm.plan.activations import activation_bytes
+from meshlm.plan.analytic import plan
+from meshlm.plan.hardware import HARDWARE, Hardware
+from meshlm.plan.main import _from_run_config, build_model, choose_layout, plan_main, train_command
+from meshlm.plan.measure import Measured, measure
+from meshlm.plan.measured import plan_model
+from meshlm.plan.report import SCHEMA_VERSION, CommEntry, GiB, Plan, format_plan
+from meshlm.plan.search import (
+                                PREFERENCE,
+                                Candidate,
+                                NothingFits,
+                                candidates,
+                                factorisations,
+                                format_candidates,
+                                nothing_fits,
+                                parse_memory,
+                                step_time,
+)
+from meshlm.plan.state import _MODELS, _PLAN_CACHE, model_config
+
+__all__ = ["CommEntry", "Candidate", "GiB", "HARDWARE", "Hardware", "Measured", "NothingFits", "PREFERENCE", "Plan",
+           "SCHEMA_VERSION", "_MODELS", "_PLAN_CACHE", "_from_run_config", "activation_bytes", "build_model",
+           "candidates", "choose_layout", "factorisations", "format_candidates", "format_plan", "measure",
+           "model_config", "nothing_fits", "parse_memory", "plan", "plan_main", "plan_model", "step_time",
+           "train_command"]

@@ -1,0 +1,135 @@
+"""``plan``: the analytic planner for our Llama (one layer planned, counted ``layers``
+times; NOTE [one layer] in state.py): model state from the lowering's plans, activations
+from the formula, collectives from the comm model.  Plans Llama 3 405B on 16,384 ranks in
+milliseconds; the measured planner (measure.py) is held to it in tests."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.layout import Layout, load_layout
+from meshlm.mesh import MeshSpec
+from meshlm.models import LlamaConfig
+from meshlm.plan.activations import activation_bytes
+from meshlm.plan.comm_model import _comm, _comm_formula
+from meshlm.plan.report import Plan, _bytes, _dtype, _name
+from meshlm.plan.state import (
+    _batch_axes,
+    _held_gathered,
+    _local_numel,
+    _master_is_view,
+    _param_plans,
+    _prod,
+    _regathers,
+    _shard_n,
+    _zero_formula,
+    model_config,
+)
+from meshlm.precision import default_reduce_dtype, train_dtypes
+
+
+def plan(
+    model: "str | LlamaConfig",
+    layout: "str | Layout",
+    mesh: "Mapping[str, int] | str | MeshSpec",
+    *,
+    global_batch: int,
+    seq: int,
+    activation_checkpointing: str = "none",
+    param_dtype: "str | torch.dtype" = "float32",
+    master_dtype: "str | torch.dtype | None" = None,
+    grad_accum: int = 1,
+    compute_dtype: str | torch.dtype | None = None,
+    reduce_dtype: str | torch.dtype | None = None,
+) -> Plan:
+    """Predict per-rank memory and per-step communication (see the module docstring).
+
+    ``global_batch`` sequences per optimizer step over all ranks, in ``grad_accum``
+    micro-batches; activations are per micro-batch.  ``activation_checkpointing`` is
+    ``none``, ``selective`` or ``full`` (``train.activation_checkpointing``).  The dtypes
+    are ``meshlm.shard``'s and ``ShardedOptimizer``'s: ``param_dtype`` the storage,
+    ``compute_dtype`` the parameters at use and the activations (None: the storage),
+    ``reduce_dtype`` the gradient reductions (None: as ``shard``, float32 under a narrower
+    compute or storage dtype), ``master_dtype`` the optimizer's (None: the storage).
+    ``param_dtype="auto"`` is what ``meshlm train`` chooses for this layout and mesh
+    (``precision.train_dtypes``, NOTE [mixed precision] in meshlm/precision.py;
+    :func:`_from_run_config`): float32 storage used in ``compute_dtype``, or for ZeRO-1/2
+    under a narrower ``compute_dtype`` storage in it with float32 main gradients (NOTE
+    [main grads] in meshlm/main_grad.py) and a float32 master."""
+    name, cfg = model_config(model)
+    lay = load_layout(layout)
+    spec = MeshSpec.parse(mesh)
+    sizes = {a: s for a, s in spec.axes}
+    if activation_checkpointing not in ("none", "selective", "full"):
+        raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: choose none, selective or full")
+    params_ = _param_plans(cfg, lay, sizes)
+    gdt = None  # main gradients' dtype (NOTE [main grads] in main_grad.py), None: none
+    if param_dtype == "auto":
+        td = train_dtypes(_dtype(compute_dtype), _dtype(reduce_dtype) if reduce_dtype else None, lay, sizes)
+        param_dtype, compute_dtype, reduce_dtype = td["param_dtype"] or "float32", td["compute_dtype"], td["reduce_dtype"]
+        gdt = td["grad_dtype"]
+    pdt = _dtype(param_dtype)
+    gdt = gdt if gdt != pdt else None
+    mdt = _dtype(master_dtype, gdt or pdt)
+    cdt = _dtype(compute_dtype, pdt)
+    rdt = _dtype(reduce_dtype, default_reduce_dtype(cdt, [pdt]) or pdt)
+    B, MB = _bytes(pdt), _bytes(mdt)
+    GB = _bytes(gdt) if gdt is not None else B  # gradients as accumulated
+    CB, RB = _bytes(cdt), _bytes(rdt)
+    batch_axes = _batch_axes(lay, sizes)
+    n_batch = _prod(batch_axes, sizes) * grad_accum
+    if global_batch % n_batch:
+        raise ConfigError(f"train.batch_size={global_batch} does not split into {grad_accum} micro-batch(es) over "
+                          f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards): "
+                          f"use a train.batch_size that is a multiple of {n_batch}")
+
+    # ---------------------------------------------------------------- model state
+    params = grads = optim = 0
+    for prm in params_:
+        pp, k = prm.plan, prm.count
+        n_store = _local_numel(pp, pp.storage, sizes)
+        n_opt = _local_numel(pp, pp.optimizer, sizes)
+        params += k * n_store * B
+        gplan = pp.grads if pp.grads is not None else pp.storage  # ZeRO-1: whole local grads
+        grads += k * _local_numel(pp, gplan, sizes) * GB
+        direct = pp.optimizer == pp.storage and pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt
+        # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
+        optim += k * (2 * n_opt * MB + 4)
+        if not direct:
+            if not (mdt == pdt and _master_is_view(pp, sizes)):
+                optim += k * n_opt * MB  # the master copy
+            # the master's gradient is a new buffer unless the grad already is in optimizer
+            # placements and dtype (ZeRO-2 in fp32: the same tensor), or main gradients
+            # become it (ZeRO-2: the same tensor; ZeRO-1: each chunk's main gradients are
+            # released as it is reduce-scattered, so the shards never add to their peak)
+            if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt) and gdt is None:
+                grads += k * n_opt * MB
+
+    psi = cfg.num_params()
+    t = sizes.get("tp", 1)
+    formulas: dict[str, Any] = {
+        "psi": psi,
+        "zero": _zero_formula(lay, psi, _shard_n(lay, sizes), t, B, MB, GB if gdt is not None else None),
+    }
+
+    # ---------------------------------------------------------------- activations
+    b_local = global_batch // n_batch
+    regather = any(prm.in_block and _regathers(prm.plan, sizes) for prm in params_)
+    act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, cdt)
+    gathered = _held_gathered(params_, sizes, regather, CB, cdt != pdt)
+    formulas["activations"] = act
+    memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
+              "gathered": gathered, "recompute": act["recompute"]}
+    memory["total"] = sum(memory.values())
+
+    # Activation collectives re-run in backward: only under train.activation_checkpointing
+    # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing
+    # (compiled) saves their outputs (lowering/policies.py SAVED_COLLECTIVES).
+    ckpt = activation_checkpointing != "none"
+    comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
+    formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
+    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, _name(pdt), _name(mdt),
+                activation_checkpointing, memory, formulas, comm, _name(cdt), _name(rdt))

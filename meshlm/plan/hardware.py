@@ -1,0 +1,39 @@
+"""Hardware profiles for the cost model (docs/plan.md, "Cost model")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.plan.report import GiB
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A named hardware profile for the cost model (docs/plan.md)."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device
+    mfu: float  # fraction of peak a well-tuned step reaches
+    intra_bw: float  # bytes/s per device, within a node (NVLink)
+    inter_bw: float  # bytes/s per device, across nodes (InfiniBand)
+    node_size: int  # devices per node
+    memory: float  # bytes per device
+
+
+HARDWARE = {
+    "h100_nvlink_ib": Hardware("h100_nvlink_ib", 989e12, 0.40, 450e9, 50e9, 8, 80 * GiB),
+    "h200_nvlink_ib": Hardware("h200_nvlink_ib", 989e12, 0.40, 450e9, 50e9, 8, 141 * GiB),
+    "cpu": Hardware("cpu", 1e11, 0.5, 5e9, 1e9, 1, 24 * GiB),
+}
+
+
+
+def _hardware(name: str) -> Hardware:
+    if name == "auto":
+        name = "h100_nvlink_ib" if torch.cuda.is_available() else "cpu"
+    if name not in HARDWARE:
+        raise ConfigError(f"plan.profile={name!r}: unknown hardware profile; choose one of {', '.join(HARDWARE)} or auto")
+    return HARDWARE[name]

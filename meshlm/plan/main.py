@@ -1,0 +1,158 @@
+"""``meshlm plan``: the entry point over a :class:`meshlm.config.RunConfig`: where the
+model comes from (:func:`build_model`), what the run's dtypes are, and the ``meshlm train``
+command that runs the winner (:func:`train_command`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from typing import Any, Optional, Sequence
+
+from meshlm.errors import ConfigError
+from meshlm.mesh import MeshSpec
+from meshlm.plan import search
+from meshlm.plan.analytic import plan
+from meshlm.plan.measure import Build
+from meshlm.plan.measured import plan_model
+from meshlm.plan.report import format_plan
+
+METHODS = ("measure", "formula")
+
+
+def build_model(model_cfg) -> Build:
+    """The one place ``meshlm plan`` gets its model from: ``build(device) -> nn.Module``
+    for the ``model`` config section (``meshlm.model_config.build_model``: any
+    ``model._target_``; with ``model.init_from``, the Hugging Face directory's model),
+    built on the meta device by the planner."""
+    if model_cfg.init_from:
+        from meshlm.hf import model_of
+
+        return lambda device: model_of(model_cfg.init_from)
+    from meshlm.model_config import build_model as build
+
+    return lambda device: build(model_cfg, device)
+
+
+def _from_run_config(cfg) -> dict[str, Any]:
+    """What the planner needs from a :class:`meshlm.config.RunConfig`."""
+    from meshlm.precision import main_grads_allowed
+
+    t, pc = cfg.train, cfg.plan
+    devices = pc.devices
+    if devices is None:
+        d = cfg.mesh.as_dict()
+        if -1 in d.values():
+            raise ConfigError(f"mesh {cfg.mesh} has an axis of -1: set plan.devices to the number of devices")
+        devices = math.prod(d.values())
+    method = getattr(pc, "method", "measure")
+    if method not in METHODS:
+        raise ConfigError(f"plan.method={method!r}: choose measure (any model) or formula (the shipped Llama only)")
+    headroom = float(getattr(pc, "headroom", 0.0))
+    if not 0.0 <= headroom < 1.0:
+        raise ConfigError(f"plan.headroom={headroom}: a fraction of each device's memory to keep free, in [0, 1)")
+    # the formula knows the shipped Llama only; the measured planner takes any model
+    llama = cfg.model.is_llama() and not cfg.model.init_from
+    if method == "formula" and not llama:
+        raise ConfigError(f"plan.method=formula plans the shipped Llama only, not model {cfg.model.label}: "
+                          "use plan.method=measure (the default), which plans any model")
+    return {"model": (cfg.model.label, cfg.model.llama() if llama else None), "devices": devices,
+            "global_batch": t.batch_size,
+            "seq": t.seq_len, "ac": t.activation_checkpointing, "grad_accum": t.grad_accum,
+            # as meshlm.train (precision.shard_dtypes): float32 storage, which is the master copy,
+            # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
+            # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
+            # gradients reduced in train.reduce_dtype
+            "param_dtype": "auto" if main_grads_allowed(t) else "float32", "master_dtype": None,
+            "compute_dtype": t.param_dtype,
+            "reduce_dtype": t.reduce_dtype,
+            "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
+            "top": pc.top, "format": pc.format, "method": method, "headroom": headroom}
+
+
+def _measured(cfg) -> Any:
+    """``plan_one(layout, sizes) -> Plan``: the measured planner for ``cfg``'s model and run."""
+    from meshlm.layout import load_layout
+    from meshlm.precision import shard_dtypes
+
+    build, t = build_model(cfg.model), cfg.train
+
+    def plan_one(layout: str, sizes: dict) -> Any:
+        kw = shard_dtypes(t, load_layout(layout), sizes)
+        return plan_model(build, layout, sizes, global_batch=t.batch_size, seq=t.seq_len, grad_accum=t.grad_accum,
+                          activation_checkpointing=t.activation_checkpointing, shard_kw=kw, name=cfg.model.label)
+
+    return plan_one
+
+
+def train_command(layout: str, mesh: dict, argv: Sequence[str] = ()) -> str:
+    """The ``meshlm train`` command that runs ``layout`` on ``mesh``: the overrides
+    ``meshlm plan`` was given (``argv``) less those of the layout, the mesh and the plan,
+    then the winner's layout and every mesh axis it uses."""
+    from meshlm.axes import MESH_AXES
+
+    keep = [a for a in argv if a.split("=", 1)[0].lstrip("+~").split(".", 1)[0] not in ("layout", "mesh", "plan")]
+    # every mesh axis the planner enumerates, so none keeps the configured mesh's size
+    mesh_args = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES if a in ("dp", "fsdp", "tp") or mesh.get(a, 1) != 1]
+    return " ".join(["meshlm", "train", *keep, f"layout={layout}", *mesh_args])
+
+
+def plan_main(cfg, argv: Optional[Sequence[str]] = None) -> int:
+    """``meshlm plan``: the plan of ``model`` under ``layout`` on ``mesh`` (text, or JSON
+    with ``plan.format=json``); with ``layout=auto``, the ranked candidates and the
+    winner's plan, and a PNG (``plan.png``, else ``outputs/plan/<date>/<time>/plan.png``,
+    the run directory ``meshlm train`` would use under the current directory).  The text
+    ends with the ``meshlm train`` command that runs the plan (``argv``: the overrides
+    ``meshlm plan`` was given)."""
+    import time
+    from pathlib import Path
+
+    kw = _from_run_config(cfg)
+    name, mcfg = kw["model"]
+    layout = cfg.layout.name
+    mesh = cfg.mesh.as_dict()
+    measured = _measured(cfg) if kw["method"] == "measure" else None
+    if layout == "auto":
+        png = kw["png"] or str(Path("outputs", "plan", *time.strftime("%Y-%m-%d %H-%M-%S").split(), "plan.png"))
+        layout, mesh = search.choose_layout(model=kw["model"], devices=kw["devices"], max_memory=kw["max_memory"],
+                                     global_batch=kw["global_batch"], seq=kw["seq"], activation_checkpointing=kw["ac"],
+                                     param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+                                     compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
+                                     grad_accum=kw["grad_accum"], hardware=kw["profile"],
+                                     overlap=kw["overlap"], png=png, top=kw["top"], headroom=kw["headroom"],
+                                     planner=measured, out=sys.stdout if kw["format"] == "text" else io.StringIO())
+        if kw["format"] == "text":
+            print(f"(memory breakdown of these candidates: {png})\n")
+    spec = MeshSpec.parse(mesh, kw["devices"])
+    if measured is not None:
+        p = measured(layout, dict(spec.axes))
+    else:
+        p = plan(mcfg, layout, spec, global_batch=kw["global_batch"], seq=kw["seq"],
+                 activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
+                 compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
+                 grad_accum=kw["grad_accum"])
+    p.model = name
+    cmd = train_command(p.layout, dict(spec.axes), list(argv or ()))
+    if kw["format"] == "json":
+        print(json.dumps(dict(p.to_json(), train_command=cmd), indent=1))
+    else:
+        print(format_plan(p))
+        print(f"\nrun it: {cmd}")
+    return 0
+
+
+def choose_layout(cfg=None, **kwargs) -> tuple[str, dict[str, int]]:
+    """``layout=auto``: :func:`meshlm.plan.search.choose_layout`, whose keywords the model,
+    train and plan sections of ``cfg`` (a :class:`meshlm.config.RunConfig`) replace when it
+    is given."""
+    if cfg is None:
+        return search.choose_layout(**kwargs)
+    kw = _from_run_config(cfg)
+    planner = _measured(cfg) if kw["method"] == "measure" else kwargs.get("planner")
+    return search.choose_layout(
+        model=kw["model"], devices=kw["devices"], global_batch=kw["global_batch"], seq=kw["seq"],
+        activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], grad_accum=kw["grad_accum"],
+        master_dtype=kw["master_dtype"], compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
+        max_memory=kw["max_memory"], hardware=kw["profile"], overlap=kw["overlap"], png=kw["png"], top=kw["top"],
+        headroom=kw["headroom"], planner=planner, out=kwargs.get("out"))

@@ -1,0 +1,203 @@
+"""Measure one training step of any model on fake tensors: per-rank memory and every
+collective, with no hardware and no per-model formula.
+
+NOTE [fake measurement]
+    ``measure`` builds the model on the meta device (``build("meta")``), shards it with
+    ``meshlm.shard`` on a mesh of the fake process group (``backend="fake"``: every
+    collective is a no-op with the right shapes) and runs what ``meshlm train`` runs, under
+    torch's ``FakeTensorMode`` (tensors with shapes, dtypes and storages but no data):
+    ``train.grad_accum`` micro-batches of forward and backward on this rank's slice of the
+    tokens and targets, then the optimizer step (``ShardedOptimizer`` over AdamW), twice.
+    The second step is measured as ``meshlm train`` measures its own (NOTE [run memory] in
+    meshlm/metrics.py), so the two compare directly:
+
+    - ``params``, ``grads`` (after the last backward or in the step, whichever holds
+      more), ``optimizer`` (after the step):
+      the storages of parameters, gradients (``.grad``, main gradients, the masters'),
+      masters and optimizer state, each counted once;
+    - ``activations``: the storages the first forward made that are still alive when it
+      returns, less the parameters, the inputs and the loss: what autograd and
+      checkpointing hold for backward, at-use parameter copies included;
+    - ``peak``: the most storage alive at once during the step, model state included
+      (``meshlm.memory.PeakStorage``);
+    - ``comm``: every collective of the step (``meshlm.comm.CommCounter``);
+    - ``flops``: this rank's floating-point operations in a step (counted in the first)
+      (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
+      included).
+
+    Storages are told apart by their storage object, never by data pointers (a fake
+    tensor has none).  This process plays rank 0; every rank holds the same shapes except
+    where a dim does not divide evenly, where rank 0 holds the largest shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from meshlm import _torch_compat as compat
+from meshlm._torch_compat import TorchDispatchMode
+from meshlm.comm import CommCounter
+from meshlm.errors import ConfigError
+
+Build = Callable[[str], torch.nn.Module]
+
+
+@dataclass
+class Measured:
+    """One fake step's figures, per rank (NOTE [fake measurement])."""
+
+    memory: dict[str, int]  # params, grads, optimizer, activations, peak
+    comm: CommCounter
+    flops: int
+    psi: int  # parameters of the model
+
+
+def _local(t):
+    from meshlm.memory import local_data
+
+    return local_data(t)
+
+
+def _key(t) -> int:
+    return compat.storage_key(_local(t).untyped_storage())
+
+
+def _nbytes(ts) -> dict[int, int]:
+    """Storage -> bytes for the tensors ``ts`` (None skipped), each storage once."""
+    out = {}
+    for t in ts:
+        if t is not None:
+            st = _local(t).untyped_storage()
+            out[compat.storage_key(st)] = st.nbytes()
+    return out
+
+
+class _WaitIsIdentity(TorchDispatchMode):
+    """``wait_tensor`` returns its input, as a real collective's wait does; the fake
+    kernel returns a new tensor, which would count the collective's output twice while
+    both live (a prefetched gather, held until its block runs)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is compat.c10d_functional.wait_tensor.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+class _Made(TorchDispatchMode):
+    """Notes the storage of every op output (weakly), to sum what is still alive later."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, StorageWeakRef] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in compat.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = _local(t).untyped_storage()
+                old = self.made.get(compat.storage_key(st))
+                if old is None or old.expired():  # a storage freed since may have left its address
+                    self.made[compat.storage_key(st)] = StorageWeakRef(st)
+        return out
+
+    def alive(self, exclude: set[int]) -> int:
+        """Bytes of the noted storages still alive, at their size now, less ``exclude``."""
+        n = 0
+        for key, ref in list(self.made.items()):
+            if not ref.expired() and key not in exclude:
+                n += compat.storage_nbytes_if_alive(ref)
+        return n
+
+
+def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch: int, seq: int,
+            grad_accum: int = 1, activation_checkpointing: str = "none",
+            shard_kw: "Mapping[str, Any] | None" = None) -> Measured:
+    """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
+    of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
+    sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
+    ``meshlm.shard``'s dtype arguments (``meshlm.precision.shard_dtypes``)."""
+    import torch.distributed as dist
+
+    import meshlm
+    from meshlm._torch_compat import FAKE_IS_EAGER
+
+    own = not dist.is_initialized()
+    if not own and dist.get_backend() != "fake":
+        raise ConfigError(f"meshlm.plan measures on a fake process group, but this process is in a "
+                          f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
+                          "resolved before launch), or use plan.method=formula")
+    token = FAKE_IS_EAGER.set(True)  # NOTE [fake eager] in meshlm/_torch_compat
+    # DTensor warns, per redistribution, about sequential all-reduces over two mesh axes
+    # (a gradient Partial over dp and tp): a fact of the layout, not news to a planner's user
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
+        return _measure(build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing,
+                        shard_kw)
+    finally:
+        FAKE_IS_EAGER.reset(token)
+        log.setLevel(level)
+        if own and dist.is_initialized():
+            dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)
+
+
+def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw) -> Measured:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import meshlm
+    from meshlm.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.memory import PeakStorage, model_state_bytes
+    from meshlm.optim import ShardedOptimizer
+
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
+        model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
+        apply_activation_checkpointing(model, activation_checkpointing)
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        psi = sum(p.numel() for p in model.parameters())
+        toks = torch.zeros(micro, seq + 1, dtype=torch.long)
+        x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
+        y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+        inputs = {_key(x), _key(y)}
+
+        def step(cc=None, made=None) -> tuple[int, int]:
+            """One step as meshlm train runs it; (held activations, grads after backward)."""
+            held = 0
+            for i in range(grad_accum):
+                ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
+                with ctx, (cc.phase("forward") if cc is not None else contextlib.nullcontext()):
+                    loss = model(x, y)
+                if made is not None and i == 0:
+                    held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
+                (loss / grad_accum).backward()
+            grads = model_state_bytes(model, opt)["grads"]
+            with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
+                opt.step()
+            # ZeRO-1 releases main gradients as the step reduces them into the masters'
+            # (NOTE [main grads] in main_grad.py): whichever point holds more
+            grads = max(grads, model_state_bytes(model, opt)["grads"])
+            opt.zero_grad()
+            return held, grads
+
+        # FLOPs in the first step (the same ops): FlopCounterMode keeps module hooks whose
+        # references would hold a checkpointed block's recompute and raise the peak.
+        flops = FlopCounterMode(display=False)
+        with flops:
+            step()
+        seed = list(model.parameters()) + list(opt.masters().values()) + [
+            v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        cc, made = CommCounter(mesh), _Made()
+        peak = PeakStorage(seed)
+        with cc, peak:
+            held, grads = step(cc, made)
+        state = model_state_bytes(model, opt)
+    memory = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"],
+              "activations": held, "peak": peak.peak}
+    return Measured(memory, cc, int(flops.get_total_flops()), psi)

@@ -1,0 +1,170 @@
+"""The plan: per-rank memory and communication of one (model, layout, mesh, batch,
+seq) point, its JSON form and its text report."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+SCHEMA_VERSION = 1
+GiB = 1024**3
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def _dtype(d: "str | torch.dtype | None", default: torch.dtype = torch.float32) -> torch.dtype:
+    if d is None:
+        return default
+    return d if isinstance(d, torch.dtype) else _DTYPES[d]
+
+
+def _name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _bytes(d: torch.dtype) -> int:
+    return torch.empty((), dtype=d).element_size()
+
+
+# --------------------------------------------------------------------------- report
+@dataclass
+class CommEntry:
+    kind: str
+    axes: tuple[str, ...]
+    phase: str
+    count: int
+    bytes: int  # logical bytes per rank (NOTE [logical bytes] in comm.py)
+    wire_bytes: float
+    what: str  # which part of the design issues it
+
+
+@dataclass
+class Plan:
+    """Per-rank prediction for one (model, layout, mesh, batch, seq) point."""
+
+    model: str
+    layout: str
+    mesh: dict[str, int]
+    world_size: int
+    global_batch: int
+    seq: int
+    param_dtype: str  # storage
+    master_dtype: str
+    activation_checkpointing: str
+    memory: dict[str, int]  # params, grads, optimizer, activations, total (bytes per rank)
+    formulas: dict[str, Any]  # textbook figure beside each predicted number
+    comm: list[CommEntry] = field(default_factory=list)
+    compute_dtype: str = "float32"  # parameters at use, activations
+    reduce_dtype: str = "float32"  # gradient reductions
+
+    def comm_summary(self, by_phase: bool = False) -> dict[tuple, dict[str, float]]:
+        out: dict[tuple, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+        for c in self.comm:
+            key = (c.kind, c.axes, c.phase) if by_phase else (c.kind, c.axes)
+            out[key]["count"] += c.count
+            out[key]["bytes"] += c.bytes
+            out[key]["wire_bytes"] += c.wire_bytes
+        return dict(out)
+
+    def comm_bytes(self) -> float:
+        return sum(c.wire_bytes for c in self.comm)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["schema"] = SCHEMA_VERSION
+        d["comm"] = [dict(asdict(c), axes=list(c.axes)) for c in self.comm]
+        d["comm_wire_bytes_total"] = self.comm_bytes()
+        return d
+
+
+def _mesh_str(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "1 device"
+
+
+# --------------------------------------------------------------------------- report text
+def _gib(x: float) -> str:
+    return f"{x / GiB:9.3f} GiB"
+
+
+def format_plan(p: Plan) -> str:
+    """The human-readable report (docs/plan.md, "Reading the report")."""
+    if "peak" in p.memory:
+        return _format_measured(p)
+    z, a = p.formulas["zero"], p.formulas["activations"]
+    m = p.memory
+    gpt = a["korthikanti_gpt_16bit_per_layer"] * a["layers"]
+    lines = [
+        f"meshlm plan: {p.model}, layout {p.layout}, mesh {_mesh_str(p.mesh)} ({p.world_size} ranks), "
+        f"global batch {p.global_batch} x seq {p.seq}, {p.compute_dtype} compute, {p.param_dtype} storage (master "
+        f"{p.master_dtype}, reduce {p.reduce_dtype}), "
+        f"activation checkpointing {p.activation_checkpointing} (blocks: {a['checkpointing']})",
+        "",
+        f"{'memory per rank':<20}{'predicted':>14}{'formula':>16}",
+        f"{'params':<20}{_gib(m['params']):>14}{_gib(z['params']):>16}",
+        f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
+        f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
+        f"  ({z['text']})",
+        f"{'activations':<20}{_gib(m['activations']):>14}{_gib(gpt):>16}   (formula: Korthikanti GPT block, 16-bit)",
+        f"  ({a['text']}; held from forward to backward)",
+        f"{'gathered weights':<20}{_gib(m['gathered']):>14}   (at-use copies kept for backward: output head, final norm)",
+        f"{'recompute (peak)':<20}{_gib(m['recompute']):>14}   (one checkpointed block recomputed in backward)",
+        f"{'total':<20}{_gib(m['total']):>14}",
+        "",
+        "",
+        "communication per rank per step",
+        f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}  what",
+    ]
+    for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
+        lines.append(f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
+                     f"{_gib(c.wire_bytes):>14}  {c.what}")
+    lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
+    return _comm_lines(p, lines)
+
+
+def _comm_lines(p: Plan, lines: list[str]) -> str:
+    for k, v in p.formulas["comm"].items():
+        lines.append(f"  formula {k}: {_gib(v['wire_bytes'])}  ({v['text']})")
+    return "\n".join(lines)
+
+
+def _parts(p: Plan) -> dict[str, float]:
+    """Memory by kind: the analytic plan's, or a measured one's model state and the rest
+    of its peak (``activations``: what the step adds at its peak)."""
+    m = p.memory
+    if "peak" not in m:
+        return {k: v for k, v in m.items() if k != "total"}
+    state = {k: m[k] for k in ("params", "grads", "optimizer")}
+    return dict(state, activations=m["peak"] - sum(state.values()))
+
+
+def _format_measured(p: Plan) -> str:
+    """The report of a measured plan (NOTE [fake measurement] in measure.py)."""
+    z, m = p.formulas["zero"], p.memory
+    lines = [
+        f"meshlm plan: {p.model}, layout {p.layout}, mesh {_mesh_str(p.mesh)} ({p.world_size} ranks), "
+        f"global batch {p.global_batch} x seq {p.seq}, {p.compute_dtype} compute, {p.param_dtype} storage (master "
+        f"{p.master_dtype}, reduce {p.reduce_dtype}), activation checkpointing {p.activation_checkpointing}; "
+        f"measured on fake tensors ({p.formulas['psi'] / 1e6:.1f}M params, {p.formulas['flops'] / 1e12:.3f} "
+        "TFLOP per rank per step)",
+        "",
+        f"{'memory per rank':<20}{'measured':>14}{'formula':>16}",
+        f"{'params':<20}{_gib(m['params']):>14}{_gib(z['params']):>16}",
+        f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
+        f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
+        f"  ({z['text']})",
+        f"{'activations':<20}{_gib(m['activations']):>14}   (held from forward to backward, at-use parameter copies "
+        "included)",
+        f"{'peak':<20}{_gib(m['peak']):>14}   (the most tensor storage alive at once in a step, model state included)",
+        "",
+        "",
+        "communication per rank per step (counted)",
+        f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}",
+    ]
+    for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
+        lines.append(f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
+                     f"{_gib(c.wire_bytes):>14}")
+    lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""The measured planner (meshlm.plan.plan_model: one training step of the model on fake
+tensors, NOTE [fake measurement] in meshlm/plan/measure.py) against a real step on 2 and 4
+gloo processes, for a model that is not ours: the GPT-2 of tests/dist/test_nn_models.py
+(LayerNorm, biases, learned positions, fused QKV, tied head), under every shipped layout.
+Equal to the byte: parameter, gradient and optimizer bytes per rank, the activations held
+from forward to backward (NOTE [measuring held activations] in test_plan_exact.py), the
+peak of live tensor storage in a step as ``meshlm train`` measures it (NOTE [run memory]
+in meshlm/metrics.py), and every collective's count and bytes per (kind, axes, phase)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.layout import shipped_layouts
+from meshlm.testing import dist_pool_fixture
+
+B, S = 8, 16
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
+
+
+def _build(device):
+    from test_nn_models import GPT, GPTConfig
+
+    return GPT(GPTConfig(), device=device)
+
+
+def _mesh(layout: str, world: int) -> dict[str, int]:
+    from meshlm.layout import load_layout
+
+    lay = load_layout(layout)
+    data = "fsdp" if any("fsdp" in v for v in lay.params.values()) else "dp"
+    if "tp" in lay.mesh_axes_used():
+        return {"tp": 2} if world == 2 else ({data: 2, "tp": 2} if data in lay.mesh_axes_used() else {"tp": 4})
+    if layout == "hsdp" and world == 4:
+        return {"dp": 2, "fsdp": 2}
+    return {data: world}
+
+
+def _real(layout: str, mesh_shape: dict, ac: str):
+    """One real step counted and its held activations measured as test_plan_exact does,
+    then a second step measured as meshlm train measures its own."""
+    from test_plan_exact import _HeldAfterForward, _local
+
+    import meshlm
+    from meshlm.comm import CommCounter
+    from meshlm.config import TrainConfig
+    from meshlm.memory import model_state_bytes
+    from meshlm.metrics import StepMemory
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.train import apply_activation_checkpointing, shard_dtypes
+
+    mesh = meshlm.make_mesh(mesh_shape)
+    kw = shard_dtypes(TrainConfig(), meshlm.load_layout(layout), mesh_shape)
+    model = meshlm.shard(_build("meta"), layout, mesh, seed=0, **kw)
+    apply_activation_checkpointing(model, ac)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    toks = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    x, y = (meshlm.shard_batch(t, layout, mesh) for t in (toks[:, :-1], toks[:, 1:]))
+    cc, held = CommCounter(mesh), _HeldAfterForward()
+    with cc:
+        with held:
+            loss = model(x, y)
+        act, gathered = held.held({_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), x, y, loss]})
+        loss.backward()
+        with cc.phase("optimizer"):
+            opt.step()
+    opt.zero_grad()
+    with StepMemory(model, opt, torch.device("cpu")) as mem:
+        loss = model(x, y)  # held through backward, as train holds it
+        (loss / 1).backward()  # train's loss / train.grad_accum
+        mem.after_backward()
+        opt.step()
+        # ZeRO-1's gradients peak in the step (NOTE [main grads] in meshlm/main_grad.py)
+        grads = max(mem.grads, model_state_bytes(model, opt)["grads"])
+    comm = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+    return dict(mem.result, grads=grads, activations=act + gathered, comm=comm)
+
+
+def _check(pool, world: int, layout: str, ac: str = "none") -> None:
+    from meshlm.config import TrainConfig
+    from meshlm.layout import load_layout
+    from meshlm.plan import plan_model
+    from meshlm.train import shard_dtypes
+
+    mesh = _mesh(layout, world)
+    got = pool.run(_real, layout, mesh, ac)[0]
+    p = plan_model(_build, layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac,
+                   shard_kw=shard_dtypes(TrainConfig(), load_layout(layout), mesh))
+    planned = {k: p.memory[k] for k in ("params", "grads", "optimizer", "activations", "peak")}
+    measured = {k: got[k] for k in planned}
+    assert planned == measured, f"{layout} {mesh} {ac}: planned {planned} measured {measured}"
+    pc = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
+    assert pc == got["comm"], f"{layout} {mesh} comm: planned {pc}\nmeasured {got['comm']}"
+
+
+@pytest.mark.parametrize("layout", shipped_layouts())
+def test_measured_plan_is_exact_for_gpt2_2(pool2, layout):
+    _check(pool2, 2, layout)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "fsdp_tp_sp"])
+def test_measured_plan_is_exact_for_gpt2_4(pool4, layout):
+    _check(pool4, 4, layout)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_measured_plan_is_exact_for_gpt2_checkpointed(pool2, ac):
+    _check(pool2, 2, "fsdp", ac)
+
+
+def test_plans_printed_command_runs(tmp_path):
+    """`meshlm plan layout=auto` ends with the `meshlm train` command of its winner, and that
+    command trains the winner's layout on the winner's mesh."""
+    import json
+    import shlex
+
+    from test_train_cli import TINY, meshlm
+
+    r = meshlm("plan", *TINY, "train.steps=2", "layout=auto", "plan.devices=2", "plan.profile=cpu", "plan.top=1",
+               f"plan.png={tmp_path / 'plan.png'}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    winner = r.stdout.splitlines()[2].split()  # rank, layout, mesh, ...
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("run it: meshlm train "), last
+    args = shlex.split(last.removeprefix("run it: meshlm train "))
+    t = meshlm("train", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert t.returncode == 0, t.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["world_size"] == 2 and f"layout {winner[1]}" in t.stdout, (winner, t.stdout[:500])
