@@ -143,6 +143,16 @@ def fake_tensor_mode(**kwargs):
     return FakeTensorMode(**kwargs)
 
 
+def fake_unsupported_errors() -> tuple[type, ...]:
+    """The exceptions a fake tensor raises for an op it cannot run without data (a value
+    read back to Python, an output whose shape depends on the data, an op with no fake
+    kernel)."""
+    from torch._subclasses import fake_tensor as ft
+
+    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    return tuple(getattr(ft, n) for n in names if hasattr(ft, n))
+
+
 def storage_key(st) -> int:
     """An untyped storage's identity: equal for two storages exactly when they are one
     storage, fake storages included (a fake tensor's storage has no data pointer)."""

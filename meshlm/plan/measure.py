@@ -142,6 +142,14 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
         mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
         return _measure(build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing,
                         shard_kw)
+    except compat.fake_unsupported_errors() as e:
+        # a step that runs for real but not on fake tensors (an op that reads data back to
+        # Python): say so in the plan's terms, never a raw torch traceback
+        raise ConfigError(
+            f"meshlm plan could not measure layout {getattr(layout, 'name', layout)} on mesh {dict(mesh_sizes)}: "
+            f"the fake training step hit an op that needs real data ({type(e).__name__}: {e}). Plan another "
+            "layout, or the shipped Llama with plan.method=formula; the layout may still train "
+            "(meshlm train measures memory as it runs)") from None
     finally:
         FAKE_IS_EAGER.reset(token)
         log.setLevel(level)

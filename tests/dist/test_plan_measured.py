@@ -5,9 +5,14 @@ gloo processes, for a model that is not ours: the GPT-2 of tests/dist/test_nn_mo
 Equal to the byte: parameter, gradient and optimizer bytes per rank, the activations held
 from forward to backward (NOTE [measuring held activations] in test_plan_exact.py), the
 peak of live tensor storage in a step as ``meshlm train`` measures it (NOTE [run memory]
-in meshlm/metrics.py), and every collective's count and bytes per (kind, axes, phase)."""
+in meshlm/metrics.py), and every collective's count and bytes per (kind, axes, phase).
+The same for a user's model in a package of its own (tests/usermodel/mymodels), built from
+its Hydra node exactly as ``meshlm plan model._target_=mymodels.TinyLM`` builds it."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +25,26 @@ pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
+USERMODEL = str(Path(__file__).resolve().parents[1] / "usermodel")
+if USERMODEL not in sys.path:  # here and in the pool's workers, which import this module
+    sys.path.insert(0, USERMODEL)
+
+
 def _build(device):
     from test_nn_models import GPT, GPTConfig
 
     return GPT(GPTConfig(), device=device)
+
+
+def _build_user(device):
+    """The user's model from its model node, as meshlm plan and meshlm train build it."""
+    from meshlm.model_config import ModelConfig
+    from meshlm.plan import build_model
+
+    return build_model(ModelConfig(target="mymodels.TinyLM", args={"width": 32, "heads": 4}))(device)
+
+
+BUILDS = {"gpt2": _build, "user": _build_user}
 
 
 def _mesh(layout: str, world: int) -> dict[str, int]:
@@ -38,7 +59,7 @@ def _mesh(layout: str, world: int) -> dict[str, int]:
     return {data: world}
 
 
-def _real(layout: str, mesh_shape: dict, ac: str):
+def _real(layout: str, mesh_shape: dict, ac: str, model: str = "gpt2"):
     """One real step counted and its held activations measured as test_plan_exact does,
     then a second step measured as meshlm train measures its own."""
     from test_plan_exact import _HeldAfterForward, _local
@@ -53,7 +74,7 @@ def _real(layout: str, mesh_shape: dict, ac: str):
 
     mesh = meshlm.make_mesh(mesh_shape)
     kw = shard_dtypes(TrainConfig(), meshlm.load_layout(layout), mesh_shape)
-    model = meshlm.shard(_build("meta"), layout, mesh, seed=0, **kw)
+    model = meshlm.shard(BUILDS[model]("meta"), layout, mesh, seed=0, **kw)
     apply_activation_checkpointing(model, ac)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     toks = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(0))
@@ -78,15 +99,15 @@ def _real(layout: str, mesh_shape: dict, ac: str):
     return dict(mem.result, grads=grads, activations=act + gathered, comm=comm)
 
 
-def _check(pool, world: int, layout: str, ac: str = "none") -> None:
+def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2") -> None:
     from meshlm.config import TrainConfig
     from meshlm.layout import load_layout
     from meshlm.plan import plan_model
     from meshlm.train import shard_dtypes
 
     mesh = _mesh(layout, world)
-    got = pool.run(_real, layout, mesh, ac)[0]
-    p = plan_model(_build, layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac,
+    got = pool.run(_real, layout, mesh, ac, model)[0]
+    p = plan_model(BUILDS[model], layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac,
                    shard_kw=shard_dtypes(TrainConfig(), load_layout(layout), mesh))
     planned = {k: p.memory[k] for k in ("params", "grads", "optimizer", "activations", "peak")}
     measured = {k: got[k] for k in planned}
@@ -108,6 +129,27 @@ def test_measured_plan_is_exact_for_gpt2_4(pool4, layout):
 @pytest.mark.parametrize("ac", ["selective", "full"])
 def test_measured_plan_is_exact_for_gpt2_checkpointed(pool2, ac):
     _check(pool2, 2, "fsdp", ac)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "fsdp_tp"])
+def test_measured_plan_is_exact_for_a_users_model(pool2, layout):
+    _check(pool2, 2, layout, model="user")
+
+
+def test_a_step_the_fake_tensors_cannot_run_is_a_clear_error():
+    """Known limit: under tp_sp the user's model's backward makes DTensor read a shard size
+    back from a tensor, which a fake tensor cannot (the real run trains: test_user_model).
+    The planner says so in the plan's terms, not with a torch traceback."""
+    from meshlm.config import TrainConfig
+    from meshlm.errors import ConfigError
+    from meshlm.layout import load_layout
+    from meshlm.plan import plan_model
+    from meshlm.train import shard_dtypes
+
+    mesh = _mesh("tp_sp", 2)
+    with pytest.raises(ConfigError, match=r"could not measure layout tp_sp on mesh \{'tp': 2\}.*needs real data"):
+        plan_model(_build_user, "tp_sp", mesh, global_batch=B, seq=S,
+                   shard_kw=shard_dtypes(TrainConfig(), load_layout("tp_sp"), mesh))
 
 
 def test_plans_printed_command_runs(tmp_path):
