@@ -108,3 +108,27 @@ def NothingFits_():
     from meshlm.plan import NothingFits
 
     return NothingFits
+
+
+def test_plan_a_users_model_from_its_node(capsys, monkeypatch):
+    """`meshlm plan model._target_=mymodels.TinyLM model.width=32`: a model in a package of
+    its own, planned by measurement, with the command that trains it; the formula, which
+    knows the shipped Llama only, says so."""
+    import sys
+    from pathlib import Path
+
+    from meshlm.config import load_config
+    from meshlm.errors import ConfigError
+    from meshlm.plan import plan_main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "usermodel"))
+    sys.modules.pop("mymodels", None)
+    over = ["model._target_=mymodels.TinyLM", "model.width=32", "layout=fsdp", "mesh=fsdp2", "train.seq_len=32",
+            "train.batch_size=8", "plan.profile=cpu"]
+    assert plan_main(load_config(over), over) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("meshlm plan: TinyLM, layout fsdp, mesh fsdp=2") and "measured on fake tensors" in out
+    assert out.strip().splitlines()[-1].startswith(
+        "run it: meshlm train model._target_=mymodels.TinyLM model.width=32 train.seq_len=32"), out[-300:]
+    with pytest.raises(ConfigError, match="plan.method=formula plans the shipped Llama only"):
+        plan_main(load_config(over + ["plan.method=formula"]), over)
