@@ -35,6 +35,7 @@ from meshlm.activation_checkpointing import apply_activation_checkpointing  # no
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError, MeshlmError
 from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
+from meshlm.run_report import effective_layout, fmt_bytes, memory_line, planned_memory
 
 log = logging.getLogger("meshlm.train")
 
@@ -113,12 +114,6 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     log.propagate = False
 
 
-def _fmt_bytes(n: float) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:.2f}GiB"
-    return f"{n / 2**20:.0f}MiB" if n >= 10 * 2**20 else f"{n / 2**20:.2f}MiB"
-
-
 # --------------------------------------------------------------------------- run
 def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     """Train under ``cfg`` in this process (one rank of the job); return the run summary.
@@ -154,7 +149,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     mcfg = lifecycle.model_config(cfg, cfg.model)  # resumed: the checkpoint's model and shapes
     from meshlm.mesh import mesh_spec
 
-    eff = _effective(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
+    eff = effective_layout(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
 
     shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
     model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
@@ -200,7 +195,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     log.info("config: %s", json.dumps(cfg.to_dict()))
     for w in eff.problems():
         log.warning(w)
-    planned = _planned(cfg, layout.name, mesh_spec(mesh).as_dict())
+    planned = planned_memory(cfg, layout.name, mesh_spec(mesh).as_dict())
     writer = None
     if is_main:
         print(header, flush=True)
@@ -345,11 +340,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
         if step % t.log_every == 0 or "val_loss" in row:
             log.info("step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s", step, loss_val, lr, gnorm, tps,
-                     _fmt_bytes(mem))
+                     fmt_bytes(mem))
             if writer:
                 writer.write(row)
         if bar is not None:
-            bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {_fmt_bytes(mem)}", refresh=False)
+            bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
             bar.update(1)
         if life.after_step(step, functools.partial(_ckpt_state, step, loader, scaler)):
             break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
@@ -396,7 +391,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(f"meshlm train: {life.stopped_line(step)}", flush=True)
         else:
             print(f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
-                  f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {_mem_line(summary)}; outputs in "
+                  f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {memory_line(summary)}; outputs in "
                   f"{run_dir}", flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
@@ -408,42 +403,6 @@ def _ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
     if scaler is not None:
         state["loss_scaler"] = scaler.state_dict()
     return state
-
-
-def _effective(cfg: RunConfig, layout, resolved: dict[str, int]):
-    """The layout on this run's mesh (NOTE [effective sharding] in meshlm/effective.py)."""
-    from meshlm.axes import MESH_AXES
-    from meshlm.effective import check
-
-    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
-    sizes.update(resolved)
-    return check(layout, sizes, cfg.layout.strict)
-
-
-def _planned(cfg: RunConfig, layout: str, sizes: dict[str, int]) -> Optional[dict[str, int]]:
-    """What ``meshlm plan`` predicts for this run, per rank: params, grads, optimizer and the
-    total (model state, held activations and gathered copies); None where it cannot (a model
-    loaded from Hugging Face weights, a model other than the shipped Llama)."""
-    if cfg.model.init_from or not cfg.model.is_llama():
-        return None
-    from meshlm.plan import _from_run_config, plan
-
-    kw = _from_run_config(cfg)
-    p = plan(kw["model"], layout, sizes, global_batch=kw["global_batch"], seq=kw["seq"],
-             activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
-             grad_accum=kw["grad_accum"], compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"])
-    return {k: int(p.memory[k]) for k in ("params", "grads", "optimizer", "total")}
-
-
-def _mem_line(s: dict[str, Any]) -> str:
-    """Memory by kind for the final line: measured (planned)."""
-    parts = []
-    for k in ("params", "grads", "optimizer", "peak"):
-        m = s.get(f"mem_{k}_bytes")
-        p = s.get(f"planned_{'total' if k == 'peak' else k}_bytes")
-        if m is not None:
-            parts.append(f"{k} {_fmt_bytes(m)}" + (f" (planned {_fmt_bytes(p)})" if p is not None else ""))
-    return ", ".join(parts + [f"RSS {_fmt_bytes(s['rss_bytes_per_rank'])}"])
 
 
 # --------------------------------------------------------------------------- worker entry
