@@ -52,9 +52,15 @@ from meshlm.testing.memory import PeakStorage  # noqa: F401  (re-exported for th
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LAYOUTS = {  # the shipped multi-device layouts and their 4-rank meshes (as tests/dist)
-    "ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4},
-    "hsdp": {"dp": 2, "fsdp": 2}, "tp": {"tp": 4}, "tp_sp": {"tp": 4},
-    "fsdp_tp": {"fsdp": 2, "tp": 2}, "fsdp_tp_sp": {"fsdp": 2, "tp": 2},
+    "ddp": {"dp": 4},
+    "zero1": {"dp": 4},
+    "zero2": {"dp": 4},
+    "fsdp": {"fsdp": 4},
+    "hsdp": {"dp": 2, "fsdp": 2},
+    "tp": {"tp": 4},
+    "tp_sp": {"tp": 4},
+    "fsdp_tp": {"fsdp": 2, "tp": 2},
+    "fsdp_tp_sp": {"fsdp": 2, "tp": 2},
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 LR = 1e-3
@@ -173,7 +179,7 @@ def _build_torch(cfg, layout, mesh_sizes, X, Y, backend):
         if a in names:
             n_dp, dp_rank = n_dp * mesh_sizes[a], dp_rank * mesh_sizes[a] + mesh[a].get_local_rank()
     b = X.shape[0] // n_dp
-    x, y = X[dp_rank * b:(dp_rank + 1) * b], Y[dp_rank * b:(dp_rank + 1) * b]
+    x, y = X[dp_rank * b : (dp_rank + 1) * b], Y[dp_rank * b : (dp_rank + 1) * b]
     ctx = loss_parallel if tp else nullcontext
 
     def step():
@@ -249,8 +255,9 @@ def _bench_layout(layout, mesh_sizes, opts):
             out[name]["collectives"] = len(cc.records)
             out[name]["bytes"] = sum(r.bytes for r in cc.records)
             out[name]["wire_bytes"] = sum(r.wire_bytes for r in cc.records)
-            out[name]["by_kind"] = {k: sum(1 for r in cc.records if r.kind == k) for k in
-                                    sorted({r.kind for r in cc.records})}
+            out[name]["by_kind"] = {
+                k: sum(1 for r in cc.records if r.kind == k) for k in sorted({r.kind for r in cc.records})
+            }
             dist.barrier()
             mem = PeakStorage(_state_tensors(v["model"], v["opt"]))
             with mem:
@@ -303,8 +310,11 @@ def _budget(layout, mesh_sizes, opts):
     from meshlm.plan import plan
 
     p = plan(opts["model"], layout, mesh_sizes, global_batch=opts["batch"], seq=opts["seq"])
-    return {"collectives": sum(c.count for c in p.comm), "bytes": sum(c.bytes for c in p.comm),
-            "wire_bytes": p.comm_bytes()}
+    return {
+        "collectives": sum(c.count for c in p.comm),
+        "bytes": sum(c.bytes for c in p.comm),
+        "wire_bytes": p.comm_bytes(),
+    }
 
 
 def _ratio(a, b):
@@ -353,26 +363,39 @@ def render(results: dict, meta: dict) -> str:
                 continue
             e = e or {}
             c = c or {}
-            row = [layout, impl, f"{e['step_s']:.3f}" if e.get("step_s") else "-",
-                   f"{c['step_s']:.3f}" if c.get("step_s") else "-",
-                   f"{tokens / e['step_s']:.0f}" if e.get("step_s") else "-", _mb(e.get("peak_bytes")),
-                   str(e.get("collectives", "-")), _mb(e.get("bytes")),
-                   _mb(bud["bytes"]) if impl == "meshlm" else ""]
+            row = [
+                layout,
+                impl,
+                f"{e['step_s']:.3f}" if e.get("step_s") else "-",
+                f"{c['step_s']:.3f}" if c.get("step_s") else "-",
+                f"{tokens / e['step_s']:.0f}" if e.get("step_s") else "-",
+                _mb(e.get("peak_bytes")),
+                str(e.get("collectives", "-")),
+                _mb(e.get("bytes")),
+                _mb(bud["bytes"]) if impl == "meshlm" else "",
+            ]
             if impl == "meshlm":
                 te, tc = res.get("torch/eager", {}), res.get("titan/compiled", {})
                 ti = res.get("titan/eager", {})
-                row += [_ratio(e.get("step_s"), te.get("step_s")), _ratio(c.get("step_s"), tc.get("step_s")),
-                        _ratio(e.get("peak_bytes"), te.get("peak_bytes")),
-                        _ratio(e.get("bytes"), ti.get("bytes"))]
+                row += [
+                    _ratio(e.get("step_s"), te.get("step_s")),
+                    _ratio(c.get("step_s"), tc.get("step_s")),
+                    _ratio(e.get("peak_bytes"), te.get("peak_bytes")),
+                    _ratio(e.get("bytes"), ti.get("bytes")),
+                ]
             else:
                 row += ["", "", "", ""]
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Collectives per step, eager vs compiled (compiled: collectives in the compiled block graphs, "
-              "forward + backward, counted once per graph and multiplied by the blocks; the embedding, head and "
-              "loss stay eager).", "",
-              "| layout | impl | eager, whole step | eager, bucketing off (per parameter) "
-              "| compiled, inside the block graphs |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Collectives per step, eager vs compiled (compiled: collectives in the compiled block graphs, "
+        "forward + backward, counted once per graph and multiplied by the blocks; the embedding, head and "
+        "loss stay eager).",
+        "",
+        "| layout | impl | eager, whole step | eager, bucketing off (per parameter) "
+        "| compiled, inside the block graphs |",
+        "|---|---|---|---|---|",
+    ]
     for layout, res in results.items():
         for impl in ("meshlm", "torch", "titan"):
             e, c = res.get(f"{impl}/eager"), res.get(f"{impl}/compiled")
@@ -397,8 +420,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--model", default="llama_small")
-    ap.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "none"],
-                    help="compiled variants' backend (none: eager only)")
+    ap.add_argument(
+        "--backend",
+        default="aot_eager",
+        choices=["aot_eager", "inductor", "none"],
+        help="compiled variants' backend (none: eager only)",
+    )
     ap.add_argument("--no-titan", action="store_true", help="skip the torchtitan column")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown table of a results JSON")
@@ -455,29 +482,47 @@ def main(argv=None) -> int:
                 r["skipped"] = {"titan": f"torchtitan column skipped: {why_no_titan}"}
             results[lay] = r
             m, t, ti = r.get("meshlm/eager", {}), r.get("torch/eager", {}), r.get("titan/eager", {})
-            print(f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s  "
-                  f"meshlm {m.get('step_s', float('nan')):.3f}s/{r.get('meshlm/compiled', {}).get('step_s', float('nan')):.3f}s  "
-                  f"torch {t.get('step_s', float('nan')):.3f}s/{r.get('torch/compiled', {}).get('step_s', float('nan')):.3f}s  "
-                  f"titan {ti.get('step_s', float('nan')):.3f}s/{r.get('titan/compiled', {}).get('step_s', float('nan')):.3f}s  "
-                  f"ring MB meshlm {_mb(m.get('wire_bytes'))} budget {_mb(r['budget']['wire_bytes'])} "
-                  f"torch {_mb(t.get('wire_bytes'))} titan {_mb(ti.get('wire_bytes'))}"
-                  + (f"  errors {errors}" if errors else ""), flush=True)
+            print(
+                f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s  "
+                f"meshlm {m.get('step_s', float('nan')):.3f}s/{r.get('meshlm/compiled', {}).get('step_s', float('nan')):.3f}s  "
+                f"torch {t.get('step_s', float('nan')):.3f}s/{r.get('torch/compiled', {}).get('step_s', float('nan')):.3f}s  "
+                f"titan {ti.get('step_s', float('nan')):.3f}s/{r.get('titan/compiled', {}).get('step_s', float('nan')):.3f}s  "
+                f"ring MB meshlm {_mb(m.get('wire_bytes'))} budget {_mb(r['budget']['wire_bytes'])} "
+                f"torch {_mb(t.get('wire_bytes'))} titan {_mb(ti.get('wire_bytes'))}"
+                + (f"  errors {errors}" if errors else ""),
+                flush=True,
+            )
     cfg = llama_config(args.model)
     if args.backend == "aot_eager":
-        notes.append("compiled = aot_eager (traced and partitioned, no inductor fusion): inductor on all variants "
-                     "does not fit the time budget on 2 shared cores; rerun with --backend inductor")
-    meta = dict(date=datetime.date.today().isoformat(), command="python benchmarks/bench_layouts.py " +
-                " ".join(sys.argv[1:] if argv is None else argv),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores (shared), {platform.python_version()}",
-                torch=torch.__version__, torchtitan=titan_version, model=args.model, layers=cfg.layers,
-                batch=args.batch, seq=args.seq, steps=args.steps, reps=args.reps, backend=args.backend,
-                wall_s=round(time.time() - t_start), notes=notes)
+        notes.append(
+            "compiled = aot_eager (traced and partitioned, no inductor fusion): inductor on all variants "
+            "does not fit the time budget on 2 shared cores; rerun with --backend inductor"
+        )
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        command="python benchmarks/bench_layouts.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores (shared), {platform.python_version()}",
+        torch=torch.__version__,
+        torchtitan=titan_version,
+        model=args.model,
+        layers=cfg.layers,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        reps=args.reps,
+        backend=args.backend,
+        wall_s=round(time.time() - t_start),
+        notes=notes,
+    )
     out = Path(args.out)
 
     def clean(o):
         if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()
-                    if isinstance(v, (str, int, float, bool, list, tuple, dict, set, type(None)))}
+            return {
+                k: clean(v)
+                for k, v in o.items()
+                if isinstance(v, (str, int, float, bool, list, tuple, dict, set, type(None)))
+            }
         if isinstance(o, (list, tuple)):
             return [clean(x) for x in o]
         if isinstance(o, set):

@@ -78,12 +78,20 @@ def main(argv=None) -> int:
         med = pool.run(_job, args.steps, args.reps)[0]
     rows = ["| variant | step s |", "|---|---|"] + [f"| {k} | {med[k]:.3f} |" for k in VARIANTS]
     comm = (med["meshlm"] - med["meshlm_nocomm"], med["torch"] - med["torch_nosync"])
-    md = (f"Command: `python benchmarks/comm_split.py --steps {args.steps} --reps {args.reps}` (ddp, dp=4, "
-          "llama_small, batch 8 x seq 128, eager; slowest rank, median)\n\n" + "\n".join(rows) +
-          f"\n\ncommunication: meshlm {comm[0]:.3f} s, torch {comm[1]:.3f} s; everything else: meshlm "
-          f"{med['meshlm_nocomm']:.3f} s, torch {med['torch_nosync']:.3f} s\n")
-    write_report(Path(args.out), "comm_split", {"median_step_s": med, "steps": args.steps, "reps": args.reps},
-                 md, time.perf_counter() - t0)
+    md = (
+        f"Command: `python benchmarks/comm_split.py --steps {args.steps} --reps {args.reps}` (ddp, dp=4, "
+        "llama_small, batch 8 x seq 128, eager; slowest rank, median)\n\n"
+        + "\n".join(rows)
+        + f"\n\ncommunication: meshlm {comm[0]:.3f} s, torch {comm[1]:.3f} s; everything else: meshlm "
+        f"{med['meshlm_nocomm']:.3f} s, torch {med['torch_nosync']:.3f} s\n"
+    )
+    write_report(
+        Path(args.out),
+        "comm_split",
+        {"median_step_s": med, "steps": args.steps, "reps": args.reps},
+        md,
+        time.perf_counter() - t0,
+    )
     return 0
 
 

@@ -75,8 +75,10 @@ def main(argv=None) -> int:
     with DistPool(4, timeout_s=300) as pool:
         res = pool.run(_job, args.mb, args.reps)[0]
     rows = ["| collective | ms |", "|---|---|"] + [f"| {k} | {res['ms'][k]:.1f} |" for k in KINDS]
-    md = (f"Command: `python benchmarks/gloo_collectives.py --mb {args.mb} --reps {args.reps}` (4 gloo ranks, "
-          f"{res['mb']:.1f} MB fp32 buffer; slowest rank, median)\n\n" + "\n".join(rows) + "\n")
+    md = (
+        f"Command: `python benchmarks/gloo_collectives.py --mb {args.mb} --reps {args.reps}` (4 gloo ranks, "
+        f"{res['mb']:.1f} MB fp32 buffer; slowest rank, median)\n\n" + "\n".join(rows) + "\n"
+    )
     write_report(Path(args.out), "gloo_collectives", {**res, "reps": args.reps}, md, time.perf_counter() - t0)
     return 0
 

@@ -60,9 +60,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_mfu.py: CUDA is not available on this machine. This benchmark measures a GPU; run it on "
-              "one, or check its logic here with: python benchmarks/gpu_mfu.py --device cpu --model llama_tiny "
-              "--seq 64 --backend aot_eager", file=sys.stderr)
+        print(
+            "gpu_mfu.py: CUDA is not available on this machine. This benchmark measures a GPU; run it on "
+            "one, or check its logic here with: python benchmarks/gpu_mfu.py --device cpu --model llama_tiny "
+            "--seq 64 --backend aot_eager",
+            file=sys.stderr,
+        )
         return 2
 
     import meshlm
@@ -102,6 +105,7 @@ def main(argv=None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
+
         return step
 
     variants = {"plain": make_step(plain, opt_plain), "meshlm": make_step(mm, opt_mm)}
@@ -124,24 +128,43 @@ def main(argv=None) -> int:
 
     fpt = flops_per_token(cfg, args.seq)
     tokens = args.batch * args.seq
-    out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "model": args.model, "params": cfg.num_params(), "dtype": args.dtype, "seq": args.seq,
-           "batch": args.batch, "backend": args.backend, "flops_per_token": fpt,
-           "flops_formula": "6*(Psi - Psi_embedding) + 12*L*h*s (torchtitan; Psi_embedding = token embedding)",
-           "peak_tflops": peak, "build_s": build_s, "warmup_s": warm, "loss_after_warmup": losses}
+    out = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "params": cfg.num_params(),
+        "dtype": args.dtype,
+        "seq": args.seq,
+        "batch": args.batch,
+        "backend": args.backend,
+        "flops_per_token": fpt,
+        "flops_formula": "6*(Psi - Psi_embedding) + 12*L*h*s (torchtitan; Psi_embedding = token embedding)",
+        "peak_tflops": peak,
+        "build_s": build_s,
+        "warmup_s": warm,
+        "loss_after_warmup": losses,
+    }
     for name, ts in times.items():
         med = statistics.median(ts)
         tps = tokens / med
-        out[name] = {"step_s": med, "tokens_per_s": tps, "mfu": (tps * fpt / (peak * 1e12)) if peak else None,
-                     "times": ts}
+        out[name] = {
+            "step_s": med,
+            "tokens_per_s": tps,
+            "mfu": (tps * fpt / (peak * 1e12)) if peak else None,
+            "times": ts,
+        }
     out["meshlm_overhead"] = out["meshlm"]["step_s"] / out["plain"]["step_s"] - 1
     if dev.type == "cuda":
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
-    print(f"{args.model} ({cfg.num_params() / 1e9:.3f} B params), {args.dtype}, {args.backend}, batch {args.batch} "
-          f"x seq {args.seq}, on {out['device']}")
-    print(f"FLOPs/token = 6*(Psi - Psi_embedding) + 12*L*h*s = {fpt / 1e9:.3f} GFLOP; peak "
-          f"{peak if peak else 'n/a'} TFLOP/s")
+    print(
+        f"{args.model} ({cfg.num_params() / 1e9:.3f} B params), {args.dtype}, {args.backend}, batch {args.batch} "
+        f"x seq {args.seq}, on {out['device']}"
+    )
+    print(
+        f"FLOPs/token = 6*(Psi - Psi_embedding) + 12*L*h*s = {fpt / 1e9:.3f} GFLOP; peak "
+        f"{peak if peak else 'n/a'} TFLOP/s"
+    )
     for name in variants:
         r = out[name]
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (no peak given)"

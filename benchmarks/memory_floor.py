@@ -75,8 +75,7 @@ from bench_layouts import PeakStorage, _global_batch, write_report  # noqa: E402
 from meshlm.testing.memory import local_data as _local  # noqa: E402
 from meshlm.testing.memory import storage_bytes  # noqa: E402
 
-LAYOUTS = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4},
-           "hsdp": {"dp": 2, "fsdp": 2}}
+LAYOUTS = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4}, "hsdp": {"dp": 2, "fsdp": 2}}
 TORCH = {
     "ddp": "DDP(gradient_as_bucket_view) + autocast bf16",
     "zero1": "DDP(gradient_as_bucket_view) + ZeroRedundancyOptimizer + autocast bf16",
@@ -86,8 +85,12 @@ TORCH = {
 }
 # torchtitan 0.3.0 per layout: (titan_llama.STRATEGIES key, its mesh, fsdp_reshard_after_forward);
 # zero1: none
-TITAN = {"ddp": ("ddp", {"dp": 4}, "default"), "zero2": ("fsdp", {"fsdp": 4}, "never"),
-         "fsdp": ("fsdp", {"fsdp": 4}, "default"), "hsdp": ("hsdp", {"dp": 2, "fsdp": 2}, "default")}
+TITAN = {
+    "ddp": ("ddp", {"dp": 4}, "default"),
+    "zero2": ("fsdp", {"fsdp": 4}, "never"),
+    "fsdp": ("fsdp", {"fsdp": 4}, "default"),
+    "hsdp": ("hsdp", {"dp": 2, "fsdp": 2}, "default"),
+}
 TITAN_TEXT = {
     "ddp": "data_parallel_replicate_degree=4 (fully_shard on the (4, 1) mesh)",
     "zero2": "data_parallel_shard_degree=4, fsdp_reshard_after_forward=never",
@@ -204,15 +207,26 @@ def _build_meshlm(cfg, layout, sizes, X, Y):
         return model(x, y)
 
     def kinds():
-        return _kinds(params, [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
-                      + [m.grad for m in opt.masters().values()], opt.masters().values(), _adam(opt.inner))
+        return _kinds(
+            params,
+            [p.grad for p in params]
+            + [getattr(p, "main_grad", None) for p in params]
+            + [m.grad for m in opt.masters().values()],
+            opt.masters().values(),
+            _adam(opt.inner),
+        )
 
     def state():
         return params + list(opt.masters().values()) + _adam(opt.inner)
 
-    return dict(fwd=fwd, opt=opt, kinds=kinds, state=state,
-                dtypes={k: str(v) for k, v in dtypes.items()},
-                param_dtypes=sorted({str(p.dtype) for p in params}))
+    return dict(
+        fwd=fwd,
+        opt=opt,
+        kinds=kinds,
+        state=state,
+        dtypes={k: str(v) for k, v in dtypes.items()},
+        param_dtypes=sorted({str(p.dtype) for p in params}),
+    )
 
 
 def _build_torch(cfg, layout, sizes, X, Y):
@@ -249,7 +263,7 @@ def _build_torch(cfg, layout, sizes, X, Y):
         if a in names:
             n_dp, dp_rank = n_dp * sizes[a], dp_rank * sizes[a] + mesh[a].get_local_rank()
     b = X.shape[0] // n_dp
-    x, y = X[dp_rank * b:(dp_rank + 1) * b], Y[dp_rank * b:(dp_rank + 1) * b]
+    x, y = X[dp_rank * b : (dp_rank + 1) * b], Y[dp_rank * b : (dp_rank + 1) * b]
     params = list(model.parameters())
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer's local AdamW
 
@@ -264,8 +278,15 @@ def _build_torch(cfg, layout, sizes, X, Y):
     def state():
         return params + _adam(inner)
 
-    return dict(fwd=fwd, opt=opt, kinds=kinds, state=state, ddp=ddp, params=params,
-                param_dtypes=sorted({str(p.dtype) for p in params}))
+    return dict(
+        fwd=fwd,
+        opt=opt,
+        kinds=kinds,
+        state=state,
+        ddp=ddp,
+        params=params,
+        param_dtypes=sorted({str(p.dtype) for p in params}),
+    )
 
 
 def _build_titan(cfg, layout, sizes, X, Y):
@@ -274,8 +295,18 @@ def _build_titan(cfg, layout, sizes, X, Y):
 
     strategy, titan_sizes, reshard = TITAN[layout]
     assert titan_sizes == sizes or layout == "zero2", (layout, sizes, titan_sizes)
-    p = titan_llama.build_parts(cfg, strategy, titan_sizes, X.shape[1], None, LR, param_dtype="bfloat16",
-                                reduce_dtype="float32", reshard=reshard, weights=Llama(cfg, seed=0))
+    p = titan_llama.build_parts(
+        cfg,
+        strategy,
+        titan_sizes,
+        X.shape[1],
+        None,
+        LR,
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        reshard=reshard,
+        weights=Llama(cfg, seed=0),
+    )
     model, opt = p["model"], p["opt"]
     x, y = p["shard"](X), p["shard"](Y)
     params = list(model.parameters())
@@ -289,8 +320,14 @@ def _build_titan(cfg, layout, sizes, X, Y):
     def state():
         return params + _adam(opt)
 
-    return dict(fwd=fwd, opt=opt, kinds=kinds, state=state, loss_scale=p["n_dp"],
-                param_dtypes=sorted({str(q.dtype) for q in params}))
+    return dict(
+        fwd=fwd,
+        opt=opt,
+        kinds=kinds,
+        state=state,
+        loss_scale=p["n_dp"],
+        param_dtypes=sorted({str(q.dtype) for q in params}),
+    )
 
 
 BUILDERS = {"meshlm": _build_meshlm, "torch": _build_torch, "titan": _build_titan}
@@ -348,12 +385,22 @@ def _measure(v) -> dict:
         opt.zero_grad()
     dist.barrier()
     state = max((after_bwd, after_step), key=lambda k: k["total"])
-    return dict(loss0=loss0, after_backward=after_bwd, after_step=after_step, state=state,
-                peak_bytes=mem.peak, peak_phase=mem.peak_phase, at_peak=mem.top(None), start_bytes=mem.base,
-                peak_less_gloo=mem.peak_less_gloo, gloo_rs_at_peak=mem.gloo_at_peak,
-                less_gloo_phase=mem.less_gloo_phase,
-                at_peak_less_gloo=sorted(mem.at_peak_less_gloo.items(), key=lambda kv: -kv[1]),
-                param_dtypes=v["param_dtypes"], **({"shard_dtypes": v["dtypes"]} if "dtypes" in v else {}))
+    return dict(
+        loss0=loss0,
+        after_backward=after_bwd,
+        after_step=after_step,
+        state=state,
+        peak_bytes=mem.peak,
+        peak_phase=mem.peak_phase,
+        at_peak=mem.top(None),
+        start_bytes=mem.base,
+        peak_less_gloo=mem.peak_less_gloo,
+        gloo_rs_at_peak=mem.gloo_at_peak,
+        less_gloo_phase=mem.less_gloo_phase,
+        at_peak_less_gloo=sorted(mem.at_peak_less_gloo.items(), key=lambda kv: -kv[1]),
+        param_dtypes=v["param_dtypes"],
+        **({"shard_dtypes": v["dtypes"]} if "dtypes" in v else {}),
+    )
 
 
 def _elements(cfg) -> int:
@@ -418,45 +465,71 @@ def render(results: dict, meta: dict) -> str:
                 continue
             s = x["state"]
             less = "peak_less_gloo"
-            ratios = ((_ratio(m["state"]["total"], t["state"]["total"]),
-                       _ratio(m["state"]["total"], ti["state"]["total"]) if ok else "-",
-                       _ratio(m["peak_bytes"], t["peak_bytes"]),
-                       _ratio(m["peak_bytes"], ti["peak_bytes"]) if ok else "-",
-                       _ratio(m[less], t[less]),
-                       _ratio(m[less], ti[less]) if ok else "-") if first else ("",) * 6)
+            ratios = (
+                (
+                    _ratio(m["state"]["total"], t["state"]["total"]),
+                    _ratio(m["state"]["total"], ti["state"]["total"]) if ok else "-",
+                    _ratio(m["peak_bytes"], t["peak_bytes"]),
+                    _ratio(m["peak_bytes"], ti["peak_bytes"]) if ok else "-",
+                    _ratio(m[less], t[less]),
+                    _ratio(m[less], ti[less]) if ok else "-",
+                )
+                if first
+                else ("",) * 6
+            )
             lines.append(
-                head + " | ".join(_mb(s[k]) for k in KINDS)
+                head
+                + " | ".join(_mb(s[k]) for k in KINDS)
                 + f" | {_mb(s['total'])} | {s['total'] / n:.2f} | {ratios[0]} | {ratios[1]} | "
                 + f"{_mb(x['peak_bytes'])} | {x['peak_phase']} | {ratios[2]} | {ratios[3]} | "
-                + f"{_mb(x[less])} | {ratios[4]} | {ratios[5]} |")
+                + f"{_mb(x[less])} | {ratios[4]} | {ratios[5]} |"
+            )
     lines += ["", "torch variants: " + "; ".join(f"{k}: {v}" for k, v in TORCH.items() if k in results) + "."]
     if any("titan" in r for r in results.values()):
-        lines += ["torchtitan variants (its Llama 3 + `parallelize_llama`, `TrainingConfig(mixed_precision_param="
-                  "\"bfloat16\", mixed_precision_reduce=\"float32\")`, i.e. FSDP2 `MixedPrecisionPolicy(bf16, fp32)` "
-                  "on every layout; meshlm's seed-0 weights loaded): "
-                  + "; ".join(f"{k}: {v}" for k, v in TITAN_TEXT.items() if "titan" in results.get(k, {}))
-                  + "; zero1: none."]
-    lines += ["meshlm dtypes (`meshlm.train.shard_dtypes`): "
-              + "; ".join(f"{k}: params {r['meshlm']['param_dtypes']}, {r['meshlm']['shard_dtypes']}"
-                          for k, r in results.items() if "meshlm" in r) + "."]
+        lines += [
+            "torchtitan variants (its Llama 3 + `parallelize_llama`, `TrainingConfig(mixed_precision_param="
+            '"bfloat16", mixed_precision_reduce="float32")`, i.e. FSDP2 `MixedPrecisionPolicy(bf16, fp32)` '
+            "on every layout; meshlm's seed-0 weights loaded): "
+            + "; ".join(f"{k}: {v}" for k, v in TITAN_TEXT.items() if "titan" in results.get(k, {}))
+            + "; zero1: none."
+        ]
+    lines += [
+        "meshlm dtypes (`meshlm.train.shard_dtypes`): "
+        + "; ".join(
+            f"{k}: params {r['meshlm']['param_dtypes']}, {r['meshlm']['shard_dtypes']}"
+            for k, r in results.items()
+            if "meshlm" in r
+        )
+        + "."
+    ]
 
     def losses(r):
         return " ".join(f"{impl} {r[impl]['loss0']:.4f}" for impl in BUILDERS if "loss0" in r.get(impl, {}))
 
-    lines += ["", "Warm-up losses (same seed-0 weights; meshlm's is the global batch's mean, torch's and "
-              "torchtitan's rank 0's local batch's): "
-              + "; ".join(f"{k} {losses(r)}" for k, r in results.items() if "meshlm" in r) + "."]
-    lines += ["", "Live at the peak (largest rank), MiB by the op that made each storage and its dtype, the six "
-              "largest, then the rest (`state at the start`: parameters, masters, AdamW state, DDP's buckets; "
-              "the JSON lists them all):", ""]
+    lines += [
+        "",
+        "Warm-up losses (same seed-0 weights; meshlm's is the global batch's mean, torch's and "
+        "torchtitan's rank 0's local batch's): "
+        + "; ".join(f"{k} {losses(r)}" for k, r in results.items() if "meshlm" in r)
+        + ".",
+    ]
+    lines += [
+        "",
+        "Live at the peak (largest rank), MiB by the op that made each storage and its dtype, the six "
+        "largest, then the rest (`state at the start`: parameters, masters, AdamW state, DDP's buckets; "
+        "the JSON lists them all):",
+        "",
+    ]
     for k, r in results.items():
         for impl in BUILDERS:
             x = r.get(impl, {})
             if "at_peak" in x:
                 lines.append(f"- {k} {impl}: " + _listing(x["at_peak"]))
             if x.get("gloo_rs_at_peak") or x.get("peak_less_gloo", x.get("peak_bytes")) != x.get("peak_bytes"):
-                lines.append(f"- {k} {impl}, less gloo RS ({_mb(x['peak_less_gloo'])} MiB, in "
-                             f"{x['less_gloo_phase']}): " + _listing(x["at_peak_less_gloo"]))
+                lines.append(
+                    f"- {k} {impl}, less gloo RS ({_mb(x['peak_less_gloo'])} MiB, in "
+                    f"{x['less_gloo_phase']}): " + _listing(x["at_peak_less_gloo"])
+                )
     lines.append("")
     for note in meta["notes"]:
         lines.append(f"- {note}")
@@ -489,8 +562,14 @@ def main(argv=None) -> int:
         from importlib.metadata import version
 
         titan_version = version("torchtitan")
-        notes = [f"torchtitan {titan_version}: no column for {', '.join(k for k in layouts if k not in TITAN)} "
-                 "(no such layout in torchtitan)"] if any(k not in TITAN for k in layouts) else []
+        notes = (
+            [
+                f"torchtitan {titan_version}: no column for {', '.join(k for k in layouts if k not in TITAN)} "
+                "(no such layout in torchtitan)"
+            ]
+            if any(k not in TITAN for k in layouts)
+            else []
+        )
     opts = dict(vars(args), titan=not why)
     results: dict = {}
     t_start = time.time()
@@ -513,26 +592,42 @@ def main(argv=None) -> int:
                     r[impl]["state"] = max((p[impl]["state"] for p in per_rank), key=lambda k: k["total"])
             except Exception as e:  # noqa: BLE001 - one failed layout must not sink the table
                 tb = getattr(e, "remote_traceback", "") or ""
-                r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                              + (f" ({tb.strip().splitlines()[-1][:300]})" if tb.strip() else "")}
+                r = {
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    + (f" ({tb.strip().splitlines()[-1][:300]})" if tb.strip() else "")
+                }
             r["mesh"] = LAYOUTS[lay]
             results[lay] = r
             if "error" in r:
                 print(f"[{lay}] {time.time() - t0:.0f}s error {r['error']}", flush=True)
             else:
-                print(f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s "
-                      + "; ".join(f"{impl} state {r[impl].get('state')} peak {r[impl].get('peak_bytes')}"
-                                  + (f" error {r[impl]['error']}" if "error" in r[impl] else "")
-                                  for impl in BUILDERS if impl in r), flush=True)
+                print(
+                    f"[{lay} {LAYOUTS[lay]}] {time.time() - t0:.0f}s "
+                    + "; ".join(
+                        f"{impl} state {r[impl].get('state')} peak {r[impl].get('peak_bytes')}"
+                        + (f" error {r[impl]['error']}" if "error" in r[impl] else "")
+                        for impl in BUILDERS
+                        if impl in r
+                    ),
+                    flush=True,
+                )
     cfg = llama_config(args.model)
-    meta = dict(date=datetime.date.today().isoformat(),
-                command=("python benchmarks/memory_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip(),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}",
-                torch=torch.__version__, torchtitan=titan_version,
-                model=args.model, parameters=_elements(cfg), batch=args.batch, seq=args.seq,
-                wall_s=round(time.time() - t_start), notes=notes)
-    write_report(Path(args.out), "memory_floor", {"meta": meta, "results": results}, render(results, meta),
-                 meta["wall_s"])
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        command=("python benchmarks/memory_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip(),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores (shared), Python {platform.python_version()}",
+        torch=torch.__version__,
+        torchtitan=titan_version,
+        model=args.model,
+        parameters=_elements(cfg),
+        batch=args.batch,
+        seq=args.seq,
+        wall_s=round(time.time() - t_start),
+        notes=notes,
+    )
+    write_report(
+        Path(args.out), "memory_floor", {"meta": meta, "results": results}, render(results, meta), meta["wall_s"]
+    )
     return 0
 
 

@@ -22,20 +22,47 @@ if __name__ == "__main__":
         _PLAN_CACHE.clear()
         _MODELS.clear()
         t0 = time.perf_counter()
-        p = plan(model, layout, mesh, global_batch=gb, seq=seq, activation_checkpointing="full", param_dtype="bfloat16",
-                 master_dtype="float32")
+        p = plan(
+            model,
+            layout,
+            mesh,
+            global_batch=gb,
+            seq=seq,
+            activation_checkpointing="full",
+            param_dtype="bfloat16",
+            master_dtype="float32",
+        )
         t1 = time.perf_counter()
-        plan(model, layout, mesh, global_batch=gb, seq=seq, activation_checkpointing="full", param_dtype="bfloat16",
-             master_dtype="float32")
+        plan(
+            model,
+            layout,
+            mesh,
+            global_batch=gb,
+            seq=seq,
+            activation_checkpointing="full",
+            param_dtype="bfloat16",
+            master_dtype="float32",
+        )
         t2 = time.perf_counter()
-        print(f"plan {model} {layout} {mesh} ({p.world_size} ranks): cold {t1 - t0:.2f} s, warm {t2 - t1:.3f} s, "
-              f"total {p.memory['total'] / 2**30:.2f} GiB/rank")
+        print(
+            f"plan {model} {layout} {mesh} ({p.world_size} ranks): cold {t1 - t0:.2f} s, warm {t2 - t1:.3f} s, "
+            f"total {p.memory['total'] / 2**30:.2f} GiB/rank"
+        )
     _PLAN_CACHE.clear()
     _MODELS.clear()
     t0 = time.perf_counter()
-    best = choose_layout(model="llama3_70b", devices=256, max_memory="80GiB", global_batch=256, seq=8192,
-                         activation_checkpointing="full", param_dtype="bfloat16", master_dtype="float32",
-                         hardware="h100_nvlink_ib", out=io.StringIO())
+    best = choose_layout(
+        model="llama3_70b",
+        devices=256,
+        max_memory="80GiB",
+        global_batch=256,
+        seq=8192,
+        activation_checkpointing="full",
+        param_dtype="bfloat16",
+        master_dtype="float32",
+        hardware="h100_nvlink_ib",
+        out=io.StringIO(),
+    )
     print(f"choose_layout llama3_70b on 256 devices: {time.perf_counter() - t0:.2f} s -> {best}")
     print()
     print(format_plan(p))

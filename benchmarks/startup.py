@@ -24,8 +24,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = ["model=llama_tiny", "layout=fsdp_tp", "mesh=fsdp2_tp2", "train.steps=10", "train.val_every=0",
-       "train.val_batches=1", "train.progress=false"]
+RUN = [
+    "model=llama_tiny",
+    "layout=fsdp_tp",
+    "mesh=fsdp2_tp2",
+    "train.steps=10",
+    "train.val_every=0",
+    "train.val_batches=1",
+    "train.progress=false",
+]
 
 
 def one(overrides: list[str]) -> dict[str, float]:
@@ -33,8 +40,13 @@ def one(overrides: list[str]) -> dict[str, float]:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         t0 = time.time()
-        r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides, f"hydra.run.dir={d}"],
-                           cwd=d, env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides, f"hydra.run.dir={d}"],
+            cwd=d,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         wall = time.time() - t0
         if r.returncode:
             sys.exit(r.stderr[-3000:])
@@ -56,8 +68,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     a, overrides = p.parse_known_args()
     runs = [one(overrides) for _ in range(a.repeat)]
-    print(f"meshlm train {' '.join(RUN + overrides)}  (start method: {os.environ.get('MESHLM_START_METHOD', 'default')}, "
-          f"{os.cpu_count()} CPUs, median of {a.repeat})")
+    print(
+        f"meshlm train {' '.join(RUN + overrides)}  (start method: {os.environ.get('MESHLM_START_METHOD', 'default')}, "
+        f"{os.cpu_count()} CPUs, median of {a.repeat})"
+    )
     for k in runs[0]:
         vals = [r[k] for r in runs]
         print(f"  {k:<24} {statistics.median(vals):7.2f} s   ({', '.join(f'{v:.2f}' for v in vals)})")

@@ -69,8 +69,12 @@ from bench_layouts import LAYOUTS, PeakStorage, _global_batch, _state_tensors, w
 RESULTS = Path(__file__).resolve().parent / "results" / "step_phases"
 LR = 1e-3
 PHASES = ("fwd", "bwd", "opt", "step")
-KNOBS = {"overlap": ("off", "on"), "regather": ("free", "recompute"), "comms": ("graph", "eager"),
-         "opt_bucket": ("block", "25")}
+KNOBS = {
+    "overlap": ("off", "on"),
+    "regather": ("free", "recompute"),
+    "comms": ("graph", "eager"),
+    "opt_bucket": ("block", "25"),
+}
 
 
 # --------------------------------------------------------------------------- on every rank
@@ -107,8 +111,9 @@ def _bench_layout(layout, mesh_shape, variants, opts):
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
         if opts["compile"] != "none":
             compile_blocks(model, opts["compile"], comms=v["comms"])
-        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=LR,
-                               bucket_mb=None if v["opt_bucket"] == "block" else float(v["opt_bucket"]))
+        opt = ShardedOptimizer(
+            model, torch.optim.AdamW, lr=LR, bucket_mb=None if v["opt_bucket"] == "block" else float(v["opt_bucket"])
+        )
         built[v["name"]] = (model, opt, v["regather"])
 
     def step(name):
@@ -128,8 +133,10 @@ def _bench_layout(layout, mesh_shape, variants, opts):
         loss = loss.detach()
         return dt.tolist(), float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
 
-    out = {v["name"]: {"times": [], "losses": [], "regather_blocks": _regather_blocks(built[v["name"]][0])}
-           for v in variants}
+    out = {
+        v["name"]: {"times": [], "losses": [], "regather_blocks": _regather_blocks(built[v["name"]][0])}
+        for v in variants
+    }
     try:
         for name in built:  # warm-up, untimed; the losses still count for the comparison
             for _ in range(opts["warmup"]):
@@ -202,12 +209,17 @@ def render(results: dict, meta: dict) -> str:
             pk, pa = r.get("peak_bytes"), a.get("peak_bytes")
             peak = f"{pk / 1e6:.1f}" if pk else "-"
             pratio = f"{pk / pa:.2f}" if k and pk and pa else ""
-            lines.append(f"| {layout} | {res['mesh']} | {n} | " + " | ".join(_fmt(r[f'{p}_s']) for p in PHASES)
-                         + f" | {ratio} | {peak} | {pratio} |")
+            lines.append(
+                f"| {layout} | {res['mesh']} | {n} | "
+                + " | ".join(_fmt(r[f"{p}_s"]) for p in PHASES)
+                + f" | {ratio} | {peak} | {pratio} |"
+            )
         if len(names) > 1:
-            notes.append(f"{layout}: largest loss difference between the variants over the "
-                         f"{len(a['losses'])} steps: {res['loss_diff']:.2e}; "
-                         f"blocks that re-gather: {a['regather_blocks']}")
+            notes.append(
+                f"{layout}: largest loss difference between the variants over the "
+                f"{len(a['losses'])} steps: {res['loss_diff']:.2e}; "
+                f"blocks that re-gather: {a['regather_blocks']}"
+            )
     lines += [""] + [f"- {n}" for n in notes + meta.get("notes", [])]
     return "\n".join(lines) + "\n"
 
@@ -218,12 +230,25 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", help="mesh for every layout, e.g. 'fsdp=4' (default: bench_layouts.py's 4-rank mesh)")
     ap.add_argument("--overlap", default="off", choices=["off", "on", "both"])
     ap.add_argument("--regather", default="free", choices=["free", "recompute", "both"])
-    ap.add_argument("--comms", default="graph", choices=["graph", "eager", "both"],
-                    help="with --compile: meshlm.compile_blocks(..., comms=...)")
-    ap.add_argument("--opt-bucket", dest="opt_bucket", default="block", choices=["block", "25", "both"],
-                    help="ShardedOptimizer(bucket_mb=None or 25): the optimizer's ZeRO-1/2 chunks")
-    ap.add_argument("--compile", default="none", choices=["none", "aot_eager", "inductor"],
-                    help="compile every block of both variants with this backend (default: eager)")
+    ap.add_argument(
+        "--comms",
+        default="graph",
+        choices=["graph", "eager", "both"],
+        help="with --compile: meshlm.compile_blocks(..., comms=...)",
+    )
+    ap.add_argument(
+        "--opt-bucket",
+        dest="opt_bucket",
+        default="block",
+        choices=["block", "25", "both"],
+        help="ShardedOptimizer(bucket_mb=None or 25): the optimizer's ZeRO-1/2 chunks",
+    )
+    ap.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "aot_eager", "inductor"],
+        help="compile every block of both variants with this backend (default: eager)",
+    )
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="global batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
@@ -258,8 +283,15 @@ def main(argv=None) -> int:
             ap.error(f"mesh {shape} has {spec.size} devices; this benchmark runs 4 ranks")
         meshes[lay] = ",".join(f"{a}={s}" for a, s in spec.active())
     knob, variants = _variants(args)
-    opts = dict(model=args.model, seq=args.seq, batch=args.batch, steps=args.steps, reps=args.reps,
-                warmup=args.warmup, compile=args.compile)
+    opts = dict(
+        model=args.model,
+        seq=args.seq,
+        batch=args.batch,
+        steps=args.steps,
+        reps=args.reps,
+        warmup=args.warmup,
+        compile=args.compile,
+    )
 
     results = {}
     t_start = time.time()
@@ -276,31 +308,50 @@ def main(argv=None) -> int:
                 r["loss_diff"] = max(abs(p - q) for p, q in zip(la, lb))
             r["mesh"] = meshes[lay]
             results[lay] = r
-            summary = "  ".join(f"{v['name']} " + "/".join(_fmt(r[v['name']][f'{p}_s']) for p in PHASES)
-                                for v in variants if v["name"] in r)
+            summary = "  ".join(
+                f"{v['name']} " + "/".join(_fmt(r[v["name"]][f"{p}_s"]) for p in PHASES)
+                for v in variants
+                if v["name"] in r
+            )
             print(f"[{lay} {meshes[lay]}] {time.time() - t0:.0f}s  fwd/bwd/opt/step s: {summary}", flush=True)
 
-    knob_help = {"overlap": "overlap = shard(..., overlap=...)",
-                 "regather": "regather = meshlm.lowering.blocks.EAGER_REGATHER",
-                 "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
-                 "opt_bucket": "opt_bucket = ShardedOptimizer(bucket_mb=None (block) or 25)",
-                 None: "one variant"}[knob]
+    knob_help = {
+        "overlap": "overlap = shard(..., overlap=...)",
+        "regather": "regather = meshlm.lowering.blocks.EAGER_REGATHER",
+        "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
+        "opt_bucket": "opt_bucket = ShardedOptimizer(bucket_mb=None (block) or 25)",
+        None: "one variant",
+    }[knob]
     notes = []
     if knob == "regather":
-        notes.append("regather only changes blocks that re-gather their parameters (fsdp-family layouts); "
-                     f"overlap {args.overlap} in both variants")
+        notes.append(
+            "regather only changes blocks that re-gather their parameters (fsdp-family layouts); "
+            f"overlap {args.overlap} in both variants"
+        )
     elif knob == "overlap":
         notes.append(f"regather {args.regather} in both variants")
     if args.compile != "none":
         notes.append(f"blocks compiled with backend {args.compile} in every variant (the warm-up steps compile)")
-    meta = dict(date=datetime.date.today().isoformat(),
-                command="python benchmarks/step_phases.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-                torch=torch.__version__, model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
-                reps=args.reps, warmup=args.warmup, knob=knob, knob_help=knob_help, variants=variants,
-                wall_s=round(time.time() - t_start), notes=notes)
-    write_report(Path(args.out), knob or "phases", {"meta": meta, "results": results}, render(results, meta),
-                 meta["wall_s"])
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        command="python benchmarks/step_phases.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        torch=torch.__version__,
+        model=args.model,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        reps=args.reps,
+        warmup=args.warmup,
+        knob=knob,
+        knob_help=knob_help,
+        variants=variants,
+        wall_s=round(time.time() - t_start),
+        notes=notes,
+    )
+    write_report(
+        Path(args.out), knob or "phases", {"meta": meta, "results": results}, render(results, meta), meta["wall_s"]
+    )
     return 0
 
 

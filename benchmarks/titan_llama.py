@@ -60,28 +60,44 @@ def _model_config(cfg, sp: bool, tp: int, dp_shard: int, dp_rep: int, seq: int):
     lin = tl._LINEAR_INIT
     layers = []
     for i in range(cfg.layers):
-        layers.append(Llama3TransformerBlock.Config(
-            attention_norm=RMSNorm.Config(normalized_shape=cfg.embed, eps=cfg.norm_eps, param_init=tl._NORM_INIT),
-            ffn_norm=RMSNorm.Config(normalized_shape=cfg.embed, eps=cfg.norm_eps, param_init=tl._NORM_INIT),
-            attention=make_gqa_config(
-                dim=cfg.embed, n_heads=cfg.heads, n_kv_heads=cfg.kv_heads, wqkv_param_init=lin,
-                wo_param_init=tl._depth_init(i), inner_attention=ScaledDotProductAttention.Config(),
-                fuse_qkv=True, rope=ComplexRoPE.Config(dim=cfg.hd, max_seq_len=seq, theta=cfg.rope_theta)),
-            feed_forward=make_ffn_config(dim=cfg.embed, hidden_dim=cfg.mlp, w1_param_init=lin,
-                                         w2w3_param_init=tl._depth_init(i)),
-        ))
+        layers.append(
+            Llama3TransformerBlock.Config(
+                attention_norm=RMSNorm.Config(normalized_shape=cfg.embed, eps=cfg.norm_eps, param_init=tl._NORM_INIT),
+                ffn_norm=RMSNorm.Config(normalized_shape=cfg.embed, eps=cfg.norm_eps, param_init=tl._NORM_INIT),
+                attention=make_gqa_config(
+                    dim=cfg.embed,
+                    n_heads=cfg.heads,
+                    n_kv_heads=cfg.kv_heads,
+                    wqkv_param_init=lin,
+                    wo_param_init=tl._depth_init(i),
+                    inner_attention=ScaledDotProductAttention.Config(),
+                    fuse_qkv=True,
+                    rope=ComplexRoPE.Config(dim=cfg.hd, max_seq_len=seq, theta=cfg.rope_theta),
+                ),
+                feed_forward=make_ffn_config(
+                    dim=cfg.embed, hidden_dim=cfg.mlp, w1_param_init=lin, w2w3_param_init=tl._depth_init(i)
+                ),
+            )
+        )
     mc = Llama3Model.Config(
-        dim=cfg.embed, vocab_size=cfg.vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab, embedding_dim=cfg.embed,
-                                        param_init=tl._EMBEDDING_INIT),
+        dim=cfg.embed,
+        vocab_size=cfg.vocab,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=cfg.vocab, embedding_dim=cfg.embed, param_init=tl._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=cfg.embed, eps=cfg.norm_eps, param_init=tl._NORM_INIT),
-        lm_head=Linear.Config(in_features=cfg.embed, out_features=cfg.vocab,
-                              param_init=tl._output_linear_init(cfg.embed)),
+        lm_head=Linear.Config(
+            in_features=cfg.embed, out_features=cfg.vocab, param_init=tl._output_linear_init(cfg.embed)
+        ),
         layers=layers,
     )
-    par = ParallelismConfig(data_parallel_replicate_degree=dp_rep, data_parallel_shard_degree=dp_shard,
-                            tensor_parallel_degree=tp, enable_sequence_parallel=sp,
-                            spmd_backend="partial_dtensor")
+    par = ParallelismConfig(
+        data_parallel_replicate_degree=dp_rep,
+        data_parallel_shard_degree=dp_shard,
+        tensor_parallel_degree=tp,
+        enable_sequence_parallel=sp,
+        spmd_backend="partial_dtensor",
+    )
 
     class _Cfg:  # update_from_config needs only `.parallelism` from a non-trainer caller
         parallelism = par
@@ -102,9 +118,19 @@ STRATEGIES = {
 }
 
 
-def build_parts(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | None, lr: float, *,
-                param_dtype: str = "float32", reduce_dtype: str = "float32", reshard: str = "default",
-                weights=None) -> dict:
+def build_parts(
+    cfg,
+    layout: str,
+    mesh_sizes: dict,
+    seq: int,
+    compile_backend: str | None,
+    lr: float,
+    *,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    reshard: str = "default",
+    weights=None,
+) -> dict:
     """torchtitan's model for ``layout`` on this rank, as torchtitan's trainer sets it up.
 
     ``param_dtype`` / ``reduce_dtype``: torchtitan's ``TrainingConfig.mixed_precision_param``
@@ -137,10 +163,18 @@ def build_parts(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: s
     with torch.device("meta"):
         model = mc.build()
     training = TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype)
-    comp = CompileConfig(enable=compile_backend is not None, components=["model"],
-                         backend=compile_backend or "inductor")
-    model = parallelize_llama(model, parallel_dims=dims, training=training, parallelism=par,
-                              compile_config=comp, ac_config=None, dump_folder="/tmp/meshlm_bench_titan")
+    comp = CompileConfig(
+        enable=compile_backend is not None, components=["model"], backend=compile_backend or "inductor"
+    )
+    model = parallelize_llama(
+        model,
+        parallel_dims=dims,
+        training=training,
+        parallelism=par,
+        compile_config=comp,
+        ac_config=None,
+        dump_folder="/tmp/meshlm_bench_titan",
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -159,7 +193,7 @@ def build_parts(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: s
 
     def shard(tokens: torch.Tensor) -> torch.Tensor:
         b = tokens.shape[0] // n_dp
-        return tokens[dp_rank * b:(dp_rank + 1) * b]
+        return tokens[dp_rank * b : (dp_rank + 1) * b]
 
     def loss(x, y):
         return cross_entropy_loss(model(x), y) / (y.numel() * n_dp)
@@ -210,15 +244,17 @@ def load_meshlm_weights(model, ref) -> None:
         k = rope_order(a.wk.detach()).view(kv, 1, hd, d)
         v = a.wv.detach().view(kv, 1, hd, d)
         pre = f"layers.{i}."
-        full.update({
-            pre + "attention.qkv_linear.wqkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
-            pre + "attention.wo.weight": a.wo.flatten(1, 2),
-            pre + "feed_forward.w1.weight": r.mlp.w_gate,
-            pre + "feed_forward.w3.weight": r.mlp.w_up,
-            pre + "feed_forward.w2.weight": r.mlp.w_down,
-            pre + "attention_norm.weight": r.attn_norm.weight,
-            pre + "ffn_norm.weight": r.mlp_norm.weight,
-        })
+        full.update(
+            {
+                pre + "attention.qkv_linear.wqkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
+                pre + "attention.wo.weight": a.wo.flatten(1, 2),
+                pre + "feed_forward.w1.weight": r.mlp.w_gate,
+                pre + "feed_forward.w3.weight": r.mlp.w_up,
+                pre + "feed_forward.w2.weight": r.mlp.w_down,
+                pre + "attention_norm.weight": r.attn_norm.weight,
+                pre + "ffn_norm.weight": r.mlp_norm.weight,
+            }
+        )
     params = dict(model.named_parameters())
     if set(params) != set(full):
         raise ValueError(f"torchtitan parameters {sorted(set(params) ^ set(full))} have no meshlm counterpart")

@@ -134,16 +134,24 @@ def read_meta(path: str) -> dict:
         with open(f) as fh:
             return json.load(fh)
     except FileNotFoundError:
-        raise CheckpointError(f"{f}: missing; {path} is not a complete meshlm checkpoint "
-                              "(killed during a save?). Resume from an earlier step_* directory "
-                              "or use checkpoint.resume=auto") from None
+        raise CheckpointError(
+            f"{f}: missing; {path} is not a complete meshlm checkpoint "
+            "(killed during a save?). Resume from an earlier step_* directory "
+            "or use checkpoint.resume=auto"
+        ) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: unreadable ({e}); the checkpoint is corrupted, resume from an earlier one") from None
+        raise CheckpointError(
+            f"{f}: unreadable ({e}); the checkpoint is corrupted, resume from an earlier one"
+        ) from None
 
 
 def resolve_path(path: str) -> str:
     """A checkpoint directory, or a run directory whose latest complete checkpoint is meant."""
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, META)) and not os.path.exists(os.path.join(path, ".metadata")):
+    if (
+        os.path.isdir(path)
+        and not os.path.exists(os.path.join(path, META))
+        and not os.path.exists(os.path.join(path, ".metadata"))
+    ):
         latest = latest_checkpoint(path)
         if latest is not None:
             return latest

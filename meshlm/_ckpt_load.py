@@ -42,8 +42,10 @@ def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = Tru
     if not os.path.isdir(path):
         return f"checkpoint {path}: no such directory"
     if not os.path.isfile(os.path.join(path, COMMIT)):
-        return (f"checkpoint {path}: no {COMMIT} marker, so the save that wrote it did not finish "
-                "(killed mid-save?); resume from an earlier step_* directory or use checkpoint.resume=auto")
+        return (
+            f"checkpoint {path}: no {COMMIT} marker, so the save that wrote it did not finish "
+            "(killed mid-save?); resume from an earlier step_* directory or use checkpoint.resume=auto"
+        )
     try:
         meta = meta or read_meta(path)
     except CheckpointError as e:
@@ -51,17 +53,23 @@ def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = Tru
     for name, want in sorted(meta.get("files", {}).items()):
         f = os.path.join(path, name)
         if not os.path.isfile(f):
-            return (f"checkpoint {path}: shard file {f} is missing (meta.json lists it with {want['bytes']} bytes); "
-                    "the checkpoint is incomplete: copy the whole directory, or resume from another checkpoint")
+            return (
+                f"checkpoint {path}: shard file {f} is missing (meta.json lists it with {want['bytes']} bytes); "
+                "the checkpoint is incomplete: copy the whole directory, or resume from another checkpoint"
+            )
         size = os.path.getsize(f)
         if size != want["bytes"]:
-            return (f"checkpoint {path}: file {f} has {size} bytes but meta.json records {want['bytes']} "
-                    f"({'truncated' if size < want['bytes'] else 'grown'}); the checkpoint is corrupted, resume from another one")
+            return (
+                f"checkpoint {path}: file {f} has {size} bytes but meta.json records {want['bytes']} "
+                f"({'truncated' if size < want['bytes'] else 'grown'}); the checkpoint is corrupted, resume from another one"
+            )
         if crc:
             got = _crc32(f)
             if got != want["crc32"]:
-                return (f"checkpoint {path}: file {f} fails its CRC-32 check (0x{got:08x}, meta.json records "
-                        f"0x{want['crc32']:08x}); the file is corrupted, resume from another checkpoint")
+                return (
+                    f"checkpoint {path}: file {f} fails its CRC-32 check (0x{got:08x}, meta.json records "
+                    f"0x{want['crc32']:08x}); the file is corrupted, resume from another checkpoint"
+                )
     return None
 
 
@@ -71,8 +79,10 @@ def _read_dcp_metadata(path: str):
     try:
         return FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 (any unpickling error means a bad file)
-        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, '.metadata')} is unreadable "
-                              f"({type(e).__name__}: {e}); the checkpoint is corrupted, resume from another one") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {os.path.join(path, '.metadata')} is unreadable "
+            f"({type(e).__name__}: {e}); the checkpoint is corrupted, resume from another one"
+        ) from None
 
 
 def _fmt_shape(s) -> str:
@@ -92,21 +102,31 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
     for fqn, p in params.items():
         key = f"model/{fqn}"
         if key not in saved:
-            raise CheckpointError(f"checkpoint {path}: has no parameter `{fqn}` that the model has; it was saved "
-                                  f"from a different model{cfg_note}")
+            raise CheckpointError(
+                f"checkpoint {path}: has no parameter `{fqn}` that the model has; it was saved "
+                f"from a different model{cfg_note}"
+            )
         m = saved[key]
         if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(p.shape):
             got = _fmt_shape(m.size) if isinstance(m, TensorStorageMetadata) else "a non-tensor"
-            raise CheckpointError(f"checkpoint {path}: parameter `{fqn}` has shape {got} there but the model "
-                                  f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
-                                  "model with the saved config, or start without checkpoint.resume")
+            raise CheckpointError(
+                f"checkpoint {path}: parameter `{fqn}` has shape {got} there but the model "
+                f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
+                "model with the saved config, or start without checkpoint.resume"
+            )
         if f"master/{fqn}" in saved and tuple(saved[f"master/{fqn}"].size) != tuple(p.shape):
-            raise CheckpointError(f"checkpoint {path}: the master of `{fqn}` has shape "
-                                  f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}")
-    extra_keys = sorted(k[len("model/"):] for k in saved if k.startswith("model/") and k[len("model/"):] not in params)
+            raise CheckpointError(
+                f"checkpoint {path}: the master of `{fqn}` has shape "
+                f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}"
+            )
+    extra_keys = sorted(
+        k[len("model/") :] for k in saved if k.startswith("model/") and k[len("model/") :] not in params
+    )
     if extra_keys:
-        raise CheckpointError(f"checkpoint {path}: has parameters the model lacks ({', '.join(extra_keys[:5])}); "
-                              f"it was saved from a different model{cfg_note}")
+        raise CheckpointError(
+            f"checkpoint {path}: has parameters the model lacks ({', '.join(extra_keys[:5])}); "
+            f"it was saved from a different model{cfg_note}"
+        )
     masters = _masters(optimizer)
     sd, post = weight_targets(saved, params, masters)  # NOTE [checkpoint weights]
     if optimizer is not None:
@@ -118,7 +138,7 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 continue  # saved before the first step: keep the fresh state
             state = inner.state.setdefault(m, {})
             for k in keys:
-                name = k[len(prefix):]
+                name = k[len(prefix) :]
                 km = saved[k]
                 if not isinstance(km, TensorStorageMetadata):
                     continue
@@ -131,15 +151,18 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                     if cur is None or cur.ndim != 0 or isinstance(cur, DTensor):
                         cur = torch.zeros((), dtype=km.properties.dtype)
                 else:
-                    raise CheckpointError(f"checkpoint {path}: optimizer state `{name}` of `{fqn}` has shape "
-                                          f"{_fmt_shape(size)} but the parameter has {_fmt_shape(m.shape)}")
+                    raise CheckpointError(
+                        f"checkpoint {path}: optimizer state `{name}` of `{fqn}` has shape "
+                        f"{_fmt_shape(size)} but the parameter has {_fmt_shape(m.shape)}"
+                    )
                 state[name] = cur
                 sd[k] = cur
     return sd, post
 
 
-def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any = None, verify: bool = True,
-                    restore_rng: bool = True) -> dict:
+def load_checkpoint(
+    path: str, *, model: nn.Module, optimizer: Any = None, verify: bool = True, restore_rng: bool = True
+) -> dict:
     """Load checkpoint ``path`` into ``model`` (and ``optimizer``) in place, under whatever
     layout and mesh they are sharded with now; return the saved ``extra`` dict.  Collective.
     Raises :class:`CheckpointError` (on every rank) for a bad or mismatched checkpoint."""
@@ -182,7 +205,9 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizer: Any = None, verif
     try:
         blob = torch.load(os.path.join(path, EXTRA), weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {path}: {os.path.join(path, EXTRA)} is unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {os.path.join(path, EXTRA)} is unreadable ({type(e).__name__}: {e})"
+        ) from None
     if optimizer is not None:
         _restore_groups(path, optimizer, blob)
     if restore_rng and meta.get("world_size") == world:

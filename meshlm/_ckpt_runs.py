@@ -69,30 +69,37 @@ def check_fresh(root: str, checkpoints: list[tuple[int, str]]) -> None:
     if not checkpoints and owner is None:
         return
     ids = sorted({checkpoint_run_id(p) or "unknown (no run id)" for _s, p in checkpoints} | ({owner} - {None}))
-    what = (f"checkpoints of run {', '.join(ids)} (steps {_steps(checkpoints)})" if checkpoints
-            else f"the run.json of run {owner} (no checkpoint saved yet)")
+    what = (
+        f"checkpoints of run {', '.join(ids)} (steps {_steps(checkpoints)})"
+        if checkpoints
+        else f"the run.json of run {owner} (no checkpoint saved yet)"
+    )
     raise CheckpointError(
         f"checkpoint.dir={root!r} holds {what}, and this run starts fresh (checkpoint.resume=null): saving into "
         "it would mix two runs. To continue that run set checkpoint.resume=auto; to start a new run choose "
-        "another checkpoint.dir (or delete the old one)")
+        "another checkpoint.dir (or delete the old one)"
+    )
 
 
 def check_resume(root: str, checkpoints: list[tuple[int, str]], run_id: Optional[str], step: int) -> None:
     """A run with id ``run_id`` resuming at ``step`` may save into ``root`` (raises)."""
     owner = dir_owner(root)
-    others = sorted({r for r in (checkpoint_run_id(p) for _s, p in checkpoints) if r and r != run_id}
-                    | ({owner} - {None, run_id}))
+    others = sorted(
+        {r for r in (checkpoint_run_id(p) for _s, p in checkpoints) if r and r != run_id} | ({owner} - {None, run_id})
+    )
     if others:
         raise CheckpointError(
             f"checkpoint.dir={root!r} belongs to run {', '.join(others)}, but the checkpoint resumed from is of run "
             f"{run_id or 'unknown (no run id)'}: saving there would mix two runs. Set checkpoint.dir to the "
-            "directory of the checkpoint you resume (or checkpoint.resume=auto), or to a new directory")
+            "directory of the checkpoint you resume (or checkpoint.resume=auto), or to a new directory"
+        )
     newer = [(s, p) for s, p in checkpoints if s > step and checkpoint_run_id(p) == run_id and run_id]
     if newer:
         raise CheckpointError(
             f"checkpoint.dir={root!r} holds later checkpoints of the same run (steps {_steps(newer)}) than the one "
             f"resumed from (step {step}); continuing from step {step} would replace them. Resume from the latest "
-            "(checkpoint.resume=auto), or save the new branch elsewhere (another checkpoint.dir)")
+            "(checkpoint.resume=auto), or save the new branch elsewhere (another checkpoint.dir)"
+        )
 
 
 def claim(root: str, run_id: str) -> None:

@@ -14,9 +14,14 @@ def _selective_policy():
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default}
+    save = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.linear.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+    }
     cpu_sdpa = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if cpu_sdpa is not None:
         save.add(cpu_sdpa.default)

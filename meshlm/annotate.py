@@ -26,8 +26,18 @@ from torch import Tensor, nn
 
 from meshlm.axes import Axes
 
-__all__ = ["Axes", "block", "constrain", "declare_axes", "dropout", "init_params", "is_block", "param_axes_of",
-           "reduce_batch", "set_axes"]
+__all__ = [
+    "Axes",
+    "block",
+    "constrain",
+    "declare_axes",
+    "dropout",
+    "init_params",
+    "is_block",
+    "param_axes_of",
+    "reduce_batch",
+    "set_axes",
+]
 
 # The active constraint handler: set by the lowering (``handling``) while a sharded module
 # runs its forward, None otherwise (then ``constrain`` is the identity).  A handler may also
@@ -157,12 +167,14 @@ def set_axes(module: nn.Module, **axes: Axes) -> nn.Module:
             raise AnnotationError(
                 f"set_axes({type(module).__name__}, {name}=...): {type(module).__name__} has no parameter "
                 f"{name!r}; its own parameters are {', '.join(own) or 'none'} (annotate a submodule's "
-                "parameters on that submodule)")
+                "parameters on that submodule)"
+            )
         ax = (ax,) if isinstance(ax, str) or ax is None else tuple(ax)
         if len(ax) != own[name].ndim:
             raise AnnotationError(
                 f"set_axes({type(module).__name__}, {name}={ax}): parameter {name!r} has {own[name].ndim} dims "
-                f"{tuple(own[name].shape)}; give one logical axis (or None) per dim, in the order it is stored")
+                f"{tuple(own[name].shape)}; give one logical axis (or None) per dim, in the order it is stored"
+            )
         mine[name] = ax
     module.param_axes = mine
     return module

@@ -77,8 +77,8 @@ def check_logical(name: str, where: str, known: Optional[Collection[str]] = None
     raise AxisError(
         f"{where}: unknown logical axis {name!r}{closest(name, names)}. Known logical axes: "
         f"{', '.join(names)}. Fix the spelling, or, if the model needs a new role, declare it on "
-        f"a module of the model: `logical_axes = {{{name!r}: \"what it is\"}}` (or "
-        f"`meshlm.declare_axes(module, {name}=\"...\")`); NOTE [open vocabulary] in meshlm/axes.py."
+        f'a module of the model: `logical_axes = {{{name!r}: "what it is"}}` (or '
+        f'`meshlm.declare_axes(module, {name}="...")`); NOTE [open vocabulary] in meshlm/axes.py.'
     )
 
 
@@ -93,13 +93,17 @@ def declared_axes(m: "nn.Module") -> dict[str, str]:
         if not src:
             continue
         if isinstance(src, str) or not isinstance(src, (Mapping, Sequence)):
-            raise AxisError(f"{type(m).__name__}.logical_axes = {src!r}: declare new logical axes as a dict "
-                            "{name: description} or a tuple of names")
+            raise AxisError(
+                f"{type(m).__name__}.logical_axes = {src!r}: declare new logical axes as a dict "
+                "{name: description} or a tuple of names"
+            )
         items = src.items() if isinstance(src, Mapping) else ((n, "") for n in src)
         for n, doc in items:
             if not isinstance(n, str) or not n.isidentifier():
-                raise AxisError(f"{type(m).__name__}.logical_axes: {n!r} is not a valid axis name "
-                                "(use an identifier such as 'codebook')")
+                raise AxisError(
+                    f"{type(m).__name__}.logical_axes: {n!r} is not a valid axis name "
+                    "(use an identifier such as 'codebook')"
+                )
             out[n] = str(doc)
     return out
 
@@ -128,7 +132,7 @@ def check_layout_keys(layout, known: Collection[str], model_name: str) -> None:
                     f"{layout.source}: {sec}.{key}: the layout maps logical axis {key!r}{closest(key, known)}, "
                     f"which is neither a standard logical axis nor declared by model {model_name} (it declares "
                     f"{', '.join(custom) or 'none'}). Fix the spelling in the layout, or declare the axis on a "
-                    f"module of the model (`logical_axes = {{{key!r}: \"...\"}}`; NOTE [open vocabulary] in "
+                    f'module of the model (`logical_axes = {{{key!r}: "..."}}`; NOTE [open vocabulary] in '
                     "meshlm/axes.py)."
                 )
 
@@ -138,7 +142,4 @@ def check_mesh(name: str, where: str) -> None:
     from meshlm.errors import AxisError
 
     if name not in MESH_AXES:
-        raise AxisError(
-            f"{where}: unknown mesh axis {name!r}. Mesh axes are {', '.join(MESH_AXES)} "
-            "(outer -> inner)."
-        )
+        raise AxisError(f"{where}: unknown mesh axis {name!r}. Mesh axes are {', '.join(MESH_AXES)} (outer -> inner).")

@@ -80,10 +80,16 @@ from meshlm._ckpt_load import load_checkpoint, verify_checkpoint
 from meshlm.errors import CheckpointError
 
 __all__ = [
-    "CheckpointConfig", "Checkpointer", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-    "read_meta", "verify_checkpoint", "COMMIT", "META",
+    "CheckpointConfig",
+    "Checkpointer",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "read_meta",
+    "verify_checkpoint",
+    "COMMIT",
+    "META",
 ]
-
 
 
 try:  # the train owner's config module defines the dataclass; fall back to our own copy
@@ -122,13 +128,16 @@ def _tensor_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Tensor], 
                 else:
                     other.setdefault(fqn, {})[k] = v
         for g in inner.param_groups:
-            groups.append({"params": [by_id[id(p)] for p in g["params"]],
-                           **{k: v for k, v in g.items() if k != "params"}})
+            groups.append(
+                {"params": [by_id[id(p)] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
+            )
     return sd, {"optim_other": other, "param_groups": groups}
 
 
 def _model_info(model: nn.Module) -> dict:
-    info: dict[str, Any] = {"class": type(model).__mro__[1].__name__ if hasattr(model, "_meshlm_state") else type(model).__name__}
+    info: dict[str, Any] = {
+        "class": type(model).__mro__[1].__name__ if hasattr(model, "_meshlm_state") else type(model).__name__
+    }
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
         info["config"] = cfg.to_dict()
@@ -141,9 +150,17 @@ def _model_info(model: nn.Module) -> dict:
 
 
 # --------------------------------------------------------------------------- save
-def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = None,
-                    extra: Optional[dict] = None, run_meta: Optional[dict] = None, keep: int = 0,
-                    run_id: Optional[str] = None) -> str:
+def save_checkpoint(
+    root: str,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: Any = None,
+    extra: Optional[dict] = None,
+    run_meta: Optional[dict] = None,
+    keep: int = 0,
+    run_id: Optional[str] = None,
+) -> str:
     """Save a complete checkpoint of step ``step`` under ``root`` (collective: every rank
     calls it) and return its directory.  See NOTE [commit protocol].  ``run_id`` goes into
     meta.json; ``keep`` > 0 deletes the oldest checkpoints of that run only, and a complete
@@ -161,7 +178,8 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
             if is_complete(final):
                 raise CheckpointError(
                     f"checkpoint.dir={root!r}: {final} exists (run {_runs.checkpoint_run_id(final)}); a checkpoint is "
-                    "never overwritten: move it away, or save into another checkpoint.dir")
+                    "never overwritten: move it away, or save into another checkpoint.dir"
+                )
             for stale in (tmp, final):  # a torn earlier attempt
                 if os.path.exists(stale):
                     shutil.rmtree(stale)
@@ -197,8 +215,14 @@ def save_checkpoint(root: str, step: int, *, model: nn.Module, optimizer: Any = 
         md = os.path.join(tmp, ".metadata")
         files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
         meta = {
-            "format": FORMAT, "step": int(step), "run_id": run_id, "world_size": _world(), "time": time.time(),
-            "torch": torch.__version__, "model": _model_info(model), "run": _jsonable(run_meta or {}),
+            "format": FORMAT,
+            "step": int(step),
+            "run_id": run_id,
+            "world_size": _world(),
+            "time": time.time(),
+            "torch": torch.__version__,
+            "model": _model_info(model),
+            "run": _jsonable(run_meta or {}),
             "files": files,
         }
         _atomic_write(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
@@ -249,8 +273,15 @@ class Checkpointer:
     _ckpt_runs.py): the resumed checkpoint's, or a new one, and claims ``cfg.dir`` for it;
     ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``)."""
 
-    def __init__(self, cfg: CheckpointConfig, *, model: nn.Module, optimizer: Any = None, mesh: Any = None,
-                 run_meta: Optional[dict] = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        model: nn.Module,
+        optimizer: Any = None,
+        mesh: Any = None,
+        run_meta: Optional[dict] = None,
+    ):
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
@@ -327,11 +358,17 @@ class Checkpointer:
         extra.setdefault("step", step)
         if self.run_id is None:  # saved without resume(): a run of its own
             self._settle(None)
-        self.last_saved = save_checkpoint(self.cfg.dir, step, model=self.model, optimizer=self.optimizer,
-                                          extra=extra, run_meta=self.run_meta, keep=self.cfg.keep,
-                                          run_id=self.run_id)
+        self.last_saved = save_checkpoint(
+            self.cfg.dir,
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra=extra,
+            run_meta=self.run_meta,
+            keep=self.cfg.keep,
+            run_id=self.run_id,
+        )
         return self.last_saved
 
     def close(self) -> None:
         """Nothing is pending (saves are synchronous); here for symmetry with async saving."""
-

@@ -71,8 +71,13 @@ def _train_task(dc) -> None:
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
         if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
-            head = "" if eff is None else "".join(
-                f"# {line}\n" for line in [f"effective on mesh {cfg.mesh}: {eff.summary()}", *eff.problems()])
+            head = (
+                ""
+                if eff is None
+                else "".join(
+                    f"# {line}\n" for line in [f"effective on mesh {cfg.mesh}: {eff.summary()}", *eff.problems()]
+                )
+            )
             (run_dir / "config.yaml").write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             _write_job(run_dir, job)
         _exit_if_stopped(launch(cfg, run_dir))
@@ -89,7 +94,9 @@ def _train_task(dc) -> None:
         _SWEEP["failed"] += 1
         if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_job(run_dir, {**job, "error": f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__})
+            _write_job(
+                run_dir, {**job, "error": f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__}
+            )
         if not multirun:
             sys.exit(1)
 
@@ -155,7 +162,10 @@ def train_main(argv: list[str]) -> int:
         out = summarize_sweep(_SWEEP["dir"])
         if out is not None:
             print(out.read_text(), end="")
-            print(f"sweep summary: {out}, {out.with_suffix('.csv')}, {out.with_suffix('.png')}, {out.parent / 'curves.png'}", flush=True)
+            print(
+                f"sweep summary: {out}, {out.with_suffix('.csv')}, {out.with_suffix('.png')}, {out.parent / 'curves.png'}",
+                flush=True,
+            )
         if _SWEEP["failed"]:
             print(f"meshlm train: {_SWEEP['failed']} of {_SWEEP['jobs']} runs failed", file=sys.stderr)
     return 1 if _SWEEP["failed"] else 0
@@ -177,12 +187,18 @@ def convert_cmd(argv: list[str]) -> int:
 def layout_cmd(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="meshlm layout", description="Inspect a layout.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    show = sub.add_parser("show", help="the placement of every parameter of a model under a layout and mesh",
-                          epilog="Any model: model.KEY=VALUE overrides as for meshlm train, e.g. "
-                                 "model._target_=mypkg.MyModel model.width=64")
+    show = sub.add_parser(
+        "show",
+        help="the placement of every parameter of a model under a layout and mesh",
+        epilog="Any model: model.KEY=VALUE overrides as for meshlm train, e.g. "
+        "model._target_=mypkg.MyModel model.width=64",
+    )
     show.add_argument("layout", help="a layout name (layouts/<name>.yaml) or a YAML path")
-    show.add_argument("--model", default=None, help="a shipped model config name (default: llama_tiny, unless "
-                      "model._target_ is given)")
+    show.add_argument(
+        "--model",
+        default=None,
+        help="a shipped model config name (default: llama_tiny, unless model._target_ is given)",
+    )
     show.add_argument("--mesh", default="fsdp=2,tp=2", help="mesh, e.g. fsdp=2,tp=2 (default)")
     sub.add_parser("list", help="every layout name, the file it loads and its first sentence")
     a, overrides = p.parse_known_args(argv)
@@ -196,8 +212,10 @@ def layout_cmd(argv: list[str]) -> int:
 
     bad = [o for o in overrides if not o.lstrip("+").startswith("model.")]
     if bad:
-        raise ConfigError(f"show: {bad[0]!r} is not a model.KEY=VALUE override; give the layout "
-                          "as the first argument and the mesh as --mesh")
+        raise ConfigError(
+            f"show: {bad[0]!r} is not a model.KEY=VALUE override; give the layout "
+            "as the first argument and the mesh as --mesh"
+        )
     custom = any(o.lstrip("+").startswith("model._target_=") for o in overrides)
     group = [f"model={a.model}"] if a.model else [] if custom else ["model=llama_tiny"]
     print(layout_table(load_config(group + overrides).model, a.layout, a.mesh))
@@ -223,8 +241,11 @@ def layout_list() -> str:
     out += [f"  {d}{'' if d.is_dir() else ' (missing)'}" for d in dirs if d.is_dir() or d in env]
     w = max((len(n) for n in rows), default=0)
     out += [""] + [f"{n:<{w}}  {f}\n{'':<{w}}  {head}".rstrip() for n, (f, head) in rows.items()]
-    out += ["", "Your own layout: copy one of these files into a directory, set MESHLM_LAYOUTS to it and pass "
-            "the name (meshlm train layout.name=NAME), or pass a path (layout.name=path/to/file.yaml)."]
+    out += [
+        "",
+        "Your own layout: copy one of these files into a directory, set MESHLM_LAYOUTS to it and pass "
+        "the name (meshlm train layout.name=NAME), or pass a path (layout.name=path/to/file.yaml).",
+    ]
     return "\n".join(out)
 
 

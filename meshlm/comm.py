@@ -162,8 +162,17 @@ class CommCounter(compat.TorchDispatchMode):
 
     def _add(self, kind: str, nbytes: int, t: torch.Tensor, group) -> None:
         in_bwd = compat.in_backward()
-        self.records.append(Collective(kind, self._axes(group), self._group_size(group), int(nbytes), t.dtype,
-                                       "backward" if in_bwd else self._phase, t.device.type))
+        self.records.append(
+            Collective(
+                kind,
+                self._axes(group),
+                self._group_size(group),
+                int(nbytes),
+                t.dtype,
+                "backward" if in_bwd else self._phase,
+                t.device.type,
+            )
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

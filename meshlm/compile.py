@@ -43,8 +43,14 @@ from meshlm.annotate import is_block
 COMPILE_COMMS = ("graph", "eager")
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bool = True,
-                   mode: Optional[str] = None, comms: str = "graph") -> int:
+def compile_blocks(
+    model: nn.Module,
+    backend: str = "inductor",
+    *,
+    fullgraph: bool = True,
+    mode: Optional[str] = None,
+    comms: str = "graph",
+) -> int:
     """Compile every block of ``model`` in place; return how many were compiled.
     ``comms``: whether the data-parallel collectives of local blocks are compiled with the
     block (``"graph"``) or run eagerly around its compiled math (``"eager"``; NOTE
@@ -59,8 +65,9 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", *, fullgraph: bo
             if _eager_body(m, comms):
                 cls = type(m)
                 if cls not in bodies:
-                    bodies[cls] = torch.compile(cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph,
-                                                **_mode(backend, mode))
+                    bodies[cls] = torch.compile(
+                        cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph, **_mode(backend, mode)
+                    )
                 m.__dict__["_meshlm_body"] = bodies[cls]
             else:
                 m.compile(backend=backend, fullgraph=fullgraph, **_mode(backend, mode))
@@ -91,20 +98,27 @@ def _check_main_grads(model: nn.Module, comms: str) -> None:
     gdt = getattr(getattr(model, "_meshlm_state", None), "grad_dtype", None)
     if gdt is None:
         return
-    bad = [name for name, m in model.named_modules() if is_block(m) and not _eager_body(m, comms)
-           and any(p.requires_grad and p.dtype != gdt for p in m.parameters())]
+    bad = [
+        name
+        for name, m in model.named_modules()
+        if is_block(m) and not _eager_body(m, comms) and any(p.requires_grad and p.dtype != gdt for p in m.parameters())
+    ]
     if not bad:
         return
     dt = next(p.dtype for p in model.get_submodule(bad[0]).parameters() if p.dtype != gdt)
-    why = ("comms='graph' traces the gradient reductions into the block graphs" if comms == "graph" else
-           "their collectives are part of their math (tensor parallel), so they are compiled whole")
+    why = (
+        "comms='graph' traces the gradient reductions into the block graphs"
+        if comms == "graph"
+        else "their collectives are part of their math (tensor parallel), so they are compiled whole"
+    )
     raise ConfigError(
         f"compile_blocks(comms={comms!r}): blocks {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} store "
         f"parameters in {str(dt).removeprefix('torch.')} with {str(gdt).removeprefix('torch.')} main gradients "
         f"(NOTE [main grads] in meshlm/main_grad.py), which are added in eager code; {why}, where they would get "
         "no gradient. Use compile_blocks(comms='eager') (meshlm train: train.compile_comms=eager) on a layout "
         "whose blocks run on local tensors, or shard with float32 storage "
-        "(meshlm.precision.train_dtypes(..., main_grads=False); meshlm train does so for compile_comms=graph)")
+        "(meshlm.precision.train_dtypes(..., main_grads=False); meshlm train does so for compile_comms=graph)"
+    )
 
 
 def _mode(backend: str, mode: str | None) -> dict:

@@ -160,7 +160,7 @@ def _coerce(key: str, value: Any, typ: str, default: Any = dataclasses.MISSING) 
     """Check ``value`` against a dataclass field annotation (as a string, PEP 563)."""
     typ = typ.replace(" ", "")
     optional = typ.startswith("Optional[") or typ.endswith("|None")
-    base = typ[len("Optional["):-1] if typ.startswith("Optional[") else typ.removesuffix("|None")
+    base = typ[len("Optional[") : -1] if typ.startswith("Optional[") else typ.removesuffix("|None")
     if value is None:
         if optional:
             return None
@@ -191,7 +191,7 @@ def _coerce(key: str, value: Any, typ: str, default: Any = dataclasses.MISSING) 
 # saved by earlier versions hold) is dropped; any other value is an error naming the key.
 RETIRED_KEYS = {
     "train.compute_dtype": "train.param_dtype is the compute dtype (parameters are stored in float32 and used in "
-                           "train.param_dtype): set train.param_dtype={value} and drop train.compute_dtype",
+    "train.param_dtype): set train.param_dtype={value} and drop train.compute_dtype",
 }
 
 
@@ -272,8 +272,10 @@ def validate(cfg: RunConfig) -> None:
         if getattr(t, k) < 0:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
     if t.batch_size % t.grad_accum:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
-                          "each micro-batch holds batch_size // grad_accum sequences")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+            "each micro-batch holds batch_size // grad_accum sequences"
+        )
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     if t.grad_clip < 0:
@@ -282,8 +284,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("data.format", cfg.data.format, FORMATS)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
-        raise ConfigError("checkpoint.resume=auto resumes from the latest checkpoint in checkpoint.dir, which is not "
-                          "set; set checkpoint.dir=PATH")
+        raise ConfigError(
+            "checkpoint.resume=auto resumes from the latest checkpoint in checkpoint.dir, which is not "
+            "set; set checkpoint.dir=PATH"
+        )
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
 
@@ -297,11 +301,15 @@ def check_resume(value: Any) -> None:
     """Raise ConfigError for another spelling of ``checkpoint.resume=auto`` or ``=null``."""
     right = _RESUME_WORDS.get(value.strip().lower()) if isinstance(value, str) else None
     if right == "auto":
-        raise ConfigError(f"checkpoint.resume={value!r}: write checkpoint.resume=auto for the latest complete "
-                          f"checkpoint in checkpoint.dir (for a directory named {value}, write ./{value})")
+        raise ConfigError(
+            f"checkpoint.resume={value!r}: write checkpoint.resume=auto for the latest complete "
+            f"checkpoint in checkpoint.dir (for a directory named {value}, write ./{value})"
+        )
     if right == "null":
-        raise ConfigError(f"checkpoint.resume={value!r}: write checkpoint.resume=null to start without resuming "
-                          "(or auto, or the path of a checkpoint)")
+        raise ConfigError(
+            f"checkpoint.resume={value!r}: write checkpoint.resume=null to start without resuming "
+            "(or auto, or the path of a checkpoint)"
+        )
 
 
 def conf_dir() -> Path:

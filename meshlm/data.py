@@ -72,8 +72,10 @@ class HFTokenizer:
     def __init__(self, path: str, key: str = "data.tokenizer"):
         f = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not f.is_file():
-            raise ConfigError(f"{key}={path!r}: no tokenizer.json there; give a directory holding tokenizer.json (a "
-                              "Hugging Face model or tokenizer directory), the file itself, or data.tokenizer=bytes")
+            raise ConfigError(
+                f"{key}={path!r}: no tokenizer.json there; give a directory holding tokenizer.json (a "
+                "Hugging Face model or tokenizer directory), the file itself, or data.tokenizer=bytes"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -117,8 +119,10 @@ def text_files(path: str) -> list[Path]:
     else:
         return [p]
     if not files:
-        raise ConfigError(f"data.path={path!r} {what}; point data.path at a UTF-8 text file, a directory of .txt "
-                          "files or a glob (data/*.txt), or set data.path=null for the default corpus")
+        raise ConfigError(
+            f"data.path={path!r} {what}; point data.path at a UTF-8 text file, a directory of .txt "
+            "files or a glob (data/*.txt), or set data.path=null for the default corpus"
+        )
     return files
 
 
@@ -157,11 +161,15 @@ def read_tokens(path: str, split: str) -> np.ndarray:
     ``np.array(ids, dtype=np.uint16).tofile(path)``)."""
     f = Path(path) / f"{split}.bin"
     if not f.is_file():
-        raise ConfigError(f"data.path={path!r} has no {split}.bin; data.format=tokens reads train.bin and val.bin, "
-                          "flat uint16 token ids, from the directory data.path")
+        raise ConfigError(
+            f"data.path={path!r} has no {split}.bin; data.format=tokens reads train.bin and val.bin, "
+            "flat uint16 token ids, from the directory data.path"
+        )
     if f.stat().st_size % 2 or f.stat().st_size == 0:
-        raise ConfigError(f"data.path={path!r}: {f.name} holds {f.stat().st_size} bytes, not a whole, non-empty "
-                          "array of uint16 token ids")
+        raise ConfigError(
+            f"data.path={path!r}: {f.name} holds {f.stat().st_size} bytes, not a whole, non-empty "
+            "array of uint16 token ids"
+        )
     return np.memmap(f, dtype=np.uint16, mode="r")
 
 
@@ -196,13 +204,17 @@ class TokenDataset:
             raise ConfigError(f"data.format={cfg.format!r} is not allowed; choose one of: {', '.join(FORMATS)}")
         if cfg.format == "tokens":
             if cfg.path is None:
-                raise ConfigError("data.format=tokens reads train.bin and val.bin from the directory data.path, "
-                                  "which is not set: set data.path=DIR")
+                raise ConfigError(
+                    "data.format=tokens reads train.bin and val.bin from the directory data.path, "
+                    "which is not set: set data.path=DIR"
+                )
             train, val = read_tokens(cfg.path, "train"), read_tokens(cfg.path, "val")
             for name, t in (("train", train), ("val", val)):
                 if len(t) < seq_len + 1:
-                    raise ConfigError(f"data.path={cfg.path!r}: {name}.bin holds {len(t)} tokens, fewer than one "
-                                      f"window of train.seq_len+1={seq_len + 1}; reduce train.seq_len")
+                    raise ConfigError(
+                        f"data.path={cfg.path!r}: {name}.bin holds {len(t)} tokens, fewer than one "
+                        f"window of train.seq_len+1={seq_len + 1}; reduce train.seq_len"
+                    )
             return cls(train, val, max(int(train.max()), int(val.max())) + 1, f"the token files in {cfg.path}")
         if not 0.0 < cfg.val_fraction < 1.0:
             raise ConfigError(
@@ -237,7 +249,8 @@ class TokenDataset:
             raise ConfigError(
                 f"data: {self.source} has token ids up to {self.vocab_size - 1} ({self.vocab_size} ids) but model "
                 f"{model} has a vocabulary of {model_vocab}; set model.vocab={self.vocab_size} (or more) or use "
-                "data whose tokenizer fits the model (data.tokenizer)")
+                "data whose tokenizer fits the model (data.tokenizer)"
+            )
 
 
 class ShardedLoader:

@@ -36,8 +36,14 @@ from meshlm.axes import MESH_AXES
 from meshlm.errors import LayoutError
 from meshlm.layout import YIELDING_AXES, Layout
 
-KINDS = ("data parallel", "sharded params", "sharded grads", "sharded optimizer", "tensor parallel",
-         "sequence parallel")
+KINDS = (
+    "data parallel",
+    "sharded params",
+    "sharded grads",
+    "sharded optimizer",
+    "tensor parallel",
+    "sequence parallel",
+)
 
 
 def _kinds(layout: Layout, live) -> dict[str, set[str]]:
@@ -89,8 +95,11 @@ class Effective:
     def summary(self) -> str:
         """One line: what runs, e.g. ``data parallel over fsdp=4`` or ``one device``."""
         if not self.kinds:
-            return "no parallelism (every rank computes the same)" if any(s > 1 for s in self.mesh.values()) \
+            return (
+                "no parallelism (every rank computes the same)"
+                if any(s > 1 for s in self.mesh.values())
                 else "one device"
+            )
         parts = [f"{k} over {','.join(f'{m}={self.mesh[m]}' for m in axes)}" for k, axes in self.kinds.items()]
         return "; ".join(parts)
 
@@ -105,23 +114,33 @@ class Effective:
         out = []
         if self.dropped:
             gone = sorted({m for axes in self.dropped.values() for m in axes}, key=_rank)
-            why = ", ".join(f"{m} has size {self.sizes[m]}" if m in self.sizes else f"{m} is not in the mesh"
-                            for m in gone)
+            why = ", ".join(
+                f"{m} has size {self.sizes[m]}" if m in self.sizes else f"{m} is not in the mesh" for m in gone
+            )
             kinds = " and ".join(f"{k} ({'/'.join(axes)})" for k, axes in self.dropped.items())
-            out.append(f"layout {self.layout!r} on mesh {self._mesh()}: its {kinds} drop{'s' if len(self.dropped) == 1 else ''} "
-                       f"out ({why}); it runs as {self.summary()}")
+            out.append(
+                f"layout {self.layout!r} on mesh {self._mesh()}: its {kinds} drop{'s' if len(self.dropped) == 1 else ''} "
+                f"out ({why}); it runs as {self.summary()}"
+            )
         for m in self.unused:
-            out.append(f"layout {self.layout!r} names no rule for mesh axis {m!r} (size {self.mesh[m]}) of mesh "
-                       f"{self._mesh()}: its {self.mesh[m]} ranks along {m} compute the same thing ({self.mesh[m]}x "
-                       "duplicated work); use a mesh without that axis, or a layout that uses it")
+            out.append(
+                f"layout {self.layout!r} names no rule for mesh axis {m!r} (size {self.mesh[m]}) of mesh "
+                f"{self._mesh()}: its {self.mesh[m]} ranks along {m} compute the same thing ({self.mesh[m]}x "
+                "duplicated work); use a mesh without that axis, or a layout that uses it"
+            )
         return out
 
     def _mesh(self) -> str:
         return ",".join(f"{m}={s}" for m, s in self.mesh.items()) or "dp=1 (one device)"
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout, "effective": self.summary(), "degenerate": self.degenerate,
-                "dropped": self.dropped, "unused_mesh_axes": self.unused}
+        return {
+            "layout": self.layout,
+            "effective": self.summary(),
+            "degenerate": self.degenerate,
+            "dropped": self.dropped,
+            "unused_mesh_axes": self.unused,
+        }
 
 
 def effective(layout: Layout, mesh: Mapping[str, int]) -> Effective:
@@ -132,8 +151,14 @@ def effective(layout: Layout, mesh: Mapping[str, int]) -> Effective:
     dropped = {k: _ordered(v) for k, v in named.items() if k not in live}
     used = {m for v in live.values() for m in v}
     unused = [m for m in _ordered(sizes) if sizes[m] > 1 and m not in used]
-    return Effective(layout.name, {m: s for m, s in sizes.items() if s > 1}, {k: _ordered(v) for k, v in live.items()},
-                     dropped, unused, sizes)
+    return Effective(
+        layout.name,
+        {m: s for m, s in sizes.items() if s > 1},
+        {k: _ordered(v) for k, v in live.items()},
+        dropped,
+        unused,
+        sizes,
+    )
 
 
 def check(layout: Layout, mesh: Mapping[str, int], strict: bool) -> Effective:
@@ -141,7 +166,9 @@ def check(layout: Layout, mesh: Mapping[str, int], strict: bool) -> Effective:
     degenerates on the mesh or leaves a mesh axis unused raises a :class:`LayoutError`."""
     eff = effective(layout, mesh)
     if strict and eff.problems():
-        raise LayoutError("; ".join(eff.problems()) + ". layout.strict=true makes this an error: pick a mesh on "
-                          "which every kind of parallelism the layout names has an axis of size > 1, or set "
-                          "layout.strict=false to run it as it is")
+        raise LayoutError(
+            "; ".join(eff.problems()) + ". layout.strict=true makes this an error: pick a mesh on "
+            "which every kind of parallelism the layout names has an axis of size > 1, or set "
+            "layout.strict=false to run it as it is"
+        )
     return eff

@@ -36,8 +36,17 @@ from meshlm.hf_llama import config_to_hf as llama_to_hf_config
 from meshlm.hf_llama import hf_name
 from meshlm.lowering import local_box
 
-__all__ = ["load_hf", "save_hf", "export_checkpoint", "import_hf", "convert_main", "read_hf_config",
-           "hf_config_to_llama", "llama_to_hf_config", "hf_name"]
+__all__ = [
+    "load_hf",
+    "save_hf",
+    "export_checkpoint",
+    "import_hf",
+    "convert_main",
+    "read_hf_config",
+    "hf_config_to_llama",
+    "llama_to_hf_config",
+    "hf_name",
+]
 
 _DT_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
@@ -48,8 +57,10 @@ _FAMILIES = {"llama": "meshlm.hf_llama", "gpt2": "meshlm.hf_gpt2"}
 
 def _family(model_type: str, source: str):
     if model_type not in _FAMILIES:
-        raise ConfigError(f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
-                          f"{' and '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2)")
+        raise ConfigError(
+            f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
+            f"{' and '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2)"
+        )
     return importlib.import_module(_FAMILIES[model_type])
 
 
@@ -60,8 +71,10 @@ def _family_of(model: nn.Module):
         fam = _family(mt, "")
         if isinstance(cfg, fam.config_class()):
             return fam
-    raise CheckpointError(f"{type(model).__name__}: meshlm exports its Llama and GPT2 to Hugging Face form "
-                          "(a model with a LlamaConfig or GPT2Config as .cfg), not this model")
+    raise CheckpointError(
+        f"{type(model).__name__}: meshlm exports its Llama and GPT2 to Hugging Face form "
+        "(a model with a LlamaConfig or GPT2Config as .cfg), not this model"
+    )
 
 
 def _family_of_class(name: str):
@@ -70,8 +83,7 @@ def _family_of_class(name: str):
         fam = _family(mt, "")
         if fam.CLASS == name:
             return fam
-    raise CheckpointError(f"the checkpoint holds a {name}; meshlm exports its Llama and GPT2 to Hugging Face "
-                          "form only")
+    raise CheckpointError(f"the checkpoint holds a {name}; meshlm exports its Llama and GPT2 to Hugging Face form only")
 
 
 def _strip(path: str) -> str:
@@ -88,8 +100,10 @@ def _read_config(path: str):
         fam = _family(hf.get("model_type", "llama"), f)
         return fam, fam.config_from_hf(hf, f)
     except FileNotFoundError:
-        raise CheckpointError(f"{f}: missing; a Hugging Face model directory holds config.json and "
-                              "model.safetensors (or model.safetensors.index.json, or pytorch_model.bin)") from None
+        raise CheckpointError(
+            f"{f}: missing; a Hugging Face model directory holds config.json and "
+            "model.safetensors (or model.safetensors.index.json, or pytorch_model.bin)"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{f}: not a Hugging Face Llama or GPT-2 config ({type(e).__name__}: {e})") from None
 
@@ -111,8 +125,12 @@ class _HFReader:
     sharded safetensors with their index, or pytorch_model.bin (memory-mapped).  Names are
     the family's ``canonical`` ones."""
 
-    _FORMS = (("model.safetensors.index.json", True), ("model.safetensors", True),
-              ("pytorch_model.bin.index.json", False), ("pytorch_model.bin", False))
+    _FORMS = (
+        ("model.safetensors.index.json", True),
+        ("model.safetensors", True),
+        ("pytorch_model.bin.index.json", False),
+        ("pytorch_model.bin", False),
+    )
 
     def __init__(self, path: str, canonical=lambda n: n):
         self.path = path
@@ -175,14 +193,18 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
     have = reader.names()
     missing = sorted(set(want) - have)
     if missing:
-        raise CheckpointError(f"{path}: has no tensor {missing[0]!r} (meshlm's `{want[missing[0]]}`; "
-                              f"{len(missing)} missing), which config.json implies: the weights are of "
-                              "another model, or config.json does not describe them")
+        raise CheckpointError(
+            f"{path}: has no tensor {missing[0]!r} (meshlm's `{want[missing[0]]}`; "
+            f"{len(missing)} missing), which config.json implies: the weights are of "
+            "another model, or config.json does not describe them"
+        )
     unknown = sorted(n for n in have - set(want) if not fam.is_extra(cfg, n))
     if unknown:
-        raise CheckpointError(f"{path}: tensor {unknown[0]!r} ({len(unknown)} unknown) is no parameter of "
-                              f"meshlm's {fam.CLASS} as config.json describes it: the weights are of another "
-                              "model, or config.json (e.g. its layer count) does not describe them")
+        raise CheckpointError(
+            f"{path}: tensor {unknown[0]!r} ({len(unknown)} unknown) is no parameter of "
+            f"meshlm's {fam.CLASS} as config.json describes it: the weights are of another "
+            "model, or config.json (e.g. its layer count) does not describe them"
+        )
 
 
 def model_of(path: str) -> nn.Module:
@@ -212,7 +234,9 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
             box = local_box(tuple(p.shape), p.device_mesh, p.placements)
             block = fam.read_block(reader.read, cfg, fqn, tuple(p.shape), box)
             if tuple(block.shape) != tuple(local.shape):
-                raise CheckpointError(f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}")
+                raise CheckpointError(
+                    f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}"
+                )
             local.copy_(block.to(local.dtype))
     return model
 
@@ -245,7 +269,7 @@ def _write_block(fd: int, file_off: int, shape: tuple[int, ...], box: list[tuple
     if j < 0:
         os.pwrite(fd, data.tobytes(), file_off)
         return
-    strides = [math.prod(shape[d + 1:]) for d in range(nd)]
+    strides = [math.prod(shape[d + 1 :]) for d in range(nd)]
     run = box[j][1] * strides[j] * esz
     lead = [range(box[d][1]) for d in range(j)]
     rows = data.reshape(-1, run)
@@ -272,8 +296,7 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
     dt = dtype or params[0][1].dtype
     config = fam.config_to_hf(cfg, dt)  # raises, on every rank, before anything is written
     names = {fqn: fam.hf_tensor(cfg, fqn, tuple(p.shape)) for fqn, p in params}
-    entries = sorted((*names[fqn], math.prod(p.shape) * torch.empty((), dtype=dt).element_size())
-                     for fqn, p in params)
+    entries = sorted((*names[fqn], math.prod(p.shape) * torch.empty((), dtype=dt).element_size()) for fqn, p in params)
     header, offsets = _st_header([(n, _DT_TO_ST[dt], s, b) for n, s, b in entries], {"format": "pt"})
     total = len(header) + sum(e[2] for e in entries)
     fname = os.path.join(out, "model.safetensors")
@@ -329,8 +352,9 @@ def _model_for_checkpoint(ckpt: str, layout: str, mesh_shape: Optional[str]):
     return ckpt, model
 
 
-def export_checkpoint(ckpt: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] = None,
-                      dtype: Optional[torch.dtype] = None) -> str:
+def export_checkpoint(
+    ckpt: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> str:
     """Export a meshlm training checkpoint (a ``step_*`` directory, or a run directory: its
     latest) to a Hugging Face directory.  Run under torchrun to split the work: every rank
     loads and writes only its ``layout`` shard of each tensor."""
@@ -356,8 +380,14 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     return ck.save(0, {"step": 0, "init_from": f"hf:{_strip(path)}"})
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def convert_main(argv: list[str]) -> int:

@@ -74,21 +74,30 @@ def config_from_hf(hf: dict, source: str = "config.json"):
         raise ConfigError(f"{source}: model_type={mt!r}; this reads Hugging Face GPT-2 configs only")
     act = hf.get("activation_function", "gelu_new")
     if act not in _TANH_GELU:
-        raise ConfigError(f"{source}: activation_function={act!r}; meshlm's GPT-2 uses GELU with the tanh "
-                          f"approximation ({' or '.join(map(repr, _TANH_GELU))})")
-    for key, want, what in (("scale_attn_weights", True, "scales attention scores by 1/sqrt(head_dim)"),
-                            ("scale_attn_by_inverse_layer_idx", False, "does not scale attention by layer"),
-                            ("reorder_and_upcast_attn", False, "computes attention with SDPA in the model's dtype"),
-                            ("add_cross_attention", False, "is a decoder without cross-attention")):
+        raise ConfigError(
+            f"{source}: activation_function={act!r}; meshlm's GPT-2 uses GELU with the tanh "
+            f"approximation ({' or '.join(map(repr, _TANH_GELU))})"
+        )
+    for key, want, what in (
+        ("scale_attn_weights", True, "scales attention scores by 1/sqrt(head_dim)"),
+        ("scale_attn_by_inverse_layer_idx", False, "does not scale attention by layer"),
+        ("reorder_and_upcast_attn", False, "computes attention with SDPA in the model's dtype"),
+        ("add_cross_attention", False, "is a decoder without cross-attention"),
+    ):
         if bool(hf.get(key, want)) != want:
-            raise ConfigError(f"{source}: {key}={hf[key]!r}, but meshlm's GPT-2 {what} ({key}={want} is "
-                              "supported)")
+            raise ConfigError(f"{source}: {key}={hf[key]!r}, but meshlm's GPT-2 {what} ({key}={want} is supported)")
     try:
         return config_class()(
-            vocab=hf["vocab_size"], block_size=hf["n_positions"], embed=hf["n_embd"], layers=hf["n_layer"],
-            heads=hf["n_head"], mlp=hf.get("n_inner"), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            vocab=hf["vocab_size"],
+            block_size=hf["n_positions"],
+            embed=hf["n_embd"],
+            layers=hf["n_layer"],
+            heads=hf["n_head"],
+            mlp=hf.get("n_inner"),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            init_std=float(hf.get("initializer_range", 0.02)))
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -96,17 +105,32 @@ def config_from_hf(hf: dict, source: str = "config.json"):
 def config_to_hf(cfg, dtype: torch.dtype = torch.float32) -> dict:
     """A Hugging Face ``config.json`` dict for a meshlm GPT2Config."""
     if not cfg.bias:
-        raise ConfigError("model.bias=false: Hugging Face's GPT-2 has a bias in every Linear and LayerNorm, "
-                          "so a GPT-2 without biases has no Hugging Face form")
+        raise ConfigError(
+            "model.bias=false: Hugging Face's GPT-2 has a bias in every Linear and LayerNorm, "
+            "so a GPT-2 without biases has no Hugging Face form"
+        )
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab, "n_positions": cfg.block_size, "n_embd": cfg.embed, "n_layer": cfg.layers,
-        "n_head": cfg.heads, "n_inner": cfg.mlp, "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
-        "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab,
+        "n_positions": cfg.block_size,
+        "n_embd": cfg.embed,
+        "n_layer": cfg.layers,
+        "n_head": cfg.heads,
+        "n_inner": cfg.mlp,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -148,17 +172,18 @@ def read_block(read: Read, cfg, fqn: str, shape: tuple[int, ...], box: list[tupl
     return read(name, hs, box)
 
 
-def write_blocks(cfg, fqn: str, shape: tuple[int, ...], box: list[tuple[int, int]],
-                 local: Tensor) -> list[tuple[tuple[int, ...], list[tuple[int, int]], Tensor]]:
+def write_blocks(
+    cfg, fqn: str, shape: tuple[int, ...], box: list[tuple[int, int]], local: Tensor
+) -> list[tuple[tuple[int, ...], list[tuple[int, int]], Tensor]]:
     """(HF shape, HF box, block) to write for this rank's block ``local`` (at ``box``) of
     ``fqn``: the inverse of :func:`read_block`."""
     _name, hs = hf_tensor(cfg, fqn, shape)
     if fqn.endswith("attn.c_attn.weight"):
         (r0, rn), (i0, n_in) = box
-        return [(hs, [(i0, n_in), (c, ln)], local[o:o + ln].T) for o, c, ln in _qkv_runs(r0, rn, cfg)]
+        return [(hs, [(i0, n_in), (c, ln)], local[o : o + ln].T) for o, c, ln in _qkv_runs(r0, rn, cfg)]
     if fqn.endswith("attn.c_attn.bias"):
         ((r0, rn),) = box
-        return [(hs, [(c, ln)], local[o:o + ln]) for o, c, ln in _qkv_runs(r0, rn, cfg)]
+        return [(hs, [(c, ln)], local[o : o + ln]) for o, c, ln in _qkv_runs(r0, rn, cfg)]
     if fqn.endswith(_CONV):
         (o0, on), (i0, n_in) = box
         return [(hs, [(i0, n_in), (o0, on)], local.T)]

@@ -102,24 +102,42 @@ def config_from_hf(hf: dict, source: str = "config.json"):
     embed = hf["hidden_size"]
     hd = hf.get("head_dim") or embed // heads
     return config_class()(
-        vocab=hf["vocab_size"], embed=embed, layers=hf["num_hidden_layers"], heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads, mlp=hf["intermediate_size"],
-        head_dim=None if hd == embed // heads else hd, rope_theta=float(theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        vocab=hf["vocab_size"],
+        embed=embed,
+        layers=hf["num_hidden_layers"],
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp=hf["intermediate_size"],
+        head_dim=None if hd == embed // heads else hd,
+        rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
 def config_to_hf(cfg, dtype: torch.dtype = torch.float32) -> dict:
     """A Hugging Face ``config.json`` dict for a meshlm LlamaConfig."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab, "hidden_size": cfg.embed, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.mlp,
-        "head_dim": cfg.hd, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": 4096, "initializer_range": cfg.init_std,
-        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.embed,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "intermediate_size": cfg.mlp,
+        "head_dim": cfg.hd,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 4096,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -135,17 +153,18 @@ def read_block(read: Read, cfg, fqn: str, shape: tuple[int, ...], box: list[tupl
         (h0, hn), (d0, dn), (e0, en) = box
         hd = shape[1]
         t = read(name, hs, [(h0 * hd, hn * hd), (e0, en)])
-        return t.reshape(hn, hd, en)[:, d0:d0 + dn]
+        return t.reshape(hn, hd, en)[:, d0 : d0 + dn]
     if fqn.endswith("attn.wo"):
         (e0, en), (h0, hn), (d0, dn) = box
         hd = shape[2]
         t = read(name, hs, [(e0, en), (h0 * hd, hn * hd)])
-        return t.reshape(en, hn, hd)[:, :, d0:d0 + dn]
+        return t.reshape(en, hn, hd)[:, :, d0 : d0 + dn]
     return read(name, hs, box)
 
 
-def write_blocks(cfg, fqn: str, shape: tuple[int, ...], box: list[tuple[int, int]],
-                 local: Tensor) -> list[tuple[tuple[int, ...], list[tuple[int, int]], Tensor]]:
+def write_blocks(
+    cfg, fqn: str, shape: tuple[int, ...], box: list[tuple[int, int]], local: Tensor
+) -> list[tuple[tuple[int, ...], list[tuple[int, int]], Tensor]]:
     """(row-major shape, box, block) to write for this rank's block ``local`` of ``fqn``:
     the bytes are HF's in meshlm's shape (NOTE [HF names])."""
     return [(tuple(shape), box, local)]

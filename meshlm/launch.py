@@ -34,8 +34,13 @@ def in_torchrun() -> bool:
 
 # Messages of a worker that failed only because another one did (its peer's sockets closed
 # or the agent stopped it): never the root cause while a worker failed for its own reason.
-_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-              "communicator was aborted", "Broken pipe")
+_SECONDARY = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "communicator was aborted",
+    "Broken pipe",
+)
 
 
 def _first_failure(err: Any) -> tuple[int, Any]:
@@ -93,10 +98,22 @@ def _root_cause(err: Any) -> str:
     else:
         detail, tb = str(msg or ""), ""
     if not detail or detail.startswith("To enable traceback"):
-        detail = f"exit code {failure.exitcode}" + (f" (signal {failure.signal_name()})" if failure.exitcode < 0 else "")
+        detail = f"exit code {failure.exitcode}" + (
+            f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
+        )
     out = f"worker rank {rank}" + (f" (pid {failure.pid})" if failure.pid else "") + f" failed: {detail}"
-    is_user_error = any(detail.startswith(n) for n in ("ConfigError", "MeshError", "LayoutError", "NonFiniteLossError",
-                                                        "AxisError", "AnnotationError", "CheckpointError"))
+    is_user_error = any(
+        detail.startswith(n)
+        for n in (
+            "ConfigError",
+            "MeshError",
+            "LayoutError",
+            "NonFiniteLossError",
+            "AxisError",
+            "AnnotationError",
+            "CheckpointError",
+        )
+    )
     if tb and not is_user_error:
         out += "\n" + tb.rstrip()
     return out
@@ -152,9 +169,16 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process ..." on a failure
     lc = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.1, start_method=_start_method(),
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=n,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=_start_method(),
     )
     env_threads = os.environ.get("OMP_NUM_THREADS")
     if env_threads is None:  # what torchrun does for more than one process per node

@@ -76,8 +76,12 @@ class Layout:
         return self.params if self.grads in (None, "local") else self.grads  # type: ignore[return-value]
 
     def rules(self, section: str) -> "Rules | str":
-        return {"params": self.params, "compute": self.compute, "grads": self.grad_rules,
-                "optimizer": self.optimizer_rules}[section]
+        return {
+            "params": self.params,
+            "compute": self.compute,
+            "grads": self.grad_rules,
+            "optimizer": self.optimizer_rules,
+        }[section]
 
     def mesh_axes_used(self) -> set[str]:
         out: set[str] = set()
@@ -145,7 +149,9 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise LayoutError(f"{source}: a layout is a mapping with sections {', '.join(SECTIONS)}; got {type(data).__name__}")
+        raise LayoutError(
+            f"{source}: a layout is a mapping with sections {', '.join(SECTIONS)}; got {type(data).__name__}"
+        )
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise LayoutError(
@@ -171,7 +177,15 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
             # model's vocabulary when the layout meets it (NOTE [open vocabulary] in axes.py).
             if not isinstance(key, str) or not key.isidentifier():
                 raise AxisError(f"{where}: {key!r} is not a logical axis name (an identifier such as 'embed')")
-            axes = (val,) if isinstance(val, str) else tuple(val) if isinstance(val, (list, tuple)) else (val,) if val else ()
+            axes = (
+                (val,)
+                if isinstance(val, str)
+                else tuple(val)
+                if isinstance(val, (list, tuple))
+                else (val,)
+                if val
+                else ()
+            )
             if not all(isinstance(a, str) for a in axes):
                 raise LayoutError(f"{where}: expected a mesh axis or a list of mesh axes, got {val!r}")
             for a in axes:
@@ -186,8 +200,15 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
                 )
             rules[str(key)] = axes
         secs[sec] = rules
-    return Layout(name=name, source=source, params=secs["params"], compute=secs["compute"],  # type: ignore[arg-type]
-                  grads=secs["grads"], optimizer=secs["optimizer"], description=description)  # type: ignore[arg-type]
+    return Layout(
+        name=name,
+        source=source,
+        params=secs["params"],
+        compute=secs["compute"],  # type: ignore[arg-type]
+        grads=secs["grads"],
+        optimizer=secs["optimizer"],
+        description=description,
+    )  # type: ignore[arg-type]
 
 
 def resolve(
@@ -238,7 +259,9 @@ def resolve(
             seen[x] = i
     if shape is not None:
         if len(shape) != len(axes):
-            raise LayoutError(f"{what}: {len(axes)} logical axes {tuple(axes)} for a tensor of {len(shape)} dims {tuple(shape)}")
+            raise LayoutError(
+                f"{what}: {len(axes)} logical axes {tuple(axes)} for a tensor of {len(shape)} dims {tuple(shape)}"
+            )
         for i, w in enumerate(want):
             n = 1
             for x in w:

@@ -104,8 +104,18 @@ class Lifecycle:
     """Resume, save and stop for one run (every rank makes one; collective methods are
     called by all ranks alike)."""
 
-    def __init__(self, cfg, *, model, optimizer, mesh, layout_label: str, mesh_label: str, device: torch.device,
-                 say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg,
+        *,
+        model,
+        optimizer,
+        mesh,
+        layout_label: str,
+        mesh_label: str,
+        device: torch.device,
+        say: Callable[[str], None] = print,
+    ):
         self.cfg = cfg
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
         self.now = _where(layout_label, mesh_label, dist.get_world_size() if dist.is_initialized() else 1)
@@ -130,10 +140,13 @@ class Lifecycle:
         try:
             from meshlm.checkpoint import Checkpointer
         except ImportError as e:
-            raise ConfigError(f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
-                              "set checkpoint.dir=null") from None
-        self.ckpt = Checkpointer(c, model=self.model, optimizer=self.optimizer, mesh=self.mesh,
-                                 run_meta={"config": self.cfg.to_dict()})
+            raise ConfigError(
+                f"checkpoint.dir/checkpoint.resume are set but meshlm.checkpoint is unavailable ({e}); "
+                "set checkpoint.dir=null"
+            ) from None
+        self.ckpt = Checkpointer(
+            c, model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_meta={"config": self.cfg.to_dict()}
+        )
         extra = self.ckpt.resume()
         rid = self.ckpt.run_id
         if extra is None:
@@ -148,8 +161,9 @@ class Lifecycle:
         meta = self.ckpt.resumed or {}
         lay = (meta.get("model", {}).get("layout") or {}).get("name") or "?"
         then = _where(lay, _mesh_str(meta.get("model", {}).get("mesh")), meta.get("world_size", "?"))
-        self._line(f"resumed from step {self.start} ({meta.get('path')}, run {rid}): saved under {then}; "
-                   f"now {self.now}")
+        self._line(
+            f"resumed from step {self.start} ({meta.get('path')}, run {rid}): saved under {then}; now {self.now}"
+        )
         return self.start
 
     @property
@@ -238,12 +252,16 @@ class Lifecycle:
         name = signal.Signals(self.stop_signal or signal.SIGTERM).name
         c = self.cfg.checkpoint
         if self.ckpt is not None and c.dir:
-            saved = (f"checkpoint {self.ckpt.last_saved} (run {self.ckpt.run_id}); continue with "
-                     f"checkpoint.dir={c.dir} checkpoint.resume=auto")
+            saved = (
+                f"checkpoint {self.ckpt.last_saved} (run {self.ckpt.run_id}); continue with "
+                f"checkpoint.dir={c.dir} checkpoint.resume=auto"
+            )
         else:
             saved = "no checkpoint saved (checkpoint.dir is not set)"
-        return (f"stopped by {name} after {self.steps_line(step, self.cfg.train.steps)}; {saved}; "
-                f"exit status {exit_status(self.stop_signal)}")
+        return (
+            f"stopped by {name} after {self.steps_line(step, self.cfg.train.steps)}; {saved}; "
+            f"exit status {exit_status(self.stop_signal)}"
+        )
 
 
 def exit_status(signum: Optional[int]) -> int:
@@ -254,8 +272,10 @@ def exit_status(signum: Optional[int]) -> int:
 def nothing_to_do(start: int, steps: int, life: Lifecycle) -> str:
     """The line of a run resumed at (or past) its last step."""
     rid = f", run {life.run_id}" if life.run_id else ""
-    return (f"nothing to do: the checkpoint resumed is at step {start}{rid} and train.steps={steps}; "
-            f"raise train.steps to train further")
+    return (
+        f"nothing to do: the checkpoint resumed is at step {start}{rid} and train.steps={steps}; "
+        f"raise train.steps to train further"
+    )
 
 
 class StartupClock:

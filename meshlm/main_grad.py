@@ -91,8 +91,10 @@ def _add(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
         setattr(p, ATTR, g)
         return
     if tuple(cur.placements) != tuple(g.placements) or cur.shape != g.shape:
-        raise RuntimeError(f"main gradient placed {tuple(cur.placements)} {tuple(cur.shape)} cannot take a gradient "
-                           f"placed {tuple(g.placements)} {tuple(g.shape)}")
+        raise RuntimeError(
+            f"main gradient placed {tuple(cur.placements)} {tuple(cur.shape)} cannot take a gradient "
+            f"placed {tuple(g.placements)} {tuple(g.shape)}"
+        )
     compat.local_tensor(cur).add_(compat.local_tensor(g))
 
 

@@ -115,8 +115,10 @@ def model_state_bytes(model, opt) -> dict[str, int]:
     masters = list(opt.masters().values()) if hasattr(opt, "masters") else []
     inner = getattr(opt, "inner", opt)
     out = {"params": storage_bytes(params, seen)}
-    out["grads"] = storage_bytes([p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
-                                 + [m.grad for m in masters], seen)
-    out["optimizer"] = storage_bytes(masters + [v for s in inner.state.values() for v in s.values()
-                                                if torch.is_tensor(v)], seen)
+    out["grads"] = storage_bytes(
+        [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params] + [m.grad for m in masters], seen
+    )
+    out["optimizer"] = storage_bytes(
+        masters + [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)], seen
+    )
     return out

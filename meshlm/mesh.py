@@ -46,13 +46,17 @@ class MeshSpec:
                 try:
                     items[k.strip()] = int(v)
                 except ValueError:
-                    raise MeshError(f"mesh {shape!r}: size of axis {k.strip()!r} must be an integer, got {v!r}") from None
+                    raise MeshError(
+                        f"mesh {shape!r}: size of axis {k.strip()!r} must be an integer, got {v!r}"
+                    ) from None
             shape = items
         sizes = dict(shape)
         for name, size in sizes.items():
             check_mesh(name, "mesh")
             if not isinstance(size, int) or (size < 1 and size != -1):
-                raise MeshError(f"mesh axis {name!r} has size {size!r}: sizes are positive integers, or -1 for 'the rest'")
+                raise MeshError(
+                    f"mesh axis {name!r} has size {size!r}: sizes are positive integers, or -1 for 'the rest'"
+                )
         wild = [k for k, v in sizes.items() if v == -1]
         if len(wild) > 1:
             raise MeshError(f"mesh {sizes}: at most one axis may be -1, got {wild}")
@@ -113,7 +117,9 @@ def init_fake(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world_size)
 
 
-def make_mesh(shape: "Mapping[str, int] | str | MeshSpec", *, fake: bool = False, device_type: str | None = None) -> DeviceMesh:
+def make_mesh(
+    shape: "Mapping[str, int] | str | MeshSpec", *, fake: bool = False, device_type: str | None = None
+) -> DeviceMesh:
     """A named DeviceMesh over the given mesh axes (canonical order ``dp, fsdp, tp, cp, pp, ep``).
 
     Size-1 axes are accepted and left out of the DeviceMesh.  Without a process group and

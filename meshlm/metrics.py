@@ -54,8 +54,16 @@ class StepMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.track:
-            state = list(self.model.parameters()) + list(getattr(self.opt, "masters", dict)().values()) + [
-                v for s in getattr(self.opt, "inner", self.opt).state.values() for v in s.values() if torch.is_tensor(v)]
+            state = (
+                list(self.model.parameters())
+                + list(getattr(self.opt, "masters", dict)().values())
+                + [
+                    v
+                    for s in getattr(self.opt, "inner", self.opt).state.values()
+                    for v in s.values()
+                    if torch.is_tensor(v)
+                ]
+            )
             self.mode = PeakStorage(state)
             self.mode.__enter__()
         return self

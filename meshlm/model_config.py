@@ -63,7 +63,9 @@ class ModelConfig:
             v = data.get(key)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"model.{key}={v!r} must be a string")
-        return cls(target=data.get("_target_") or None, name=data.get("name"), init_from=data.get("init_from"), args=args)
+        return cls(
+            target=data.get("_target_") or None, name=data.get("name"), init_from=data.get("init_from"), args=args
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The node in its YAML form: ``from_dict(to_dict())`` gives it back."""
@@ -84,8 +86,9 @@ class ModelConfig:
         from meshlm.models.llama import llama_fields
 
         if not self.is_llama():
-            raise ConfigError(f"model._target_={self.target}: this command plans the shipped Llama "
-                              f"({LLAMA_TARGET}) only")
+            raise ConfigError(
+                f"model._target_={self.target}: this command plans the shipped Llama ({LLAMA_TARGET}) only"
+            )
         return llama_fields(**self.args)
 
 
@@ -93,12 +96,15 @@ def locate(cfg: ModelConfig) -> Callable[..., Any]:
     """The target callable; ConfigError naming ``model._target_`` if it is unset, cannot be
     imported or is not callable."""
     if not cfg.target:
-        raise ConfigError("model._target_ is not set: pick a shipped model (model=llama_tiny) or name the callable "
-                          "that builds yours (model._target_=mypkg.MyModel)")
+        raise ConfigError(
+            "model._target_ is not set: pick a shipped model (model=llama_tiny) or name the callable "
+            "that builds yours (model._target_=mypkg.MyModel)"
+        )
     fn = _import(cfg.target)
     if not callable(fn):
-        raise ConfigError(f"model._target_={cfg.target} is a {type(fn).__name__}, not a callable that returns a "
-                          "torch.nn.Module")
+        raise ConfigError(
+            f"model._target_={cfg.target} is a {type(fn).__name__}, not a callable that returns a torch.nn.Module"
+        )
     return fn
 
 
@@ -118,8 +124,10 @@ def _import(path: str) -> Any:
             raise ConfigError(f"model._target_={path}: importing {mod} failed ({e})") from e
         for a in parts[i:]:
             if not hasattr(obj, a):
-                raise ConfigError(f"model._target_={path} cannot be imported: {getattr(obj, '__name__', mod)} has "
-                                  f"no attribute {a!r}; {how}")
+                raise ConfigError(
+                    f"model._target_={path} cannot be imported: {getattr(obj, '__name__', mod)} has "
+                    f"no attribute {a!r}; {how}"
+                )
             obj = getattr(obj, a)
         return obj
     raise ConfigError(f"model._target_={path} cannot be imported: no module named {parts[0]!r}; {how}")
@@ -143,8 +151,10 @@ def check_args(cfg: ModelConfig) -> None:
     required argument fails naming ``model.<key>`` (before any process starts)."""
     fn = locate(cfg)
     if "device" in cfg.args:
-        raise ConfigError(f"model.device={cfg.args['device']!r}: meshlm passes the device itself (meta, then each "
-                          "rank's shards on train.device); drop model.device")
+        raise ConfigError(
+            f"model.device={cfg.args['device']!r}: meshlm passes the device itself (meta, then each "
+            "rank's shards on train.device); drop model.device"
+        )
     sig = _signature(fn)
     if sig is None:
         return
@@ -153,11 +163,16 @@ def check_args(cfg: ModelConfig) -> None:
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for k in cfg.args:
             if k not in params or params[k].kind not in (params[k].POSITIONAL_OR_KEYWORD, params[k].KEYWORD_ONLY):
-                raise ConfigError(f"model.{k}: {cfg.target} takes no argument {k!r}; it takes: "
-                                  f"{', '.join(takes) or 'none'}")
+                raise ConfigError(
+                    f"model.{k}: {cfg.target} takes no argument {k!r}; it takes: {', '.join(takes) or 'none'}"
+                )
     for n, p in params.items():
-        if (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and n not in cfg.args
-                and n != "device"):
+        if (
+            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty
+            and n not in cfg.args
+            and n != "device"
+        ):
             raise ConfigError(f"model.{n} is required by {cfg.target}: set model.{n}=VALUE")
 
 
@@ -179,8 +194,10 @@ def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.M
             raise e.__cause__ from None
         raise ConfigError(f"model._target_={cfg.target}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model._target_={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module; "
-                          "point _target_ at the model class or at a function that returns the model")
+        raise ConfigError(
+            f"model._target_={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module; "
+            "point _target_ at the model class or at a function that returns the model"
+        )
     return model
 
 
@@ -200,11 +217,15 @@ def loss_of(out: Any, cfg: ModelConfig) -> Tensor:
             what = "a dict without a 'loss' entry" if loss is None else f"a 'loss' that is a {type(loss).__name__}"
         else:
             what = f"a {type(out).__name__}"
-        raise ConfigError(f"model {cfg.label}: forward(tokens, targets) returned {what}; meshlm train needs the "
-                          "scalar loss to minimise: a 0-d floating tensor, or a dict with a 'loss' entry")
+        raise ConfigError(
+            f"model {cfg.label}: forward(tokens, targets) returned {what}; meshlm train needs the "
+            "scalar loss to minimise: a 0-d floating tensor, or a dict with a 'loss' entry"
+        )
     if torch.is_grad_enabled() and not loss.requires_grad:
-        raise ConfigError(f"model {cfg.label}: the loss forward(tokens, targets) returned does not depend on any "
-                          "trainable parameter (requires_grad is False); compute it from the model's parameters")
+        raise ConfigError(
+            f"model {cfg.label}: the loss forward(tokens, targets) returned does not depend on any "
+            "trainable parameter (requires_grad is False); compute it from the model's parameters"
+        )
     return loss
 
 
@@ -214,8 +235,12 @@ def model_vocab(model: nn.Module) -> Optional[int]:
     from meshlm.annotate import param_axes_of
     from meshlm.lower import iter_params
 
-    sizes = [p.shape[d] for _f, m, n, p in iter_params(model)
-             for d, a in enumerate(param_axes_of(m).get(n, ())) if a == "vocab"]
+    sizes = [
+        p.shape[d]
+        for _f, m, n, p in iter_params(model)
+        for d, a in enumerate(param_axes_of(m).get(n, ()))
+        if a == "vocab"
+    ]
     return min(sizes) if sizes else None
 
 

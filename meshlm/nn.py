@@ -52,8 +52,17 @@ class Linear(nn.Linear):
     weight from N(0, init_std) and the bias to zero (GPT-2's scheme); None: torch's
     default (uniform in +-1/sqrt(in_features), both)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axes: Sequence[Optional[str]],
-                 init_std: Optional[float] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        axes: Sequence[Optional[str]],
+        init_std: Optional[float] = None,
+        device=None,
+        dtype=None,
+    ):
         ax = _axes("Linear", axes, 2, "(in_axis, out_axis), in the order of (in_features, out_features)")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.init_std = init_std
@@ -80,8 +89,17 @@ class Embedding(nn.Embedding):
     ``(None, "embed")`` for learned positions.  ``init_std``: N(0, init_std); None:
     torch's default N(0, 1).  A ``padding_idx`` row starts at zero, as in torch."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, axes: Sequence[Optional[str]],
-                 padding_idx: Optional[int] = None, init_std: Optional[float] = None, device=None, dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        axes: Sequence[Optional[str]],
+        padding_idx: Optional[int] = None,
+        init_std: Optional[float] = None,
+        device=None,
+        dtype=None,
+    ):
         ax = _axes("Embedding", axes, 2, "(row_axis, dim_axis) of the (num_embeddings, embedding_dim) weight")
         super().__init__(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
         self.init_std = init_std
@@ -98,8 +116,17 @@ class LayerNorm(nn.LayerNorm):
     """``torch.nn.LayerNorm`` (weight and, by default, bias) with logical axes ``axes`` of
     the normalised dims (default ``("embed",)``).  Initialised to weight 1, bias 0."""
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
-                 axes: Sequence[Optional[str]] = ("embed",), device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        axes: Sequence[Optional[str]] = ("embed",),
+        device=None,
+        dtype=None,
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         ax = _axes("LayerNorm", axes, len(self.normalized_shape), "one per normalised dim")
         self.param_axes = {"weight": ax, "bias": ax} if elementwise_affine else {}
@@ -115,8 +142,16 @@ class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` with logical axes ``axes`` of the normalised dims (default
     ``("embed",)``).  Initialised to weight 1."""
 
-    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True, *,
-                 axes: Sequence[Optional[str]] = ("embed",), device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: Optional[float] = None,
+        elementwise_affine: bool = True,
+        *,
+        axes: Sequence[Optional[str]] = ("embed",),
+        device=None,
+        dtype=None,
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         ax = _axes("RMSNorm", axes, len(self.normalized_shape), "one per normalised dim")
         self.param_axes = {"weight": ax} if elementwise_affine else {}
@@ -137,6 +172,8 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         if len(self.axes) != x.ndim:
-            raise AnnotationError(f"meshlm.nn.Dropout(axes={self.axes}): {len(self.axes)} axes for an input of "
-                                  f"{x.ndim} dims {tuple(x.shape)}: give one logical axis (or None) per dim")
+            raise AnnotationError(
+                f"meshlm.nn.Dropout(axes={self.axes}): {len(self.axes)} axes for an input of "
+                f"{x.ndim} dims {tuple(x.shape)}: give one logical axis (or None) per dim"
+            )
         return dropout(x, self.p, self.axes, self.training)

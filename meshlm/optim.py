@@ -52,11 +52,20 @@ from meshlm.memory import where
 class ShardedOptimizer:
     """A torch optimizer on a sharded model; see the module docstring."""
 
-    def __init__(self, model: nn.Module, optim_cls: type = torch.optim.AdamW,
-                 master_dtype: Optional[torch.dtype] = None, *, bucket_mb: Optional[float] = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_cls: type = torch.optim.AdamW,
+        master_dtype: Optional[torch.dtype] = None,
+        *,
+        bucket_mb: Optional[float] = None,
+        **kwargs: Any,
+    ):
         if bucket_mb is not None and not bucket_mb > 0:
-            raise ValueError(f"ShardedOptimizer(bucket_mb={bucket_mb}): must be a positive number of MiB, or None "
-                             "for one chunk per block")
+            raise ValueError(
+                f"ShardedOptimizer(bucket_mb={bucket_mb}): must be a positive number of MiB, or None "
+                "for one chunk per block"
+            )
         st = shard_state(model)
         self.model = model
         self.mesh = st.mesh
@@ -69,8 +78,12 @@ class ShardedOptimizer:
             opt_pl = placements(plan.optimizer, st.mesh)
             # a parameter with main gradients (NOTE [main grads]) gets a master in their dtype
             mdt = master_dtype or (st.grad_dtype if st.grad_dtype is not None else p.dtype)
-            direct = tuple(p.placements) == opt_pl and mdt == p.dtype and plan.grads is not None \
+            direct = (
+                tuple(p.placements) == opt_pl
+                and mdt == p.dtype
+                and plan.grads is not None
                 and placements(plan.grads, st.mesh) == opt_pl
+            )
             init = main_grad.take_init_master(p)  # the unrounded initial weights (NOTE [main grads])
             if direct:
                 master = p
@@ -79,12 +92,14 @@ class ShardedOptimizer:
             else:
                 view = _shard_view(p, opt_pl) if mdt == p.dtype else None
                 with torch.no_grad():
-                    master = nn.Parameter(view if view is not None else
-                                          p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone())
+                    master = nn.Parameter(
+                        view if view is not None else p.detach().redistribute(st.mesh, opt_pl).to(mdt).clone()
+                    )
             self._pairs.append((fqn, p, master))
             masters.append(master)
-        self._keys = _chunk_keys(model, [p for _f, p, _m in self._pairs],
-                                 None if bucket_mb is None else int(bucket_mb * 2**20))
+        self._keys = _chunk_keys(
+            model, [p for _f, p, _m in self._pairs], None if bucket_mb is None else int(bucket_mb * 2**20)
+        )
         self.inner = optim_cls(masters, **kwargs)
         self._ready = False
         self._local_step = type(self.inner) in _ELEMENTWISE
@@ -133,8 +148,11 @@ class ShardedOptimizer:
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
-        return [compat.local_tensor(m.grad) if isinstance(m.grad, DTensor) else m.grad
-                for _f, _p, m in self._pairs if m.grad is not None]
+        return [
+            compat.local_tensor(m.grad) if isinstance(m.grad, DTensor) else m.grad
+            for _f, _p, m in self._pairs
+            if m.grad is not None
+        ]
 
     def grad_norm(self) -> Tensor:
         """The global gradient norm (over all shards, every rank the same value)."""
@@ -174,8 +192,9 @@ class ShardedOptimizer:
             # the updated shards, all-gathered in one flat collective per data axis and block,
             # written straight into the parameters (NOTE [optimizer chunks])
             ps = [p for p, _n in pending]
-            for p, new in zip(ps, redistribute_flat([n for _p, n in pending], [p.placements for p in ps], keys,
-                                                    into=ps)):
+            for p, new in zip(
+                ps, redistribute_flat([n for _p, n in pending], [p.placements for p in ps], keys, into=ps)
+            ):
                 if new is not p:
                     p.copy_(new)
         self._ready = False
@@ -195,7 +214,9 @@ class ShardedOptimizer:
                 lp.grad = None if g is None else (compat.local_tensor(g) if isinstance(g, DTensor) else g)
                 st = inner.state.pop(m, None)
                 if st:
-                    inner.state[lp] = {k: (compat.local_tensor(v) if isinstance(v, DTensor) else v) for k, v in st.items()}
+                    inner.state[lp] = {
+                        k: (compat.local_tensor(v) if isinstance(v, DTensor) else v) for k, v in st.items()
+                    }
                 local_params.append(lp)
             group["params"] = local_params
         try:
@@ -217,8 +238,9 @@ class ShardedOptimizer:
             return v
         d = self._wrapped.get((id(m), key))
         if d is None or where(compat.local_tensor(d)) != where(v) or compat.local_tensor(d).shape != v.shape:
-            d = self._wrapped[(id(m), key)] = DTensor.from_local(v, m.device_mesh, m.placements, run_check=False,
-                                                          shape=m.shape, stride=m.stride())
+            d = self._wrapped[(id(m), key)] = DTensor.from_local(
+                v, m.device_mesh, m.placements, run_check=False, shape=m.shape, stride=m.stride()
+            )
         return d
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -306,8 +328,16 @@ def outside_chunks(nbytes: Sequence[int], cap: int) -> list[int]:
 
 # Optimizers whose update of each element depends only on that element's parameter,
 # gradient and state (NOTE [local step]).
-_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam}
+_ELEMENTWISE = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+}
 
 
 def grad_norm(grads: list[Tensor], mesh) -> Tensor:

@@ -62,12 +62,18 @@ def splits_master(layout, sizes: Mapping[str, int]) -> bool:
     from meshlm.axes import DATA_AXES
 
     stored = {a for v in layout.params.values() for a in v}
-    return any(a in DATA_AXES and a not in stored and sizes.get(a, 1) > 1
-               for v in layout.optimizer_rules.values() for a in v)
+    return any(
+        a in DATA_AXES and a not in stored and sizes.get(a, 1) > 1 for v in layout.optimizer_rules.values() for a in v
+    )
 
 
-def train_dtypes(param_dtype: torch.dtype, reduce_dtype: torch.dtype | None = None, layout=None,
-                 sizes: Mapping[str, int] | None = None, main_grads: bool = True) -> dict[str, torch.dtype | None]:
+def train_dtypes(
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype | None = None,
+    layout=None,
+    sizes: Mapping[str, int] | None = None,
+    main_grads: bool = True,
+) -> dict[str, torch.dtype | None]:
     """``meshlm.shard`` dtype arguments for training in ``param_dtype`` (NOTE [mixed
     precision]): float32 storage, used in ``param_dtype``, or, where ``layout`` on a mesh
     of ``sizes`` :func:`splits_master` (and ``main_grads``: the reductions run eagerly),
@@ -76,14 +82,21 @@ def train_dtypes(param_dtype: torch.dtype, reduce_dtype: torch.dtype | None = No
     rdt = reduce_dtype or torch.float32
     narrow = param_dtype.is_floating_point and param_dtype.itemsize < 4
     if narrow and main_grads and layout is not None and splits_master(layout, sizes or {}):
-        return {"param_dtype": param_dtype, "compute_dtype": param_dtype, "reduce_dtype": rdt,
-                "grad_dtype": torch.float32}
-    return {"param_dtype": None, "compute_dtype": None if param_dtype == torch.float32 else param_dtype,
-            "reduce_dtype": rdt, "grad_dtype": None}
+        return {
+            "param_dtype": param_dtype,
+            "compute_dtype": param_dtype,
+            "reduce_dtype": rdt,
+            "grad_dtype": torch.float32,
+        }
+    return {
+        "param_dtype": None,
+        "compute_dtype": None if param_dtype == torch.float32 else param_dtype,
+        "reduce_dtype": rdt,
+        "grad_dtype": None,
+    }
 
 
-def default_reduce_dtype(compute_dtype: torch.dtype | None,
-                         storage: Sequence[torch.dtype]) -> torch.dtype | None:
+def default_reduce_dtype(compute_dtype: torch.dtype | None, storage: Sequence[torch.dtype]) -> torch.dtype | None:
     """``shard(reduce_dtype=None)``: float32 when the compute dtype or any storage dtype is
     a float narrower than 32 bits, else None (each gradient is reduced in its own dtype)."""
     narrow = [d for d in (compute_dtype, *storage) if d is not None and d.is_floating_point and d.itemsize < 4]
@@ -103,12 +116,19 @@ class LossScaler:
     by ``growth_factor``).  Powers of two keep the scaling exact.  ``state_dict`` holds the
     scale and the count of good steps; ``meshlm train`` saves it in its checkpoints."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
-            raise ValueError(f"LossScaler(init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
-                             f"{backoff_factor}, growth_interval={growth_interval}): need init_scale > 0, "
-                             "growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+            raise ValueError(
+                f"LossScaler(init_scale={init_scale}, growth_factor={growth_factor}, backoff_factor="
+                f"{backoff_factor}, growth_interval={growth_interval}): need init_scale > 0, "
+                "growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1"
+            )
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -173,5 +193,4 @@ def shard_dtypes(t, layout=None, sizes=None) -> dict[str, torch.dtype | None]:
     and accumulated in float32; float32 storage (the master weights), or, for ZeRO-1/2
     under a narrower ``train.param_dtype``, storage in that dtype with float32 main
     gradients and a sharded float32 master.  Without ``layout``: float32 storage."""
-    return train_dtypes(DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], layout, sizes,
-                        main_grads=main_grads_allowed(t))
+    return train_dtypes(DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], layout, sizes, main_grads=main_grads_allowed(t))

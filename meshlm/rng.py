@@ -77,8 +77,7 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def _global_index(local_shape: Sequence[int], offsets: Sequence[int], global_shape: Sequence[int],
-                  device) -> Tensor:
+def _global_index(local_shape: Sequence[int], offsets: Sequence[int], global_shape: Sequence[int], device) -> Tensor:
     """The linear index in a C-contiguous tensor of ``global_shape`` of every element of the
     block of ``local_shape`` that starts at ``offsets`` (int64, shape ``local_shape``)."""
     idx = torch.zeros((), dtype=torch.int64, device=device)
@@ -91,8 +90,14 @@ def _global_index(local_shape: Sequence[int], offsets: Sequence[int], global_sha
     return idx.expand(tuple(local_shape))
 
 
-def keep_mask(key: Tensor, p: float, local_shape: Sequence[int], offsets: Sequence[int] | None = None,
-              global_shape: Sequence[int] | None = None, device=None) -> Tensor:
+def keep_mask(
+    key: Tensor,
+    p: float,
+    local_shape: Sequence[int],
+    offsets: Sequence[int] | None = None,
+    global_shape: Sequence[int] | None = None,
+    device=None,
+) -> Tensor:
     """The keep-mask (bool) of the block of ``local_shape`` at ``offsets`` (default: 0) of a
     tensor of ``global_shape`` (default: ``local_shape``) under ``key``: element ``i`` of
     the global tensor is kept iff the top 24 bits of ``hash(key, i)`` are >= ``p * 2^24``
@@ -161,8 +166,9 @@ def dropout_plain(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int,
 
 def _check_axes(x: Tensor, axes: Axes) -> None:
     if len(axes) != x.ndim:
-        raise AnnotationError(f"dropout: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims "
-                              f"{tuple(x.shape)}")
+        raise AnnotationError(
+            f"dropout: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}"
+        )
 
 
 # This rank's (index, count) among the ranks that split the batch while a local block runs
@@ -200,8 +206,10 @@ def _shard_offsets(gshape: Sequence[int], placements, coord: Sequence[int], size
             off[d] += start
             shape[d] = max(0, min(chunk, shape[d] - start))
         elif not (pl.is_replicate() or pl.is_partial()):
-            raise AnnotationError(f"dropout: unsupported placement {pl} (meshlm places activations with "
-                                  "Shard, Replicate and Partial only)")
+            raise AnnotationError(
+                f"dropout: unsupported placement {pl} (meshlm places activations with "
+                "Shard, Replicate and Partial only)"
+            )
     return shape, off
 
 
@@ -212,8 +220,13 @@ class Handler:
     None: it runs on DTensors.  ``coord``/``sizes``: this rank's mesh coordinate and the
     mesh's dim sizes (plain ints, read once outside any trace)."""
 
-    def __init__(self, constrain: Callable[[Tensor, Axes], Tensor], coord: Sequence[int], sizes: Sequence[int],
-                 rows: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        constrain: Callable[[Tensor, Axes], Tensor],
+        coord: Sequence[int],
+        sizes: Sequence[int],
+        rows: tuple[int, int] | None = None,
+    ):
         self.constrain = constrain
         self.coord = tuple(coord)
         self.sizes = tuple(sizes)
@@ -238,13 +251,16 @@ class Handler:
             pl = tuple(Replicate() if q.is_partial() else q for q in pl)
             x = x.redistribute(x.device_mesh, pl)
         if len(pl) != len(self.coord):
-            raise AnnotationError(f"dropout: a DTensor on a {len(pl)}-D mesh inside a model lowered onto a "
-                                  f"{len(self.coord)}-D mesh")
+            raise AnnotationError(
+                f"dropout: a DTensor on a {len(pl)}-D mesh inside a model lowered onto a {len(self.coord)}-D mesh"
+            )
         local = x.to_local()
         shape, off = _shard_offsets(tuple(x.shape), pl, self.coord, self.sizes)
         if tuple(shape) != tuple(local.shape):
-            raise AnnotationError(f"dropout: local shape {tuple(local.shape)} of a DTensor of shape "
-                                  f"{tuple(x.shape)} with placements {pl}; expected {tuple(shape)}")
+            raise AnnotationError(
+                f"dropout: local shape {tuple(local.shape)} of a DTensor of shape "
+                f"{tuple(x.shape)} with placements {pl}; expected {tuple(shape)}"
+            )
         keep = keep_mask(key, p, shape, off, tuple(x.shape), local.device)
         scale = keep.to(local.dtype) if p >= 1.0 else keep.to(local.dtype) * (1.0 / (1.0 - p))
         mask = DTensor.from_local(scale, x.device_mesh, pl, run_check=False, shape=x.shape, stride=x.stride())

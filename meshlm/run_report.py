@@ -32,9 +32,19 @@ def planned_memory(cfg, layout: str, sizes: dict[str, int]) -> Optional[dict[str
     from meshlm.plan import _from_run_config, plan
 
     kw = _from_run_config(cfg)
-    p = plan(kw["model"], layout, sizes, global_batch=kw["global_batch"], seq=kw["seq"],
-             activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
-             grad_accum=kw["grad_accum"], compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"])
+    p = plan(
+        kw["model"],
+        layout,
+        sizes,
+        global_batch=kw["global_batch"],
+        seq=kw["seq"],
+        activation_checkpointing=kw["ac"],
+        param_dtype=kw["param_dtype"],
+        master_dtype=kw["master_dtype"],
+        grad_accum=kw["grad_accum"],
+        compute_dtype=kw["compute_dtype"],
+        reduce_dtype=kw["reduce_dtype"],
+    )
     return {k: int(p.memory[k]) for k in ("params", "grads", "optimizer", "total")}
 
 

@@ -57,17 +57,19 @@ def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[lis
         numel = 1
         for n in local:
             numel *= n
-        rows.append({
-            "fqn": fqn,
-            "axes": "(" + ", ".join(a or "-" for a in pp.axes) + ")",
-            "storage": _placement_str(pp.storage, names),
-            "compute": _placement_str(pp.compute, names),
-            "grads": "local" if pp.grads is None else _placement_str(pp.grads, names),
-            "optimizer": _placement_str(pp.optimizer, names),
-            "global": "x".join(map(str, pp.shape)),
-            "local": "x".join(map(str, local)),
-            "bytes": numel * torch.empty((), dtype=pp.dtype, device="meta").element_size(),
-        })
+        rows.append(
+            {
+                "fqn": fqn,
+                "axes": "(" + ", ".join(a or "-" for a in pp.axes) + ")",
+                "storage": _placement_str(pp.storage, names),
+                "compute": _placement_str(pp.compute, names),
+                "grads": "local" if pp.grads is None else _placement_str(pp.grads, names),
+                "optimizer": _placement_str(pp.optimizer, names),
+                "global": "x".join(map(str, pp.shape)),
+                "local": "x".join(map(str, local)),
+                "bytes": numel * torch.empty((), dtype=pp.dtype, device="meta").element_size(),
+            }
+        )
     return rows, spec
 
 
@@ -80,8 +82,12 @@ def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
     show_go = any(r["grads"] != r["storage"] or r["optimizer"] != r["storage"] for r in rows)
     if show_go:
         cols[4:4] = ["grads", "optimizer"]
-    table = [[r["fqn"], r["axes"], r["storage"], r["compute"]] + ([r["grads"], r["optimizer"]] if show_go else [])
-             + [r["global"], r["local"], _fmt_bytes(r["bytes"])] for r in rows]
+    table = [
+        [r["fqn"], r["axes"], r["storage"], r["compute"]]
+        + ([r["grads"], r["optimizer"]] if show_go else [])
+        + [r["global"], r["local"], _fmt_bytes(r["bytes"])]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
 
     def line(cells):
@@ -91,11 +97,17 @@ def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
     from meshlm.effective import effective
 
     eff = effective(lay, spec.as_dict())
-    out = [f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model.label}",
-           f"effective on this mesh: {eff.summary()}"]
+    out = [
+        f"layout {lay.name} ({lay.source}) on mesh {spec} ({spec.size} devices), model {model.label}",
+        f"effective on this mesh: {eff.summary()}",
+    ]
     out += [f"warning: {w}" for w in eff.problems()]
-    out += ["placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated", "",
-           line(cols), line(["-" * w for w in widths])]
+    out += [
+        "placements per mesh axis: S(d) = sharded on tensor dim d, R = replicated",
+        "",
+        line(cols),
+        line(["-" * w for w in widths]),
+    ]
     out += [line(t) for t in table]
     out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]
     return "\n".join(out)

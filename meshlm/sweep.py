@@ -29,7 +29,9 @@ KINDS = ("params", "grads", "optimizer")
 #: (key, header, unit, planned key): the summary's columns.  summary.csv has one column per
 #: key and per planned key, raw numbers; summary.md shows bytes in MiB, "measured / planned".
 COLUMNS = (
-    ("run", "run", None, None), ("layout_effective", "layout (as run)", None, None), ("mesh", "mesh", None, None),
+    ("run", "run", None, None),
+    ("layout_effective", "layout (as run)", None, None),
+    ("mesh", "mesh", None, None),
     ("tokens_per_s", "tokens/s", None, None),
     ("mem_params_bytes", "params", MiB, "planned_params_bytes"),
     ("mem_grads_bytes", "grads", MiB, "planned_grads_bytes"),
@@ -37,8 +39,11 @@ COLUMNS = (
     ("mem_state_bytes", "model state", MiB, "planned_state_bytes"),
     ("mem_peak_bytes", "peak", MiB, "planned_total_bytes"),
     ("comm_bytes_per_step", "comm/step", MiB, None),
-    ("final_train_loss", "train loss", None, None), ("final_val_loss", "val loss", None, None),
-    ("wall_s", "wall s", None, None), ("rss_bytes_per_rank", "RSS (process)", MiB, None), ("error", "error", None, None),
+    ("final_train_loss", "train loss", None, None),
+    ("final_val_loss", "val loss", None, None),
+    ("wall_s", "wall s", None, None),
+    ("rss_bytes_per_rank", "RSS (process)", MiB, None),
+    ("error", "error", None, None),
 )
 
 

@@ -76,11 +76,15 @@ def bars_figure(runs: list[dict[str, Any]]):
         vals = [(r.get(f"mem_{kind}_bytes") or 0) / MiB for r in runs]
         ax.bar(idx, vals, bottom=bottom, color=color, label=kind)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    rest = [max(0.0, (r.get("mem_peak_bytes") or 0) / MiB - b) if r.get("mem_peak_bytes") else 0 for r, b in
-            zip(runs, bottom)]
+    rest = [
+        max(0.0, (r.get("mem_peak_bytes") or 0) / MiB - b) if r.get("mem_peak_bytes") else 0
+        for r, b in zip(runs, bottom)
+    ]
     ax.bar(idx, rest, bottom=bottom, color="tab:gray", alpha=0.5, label="rest of the peak")
-    for key, marker, name in (("planned_state_bytes", "_", "planned model state"),
-                              ("planned_total_bytes", "x", "planned total")):
+    for key, marker, name in (
+        ("planned_state_bytes", "_", "planned model state"),
+        ("planned_total_bytes", "x", "planned total"),
+    ):
         pts = [(i, r[key] / MiB) for i, r in zip(idx, runs) if r.get(key) is not None]
         if pts:
             ax.scatter(*zip(*pts), marker=marker, color="k", s=120, label=name, zorder=3)

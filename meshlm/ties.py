@@ -67,11 +67,13 @@ def param_axes(ss: list[Slot], p: Tensor, known: Collection[str]) -> Axes:
                 f"parameter `{fqn}` is tied: `{f0}` and `{f}` are one Parameter, but {type(m0).__name__} "
                 f"declares {axes} for it and {type(sm).__name__} {ax}. A tied parameter is one tensor with one "
                 f"set of logical axes: give both the same axes (e.g. meshlm.set_axes on one of the modules), or "
-                f"untie them (NOTE [ties] in meshlm/ties.py).")
+                f"untie them (NOTE [ties] in meshlm/ties.py)."
+            )
     if len(axes) != p.ndim:
         raise AnnotationError(
             f"parameter `{fqn}` has {p.ndim} dims {tuple(p.shape)} but "
-            f"{type(m0).__name__}.param_axes[{n0!r}] = {axes} names {len(axes)}: give one logical axis per dim.")
+            f"{type(m0).__name__}.param_axes[{n0!r}] = {axes} names {len(axes)}: give one logical axis per dim."
+        )
     for a in axes:
         if a is not None:
             check_logical(a, f"parameter `{fqn}` ({type(m0).__name__}.param_axes[{n0!r}] = {axes})", known)
@@ -88,14 +90,20 @@ def _unannotated(fqn: str, m: nn.Module, name: str, p: Tensor, aliases: list[str
 
         alt = getattr(mnn, cls, None)
         use = f"build it as meshlm.nn.{cls} (which takes its axes as an argument), or " if alt is not None else ""
-        how = (f"{use}annotate this instance: meshlm.set_axes({where}, {name}=(...)) with one logical axis "
-               f"(or None) per dim as stored")
-        return (f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes{tie}: torch's {cls} declares "
-                f"none. To shard it, {how}; meshlm never replicates an unannotated parameter silently.")
-    return (f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes{tie}: {cls}.param_axes has no "
-            f"entry {name!r}. Add `{name!r}: (...)` with one logical axis (or None) per dim to {cls}.param_axes, "
-            f"or annotate this instance: meshlm.set_axes({where}, {name}=(...)); meshlm never replicates an "
-            "unannotated parameter silently.")
+        how = (
+            f"{use}annotate this instance: meshlm.set_axes({where}, {name}=(...)) with one logical axis "
+            f"(or None) per dim as stored"
+        )
+        return (
+            f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes{tie}: torch's {cls} declares "
+            f"none. To shard it, {how}; meshlm never replicates an unannotated parameter silently."
+        )
+    return (
+        f"parameter `{fqn}` (shape {tuple(p.shape)}) has no logical axes{tie}: {cls}.param_axes has no "
+        f"entry {name!r}. Add `{name!r}: (...)` with one logical axis (or None) per dim to {cls}.param_axes, "
+        f"or annotate this instance: meshlm.set_axes({where}, {name}=(...)); meshlm never replicates an "
+        "unannotated parameter silently."
+    )
 
 
 def aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
@@ -113,15 +121,17 @@ def aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
     for ss, _p in tied(model):
         homes = {block_of.get(id(m)) for _f, m, _n in ss}
         if len(homes) > 1:
-            where = ", ".join(f"`{f}` ({'in block ' + repr(block_of[id(m)]) if id(m) in block_of else 'outside blocks'})"
-                              for f, m, _n in ss)
+            where = ", ".join(
+                f"`{f}` ({'in block ' + repr(block_of[id(m)]) if id(m) in block_of else 'outside blocks'})"
+                for f, m, _n in ss
+            )
             raise AnnotationError(
                 f"parameter `{ss[0][0]}` is tied across blocks: {where}. A block gathers its own parameters at "
                 "its entry, so meshlm ties parameters whose uses are all outside blocks (an embedding and the "
                 "output head) or all inside one block. To share weights between blocks, share the module "
                 "(call one module from both places) instead of one Parameter in two modules (NOTE [ties] in "
-                "meshlm/ties.py).")
+                "meshlm/ties.py)."
+            )
         _f0, m0, n0 = ss[0]
         out += [(m, n, m0, n0) for _f, m, n in ss[1:]]
     return out
-

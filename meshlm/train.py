@@ -40,7 +40,6 @@ from meshlm.run_report import effective_layout, fmt_bytes, memory_line, planned_
 log = logging.getLogger("meshlm.train")
 
 
-
 class NonFiniteLossError(MeshlmError):
     """The loss became NaN or Inf."""
 
@@ -63,12 +62,20 @@ def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
     from meshlm.mesh import mesh_spec
 
     sizes = mesh_spec(mesh).as_dict()
-    plan = resolve(("batch", "seq"), layout.compute, sizes, shape=(batch, seq),
-                   what=f"input batch ({batch} sequences of {seq} tokens per micro-batch)", layout=layout,
-                   allow_mesh=INPUT_MESH_AXES)
+    plan = resolve(
+        ("batch", "seq"),
+        layout.compute,
+        sizes,
+        shape=(batch, seq),
+        what=f"input batch ({batch} sequences of {seq} tokens per micro-batch)",
+        layout=layout,
+        allow_mesh=INPUT_MESH_AXES,
+    )
     if plan[1]:
-        raise ConfigError(f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
-                          "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp")
+        raise ConfigError(
+            f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
+            "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp"
+        )
     names = list(mesh.mesh_dim_names or ())
     rank, size = 0, 1
     for a in plan[0]:
@@ -182,15 +189,18 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         return total / n
 
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
-    life = lifecycle.Lifecycle(cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name,
-                               mesh_label=str(cfg.mesh), device=device)
+    life = lifecycle.Lifecycle(
+        cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name, mesh_label=str(cfg.mesh), device=device
+    )
     start = life.resume(loader, scaler)
     clock.mark("build")
 
     n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
-    header = (f"meshlm train: {cfg.model.label} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
-              f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
-              f"tokens; run dir {run_dir}")
+    header = (
+        f"meshlm train: {cfg.model.label} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
+        f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
+        f"tokens; run dir {run_dir}"
+    )
     log.info(header)
     log.info("config: %s", json.dumps(cfg.to_dict()))
     for w in eff.problems():
@@ -218,8 +228,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout,
-                       mininterval=0.5)
+            bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
             life.say = bar.write
         except ImportError:
             bar = None
@@ -273,7 +282,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 if not t.skip_nonfinite:
                     raise NonFiniteLossError(
                         f"loss is {loss_val} at step {step} (lr {lr:.3g}); lower train.lr, keep train.grad_clip > 0, "
-                        "or set train.skip_nonfinite=true to skip such steps")
+                        "or set train.skip_nonfinite=true to skip such steps"
+                    )
                 opt.zero_grad()
                 skipped += 1
                 log.warning("step %d: loss %s, step skipped (train.skip_nonfinite)", step, loss_val)
@@ -286,11 +296,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 opt.zero_grad()
                 if not stepped:
                     skipped += 1
-                    log.warning("step %d: float16 gradients overflowed at loss scale %g, step skipped; scale now %g",
-                                step, loss_scale, scaler.scale)
+                    log.warning(
+                        "step %d: float16 gradients overflowed at loss scale %g, step skipped; scale now %g",
+                        step,
+                        loss_scale,
+                        scaler.scale,
+                    )
                     if writer:
-                        writer.write({"step": step, "loss": loss_val, "lr": lr, "skipped": True,
-                                      "loss_scale": loss_scale})
+                        writer.write(
+                            {"step": step, "loss": loss_val, "lr": lr, "skipped": True, "loss_scale": loss_scale}
+                        )
                     continue
             else:
                 gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
@@ -320,9 +335,18 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             first_loss = loss_val
         last_loss = loss_val
         mem = peak_memory_bytes(device)
-        row: dict[str, Any] = {"step": step, "steps_run": step - start, "loss": loss_val, "lr": lr,
-                               "grad_norm": gnorm, "tokens_per_s": tps, "step_time_s": dt, "tokens": (step - start) * tokens_per_step,
-                               "wall_s": time.perf_counter() - t_start, "rss_bytes": mem}
+        row: dict[str, Any] = {
+            "step": step,
+            "steps_run": step - start,
+            "loss": loss_val,
+            "lr": lr,
+            "grad_norm": gnorm,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "tokens": (step - start) * tokens_per_step,
+            "wall_s": time.perf_counter() - t_start,
+            "rss_bytes": mem,
+        }
         if step == measure_step:
             row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
         if not writer_rows[0]:
@@ -339,8 +363,15 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             if bar is not None:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
         if step % t.log_every == 0 or "val_loss" in row:
-            log.info("step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s", step, loss_val, lr, gnorm, tps,
-                     fmt_bytes(mem))
+            log.info(
+                "step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s",
+                step,
+                loss_val,
+                lr,
+                gnorm,
+                tps,
+                fmt_bytes(mem),
+            )
             if writer:
                 writer.write(row)
         if bar is not None:
@@ -366,17 +397,32 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     measured = {f"mem_{k}_bytes": (int(v) if v >= 0 else None) for k, v in zip(kinds, peak.tolist()[:4])}
     rates.sort()
     summary = {
-        "layout": layout.name, "mesh": str(cfg.mesh), "model": cfg.model.label, "world_size": world,
-        "steps": t.steps, "start_step": start, "steps_run": step - start, "global_step": step,
-        "run_id": life.run_id, "stopped_by": life.stop_name,
+        "layout": layout.name,
+        "mesh": str(cfg.mesh),
+        "model": cfg.model.label,
+        "world_size": world,
+        "steps": t.steps,
+        "start_step": start,
+        "steps_run": step - start,
+        "global_step": step,
+        "run_id": life.run_id,
+        "stopped_by": life.stop_name,
         "skipped_steps": skipped,
         "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
-        "layout_effective": eff.label(), "layout_warnings": eff.problems(),
-        "grad_accum": t.grad_accum, "tokens_per_step": tokens_per_step,
-        **measured, **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
-        "rss_bytes_per_rank": int(peak[4].item()), "comm_bytes_per_step": comm_bytes,
-        "first_train_loss": first_loss, "final_train_loss": last_loss, "final_val_loss": val_loss,
-        "wall_s": wall, "startup_s": clock.result(), "activation_checkpointed_blocks": n_ckpt,
+        "layout_effective": eff.label(),
+        "layout_warnings": eff.problems(),
+        "grad_accum": t.grad_accum,
+        "tokens_per_step": tokens_per_step,
+        **measured,
+        **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
+        "rss_bytes_per_rank": int(peak[4].item()),
+        "comm_bytes_per_step": comm_bytes,
+        "first_train_loss": first_loss,
+        "final_train_loss": last_loss,
+        "final_val_loss": val_loss,
+        "wall_s": wall,
+        "startup_s": clock.result(),
+        "activation_checkpointed_blocks": n_ckpt,
     }
     if is_main:
         assert writer is not None
@@ -384,15 +430,21 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         from meshlm.metrics import read_metrics
 
-        plot_loss(read_metrics(run_dir / "metrics.jsonl"), run_dir / "loss.png",
-                  title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}")
+        plot_loss(
+            read_metrics(run_dir / "metrics.jsonl"),
+            run_dir / "loss.png",
+            title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}",
+        )
         tp = summary["tokens_per_s"]
         if life.stop_signal:
             print(f"meshlm train: {life.stopped_line(step)}", flush=True)
         else:
-            print(f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
-                  f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {memory_line(summary)}; outputs in "
-                  f"{run_dir}", flush=True)
+            print(
+                f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
+                f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {memory_line(summary)}; outputs in "
+                f"{run_dir}",
+                flush=True,
+            )
     log.info("summary: %s", json.dumps(summary))
     return summary
 

@@ -79,8 +79,9 @@ def _holds_tensor(x: Any, depth: int = 3) -> bool:
     return False
 
 
-def map_tensors(x: Any, fn: Callable[[str, Tensor], Any], path: str = "", *, strict: bool = True,
-                what: str = "input") -> Any:
+def map_tensors(
+    x: Any, fn: Callable[[str, Tensor], Any], path: str = "", *, strict: bool = True, what: str = "input"
+) -> Any:
     """``x`` with every tensor leaf ``t`` at ``path`` replaced by ``fn(path, t)``; containers
     are rebuilt only where a leaf changed.  ``strict``: an object meshlm cannot look inside
     that holds tensors raises :class:`AnnotationError` naming its path."""
@@ -92,7 +93,8 @@ def map_tensors(x: Any, fn: Callable[[str, Tensor], Any], path: str = "", *, str
             raise AnnotationError(
                 f"{what} `{path or '(the whole ' + what + ')'}` is a {type(x).__name__} holding tensors, which "
                 "meshlm cannot look inside, so it cannot shard them: pass tensors directly or inside a dict, "
-                "list, tuple, named tuple or dataclass")
+                "list, tuple, named tuple or dataclass"
+            )
         return x
     items, changed = [], False
     for k, v in kids:

@@ -20,8 +20,13 @@ DEST = ROOT / "mutants-unit"
 
 
 def main() -> None:
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                            capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     files = {f for f in listed if f and (ROOT / f).is_file()}
     for old in DEST.rglob("*"):
         rel = old.relative_to(DEST).as_posix()
@@ -33,8 +38,11 @@ def main() -> None:
         if not dst.exists() or dst.read_bytes() != (ROOT / f).read_bytes():
             shutil.copyfile(ROOT / f, dst)
     py = DEST / "pyproject.toml"
-    text, n = re.subn(r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
-                      'pytest_add_cli_args_test_selection = ["tests/unit"]', py.read_text())
+    text, n = re.subn(
+        r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
+        'pytest_add_cli_args_test_selection = ["tests/unit"]',
+        py.read_text(),
+    )
     if n != 1:
         raise SystemExit("mutation/unit_tree.py: no pytest_add_cli_args_test_selection in pyproject.toml")
     py.write_text(text)

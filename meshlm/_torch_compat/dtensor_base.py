@@ -19,8 +19,9 @@ def wrap(local: Tensor, mesh, placements, shape, stride) -> DTensor:
     in every step.  Traced code (torch.compile) and
     a ``local`` that records autograd go through from_local."""
     if (local.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                  stride=tuple(stride))
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
+        )
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))

@@ -117,14 +117,13 @@ def waited(x: DTensor) -> DTensor:
 
     local = x._local_tensor
     if isinstance(local, AsyncCollectiveTensor):
-        return DTensor.from_local(local.wait(), x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride())
+        return DTensor.from_local(
+            local.wait(), x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+        )
     return x
 
 
-
 # --------------------------------------------------------------------------- fallback
-
 
 
 # --------------------------------------------------------------------------- mean losses
@@ -137,9 +136,17 @@ def waited(x: DTensor) -> DTensor:
 #     and tests/dist/test_dtensor_rules.py).  The fix scales the result by local / global
 #     count, per rank (uneven shards too).  Composite losses (l1, kl_div, poisson, BCE with
 #     logits) decompose into ops DTensor reduces correctly and need nothing.
-_MEAN_LOSS_BACKWARD = {getattr(aten, name).default: i for name, i in (
-    ("mse_loss_backward", 3), ("smooth_l1_loss_backward", 3), ("huber_loss_backward", 3),
-    ("soft_margin_loss_backward", 3), ("binary_cross_entropy_backward", 4)) if hasattr(aten, name)}
+_MEAN_LOSS_BACKWARD = {
+    getattr(aten, name).default: i
+    for name, i in (
+        ("mse_loss_backward", 3),
+        ("smooth_l1_loss_backward", 3),
+        ("huber_loss_backward", 3),
+        ("soft_margin_loss_backward", 3),
+        ("binary_cross_entropy_backward", 4),
+    )
+    if hasattr(aten, name)
+}
 
 
 def _mean_loss_backward_handler(op_call, args, kwargs):
@@ -353,8 +360,14 @@ def _embedding_handler(op_call, args, kwargs):
             out_pl.append(ip)
     orig_ids = args[1]
     if isinstance(orig_ids, DTensor):
-        _EMB_CTX[id(orig_ids)] = (weakref.ref(orig_ids, lambda _r, k=id(orig_ids): _EMB_CTX.pop(k, None)),
-                                  vdims, lo, hi, w._local_tensor.shape[0], tuple(ids.placements))
+        _EMB_CTX[id(orig_ids)] = (
+            weakref.ref(orig_ids, lambda _r, k=id(orig_ids): _EMB_CTX.pop(k, None)),
+            vdims,
+            lo,
+            hi,
+            w._local_tensor.shape[0],
+            tuple(ids.placements),
+        )
     loc_ids = ids._local_tensor
     miss = (loc_ids < lo) | (loc_ids >= hi)
     local = torch.nn.functional.embedding((loc_ids - lo).masked_fill(miss, 0), w._local_tensor)
@@ -372,8 +385,10 @@ def _embedding_backward_handler(op_call, args, kwargs):
     mesh = grad.device_mesh
     # Every rank needs the whole gradient of the lookups on the vocab mesh dims (it holds
     # the rows for all of them); elsewhere the gradient follows the ids.
-    want = [Replicate() if i in vdims else (g if g.is_partial() else p)
-            for i, (p, g) in enumerate(zip(id_pl, grad.placements))]
+    want = [
+        Replicate() if i in vdims else (g if g.is_partial() else p)
+        for i, (p, g) in enumerate(zip(id_pl, grad.placements))
+    ]
     if list(grad.placements) != want:
         grad = grad.redistribute(mesh, want)
     loc_ids = ids._local_tensor if isinstance(ids, DTensor) else ids
@@ -393,9 +408,6 @@ def _embedding_backward_handler(op_call, args, kwargs):
             out_pl.append(Replicate())
     shape = (args[2], g.shape[-1])
     return wrap(local, mesh, out_pl, shape, _contiguous_stride(shape))
-
-
-
 
 
 # id(ids DTensor) -> (weakref to it, vocab mesh dims, lo, hi, local rows, ids placements

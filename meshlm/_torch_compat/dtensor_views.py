@@ -163,7 +163,9 @@ def _strided_view_placements(op_call, mesh, placements, in_shape, out_shape, dty
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     def spec(pls, shape):
-        return DTensorSpec(mesh, tuple(pls), tensor_meta=TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
+        return DTensorSpec(
+            mesh, tuple(pls), tensor_meta=TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
+        )
 
     own = _try_view_sharding(op_call, spec(placements, in_shape), out_shape)
     if own is not None and _keeps_input(own, spec(placements, in_shape)):
@@ -178,5 +180,3 @@ def _strided_view_placements(op_call, mesh, placements, in_shape, out_shape, dty
         if back is not None and _keeps_input(back, cand) and tuple(back.output_spec.placements) == placements:
             return tuple(pls)
     return None
-
-

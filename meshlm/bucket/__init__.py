@@ -52,6 +52,29 @@ from meshlm.bucket.prefetch import Prefetch, at_site
 from meshlm.bucket.regather import Freed, free_after, free_after_backward
 from meshlm.bucket.spec import BUCKETS, GATHERING, Bucket, Member, member, register
 
-__all__ = ["BUCKETS", "GATHERING", "Bucket", "Freed", "Gather", "Member", "Prefetch", "at_site", "batch_sharded",
-           "flat", "free_after", "free_after_backward", "gather", "local", "member", "op", "prefetch",
-           "redistribute_flat", "regather", "register", "settle", "spec", "waited", "wrap_local"]
+__all__ = [
+    "BUCKETS",
+    "GATHERING",
+    "Bucket",
+    "Freed",
+    "Gather",
+    "Member",
+    "Prefetch",
+    "at_site",
+    "batch_sharded",
+    "flat",
+    "free_after",
+    "free_after_backward",
+    "gather",
+    "local",
+    "member",
+    "op",
+    "prefetch",
+    "redistribute_flat",
+    "regather",
+    "register",
+    "settle",
+    "spec",
+    "waited",
+    "wrap_local",
+]

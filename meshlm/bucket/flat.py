@@ -26,8 +26,14 @@ def issue_gather(xs: list[Tensor], group: str) -> Tensor:
     return compat.all_gather_single(flat, 0, group)
 
 
-def gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: Optional[Tensor] = None,
-                into: Optional[list[Optional[Tensor]]] = None) -> list[Tensor]:
+def gather_flat(
+    xs: list[Tensor],
+    dims: list[int],
+    group: str,
+    n: int,
+    issued: Optional[Tensor] = None,
+    into: Optional[list[Optional[Tensor]]] = None,
+) -> list[Tensor]:
     """All-gather each of ``xs`` along its ``dims[j]`` over ``group`` (n ranks), in one
     collective: every rank's block lands at its rank's offset along that dim.  ``issued``:
     that collective, already in flight (NOTE [prefetch]).  ``into[j]``: a contiguous tensor
@@ -40,13 +46,13 @@ def gather_flat(xs: list[Tensor], dims: list[int], group: str, n: int, issued: O
     res, off = [], 0
     for j, (x, d) in enumerate(zip(xs, dims)):
         k = x.numel()
-        shape = tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1:])
-        piece = out[:, off:off + k].view((n,) + tuple(x.shape))  # rank r's block at [r]
+        shape = tuple(x.shape[:d]) + (n * x.shape[d],) + tuple(x.shape[d + 1 :])
+        piece = out[:, off : off + k].view((n,) + tuple(x.shape))  # rank r's block at [r]
         dst = into[j] if into is not None else None
         if dst is None and own:
             dst = torch.empty(shape, dtype=out.dtype, device=out.device)
         if dst is not None:
-            dst.view(tuple(x.shape[:d]) + (n, x.shape[d]) + tuple(x.shape[d + 1:])).movedim(d, 0).copy_(piece)
+            dst.view(tuple(x.shape[:d]) + (n, x.shape[d]) + tuple(x.shape[d + 1 :])).movedim(d, 0).copy_(piece)
             res.append(dst)
         else:
             res.append((piece.movedim(0, d) if d else piece).reshape(shape))
@@ -80,7 +86,7 @@ def pack(gs: list[Tensor], dims: Optional[list[int]], n: int, dtype: Optional[to
         rows = []
         for g, d in zip(gs, dims):
             s = tuple(g.shape)
-            rows.append(g.reshape(s[:d] + (n, s[d] // n) + s[d + 1:]).movedim(d, 0).reshape(n, -1))
+            rows.append(g.reshape(s[:d] + (n, s[d] // n) + s[d + 1 :]).movedim(d, 0).reshape(n, -1))
         return (torch.cat(rows, dim=1).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)), False
     if len(gs) == 1 and gs[0].dtype == dtype and gs[0].is_contiguous() and (dims is None or dims[0] == 0):
         return gs[0].reshape(-1), False  # already laid out as the collective wants: no copy
@@ -90,31 +96,34 @@ def pack(gs: list[Tensor], dims: Optional[list[int]], n: int, dtype: Optional[to
     for j, g in enumerate(gs):
         s, k = tuple(g.shape), g.numel()
         if dims is None:
-            flat[off:off + k].view(s).copy_(g)
+            flat[off : off + k].view(s).copy_(g)
         else:
             d = dims[j]
             m = s[d] // n
-            dst = flat.view(n, total // n)[:, off // n:(off + k) // n].view((n,) + s[:d] + (m,) + s[d + 1:])
-            dst.copy_(g.reshape(s[:d] + (n, m) + s[d + 1:]).movedim(d, 0))
+            dst = flat.view(n, total // n)[:, off // n : (off + k) // n].view((n,) + s[:d] + (m,) + s[d + 1 :])
+            dst.copy_(g.reshape(s[:d] + (n, m) + s[d + 1 :]).movedim(d, 0))
         off += k
     return flat, True
 
 
-def reduce_scatter_flat(gs: list[Tensor], dims: list[int], group: str, n: int, wait: bool = True,
-                        dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+def reduce_scatter_flat(
+    gs: list[Tensor], dims: list[int], group: str, n: int, wait: bool = True, dtype: Optional[torch.dtype] = None
+) -> list[Tensor]:
     """Sum over ``group`` and keep this rank's 1/n block of each tensor along its dim, in one
     collective (the inverse layout of ``gather_flat``), in ``dtype`` (default: the
     tensors' own; NOTE [reduce in place of the casts])."""
     shapes = []
     for g, d in zip(gs, dims):
         s = tuple(g.shape)
-        shapes.append(s[:d] + (s[d] // n,) + s[d + 1:])
+        shapes.append(s[:d] + (s[d] // n,) + s[d + 1 :])
     out = compat.reduce_scatter_single(pack(gs, dims, n, dtype)[0], "sum", 0, group)
     out = waited(out) if wait else out
     return split_flat(out, shapes)
 
 
-def all_reduce_flat(gs: list[Tensor], group: str, wait: bool = True, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+def all_reduce_flat(
+    gs: list[Tensor], group: str, wait: bool = True, dtype: Optional[torch.dtype] = None
+) -> list[Tensor]:
     shapes = [tuple(g.shape) for g in gs]
     flat, own = pack(gs, None, 1, dtype)
     if own:
@@ -141,7 +150,7 @@ def split_flat(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
         k = 1
         for v in s:
             k *= v
-        res.append(flat[off:off + k].view(s))
+        res.append(flat[off : off + k].view(s))
         off += k
     return res
 
@@ -159,9 +168,18 @@ def group_indices(idx: list[int], xs: list[Tensor], key: dict, dtype: Optional[t
     return list(out.values())
 
 
-def flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequence[str],
-               order: Sequence[tuple[str, int]], key: Optional[dict] = None, wait: bool = True,
-               into: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> None:
+def flat_moves(
+    xs: list,
+    pls: list,
+    tg: list,
+    sizes: Sequence[int],
+    groups: Sequence[str],
+    order: Sequence[tuple[str, int]],
+    key: Optional[dict] = None,
+    wait: bool = True,
+    into: Optional[dict] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> None:
     """Move local tensors ``xs[j]`` (None: skipped), placed ``pls[j]``, toward ``tg[j]`` with
     flat collectives, in place on ``xs`` and ``pls``.  For each (kind, mesh dim) of
     ``order``, kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard ->
@@ -185,18 +203,28 @@ def flat_moves(xs: list, pls: list, tg: list, sizes: Sequence[int], groups: Sequ
             elif kind == "ar":
                 ys = all_reduce_flat(part, groups[i], wait, dtype)
             else:
-                last = [into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
-                        for j in grp]
-                ys = gather_flat(part, [pls[j][i].dim for j in grp], groups[i], sizes[i],
-                                 into=[into[j] if ok else None for j, ok in zip(grp, last)])
+                last = [
+                    into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
+                    for j in grp
+                ]
+                ys = gather_flat(
+                    part,
+                    [pls[j][i].dim for j in grp],
+                    groups[i],
+                    sizes[i],
+                    into=[into[j] if ok else None for j, ok in zip(grp, last)],
+                )
             for j, y in zip(grp, ys):
                 xs[j], pls[j][i] = y, tg[j][i]
 
 
-
 # --------------------------------------------------------------------------- many tensors at once
-def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placement]], keys: Optional[Sequence] = None,
-                      into: Optional[Sequence[Optional[DTensor]]] = None) -> list[DTensor]:
+def redistribute_flat(
+    ts: Sequence[DTensor],
+    targets: Sequence[Sequence[Placement]],
+    keys: Optional[Sequence] = None,
+    into: Optional[Sequence[Optional[DTensor]]] = None,
+) -> list[DTensor]:
     """``t.redistribute(mesh, target)`` for many DTensors on one mesh, with one flat
     collective per mesh dim, kind, dtype and ``keys[j]`` (a chunk: the optimizer passes the
     block of each parameter, so no buffer is larger than a block) instead of one per tensor
@@ -218,10 +246,12 @@ def redistribute_flat(ts: Sequence[DTensor], targets: Sequence[Sequence[Placemen
     order = [("rs", i) for i in dims] + [("ar", i) for i in dims] + [("ag", i) for i in reversed(dims)]
     dst = None
     if into is not None:
-        dst = {j: compat.local_tensor(d) for j, d in enumerate(into)
-               if d is not None and compat.local_tensor(d).is_contiguous()}
-    flat_moves(xs, pls, tg, sizes, groups, order, key=dict(enumerate(keys)) if keys is not None else None,
-               into=dst)
+        dst = {
+            j: compat.local_tensor(d)
+            for j, d in enumerate(into)
+            if d is not None and compat.local_tensor(d).is_contiguous()
+        }
+    flat_moves(xs, pls, tg, sizes, groups, order, key=dict(enumerate(keys)) if keys is not None else None, into=dst)
     out = []
     for j, t in enumerate(ts):
         if j not in live:

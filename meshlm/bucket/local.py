@@ -15,8 +15,14 @@ from meshlm.errors import AnnotationError
 
 def batch_sharded(x, sizes: Sequence[int]) -> bool:
     """A DTensor split along dim 0 over every mesh dim of size > 1 (NOTE [local blocks])."""
-    return isinstance(x, DTensor) and x.ndim >= 1 and len(x.placements) == len(sizes) and all(
-        (isinstance(p, Shard) and p.dim == 0) if n > 1 else not p.is_partial() for p, n in zip(x.placements, sizes))
+    return (
+        isinstance(x, DTensor)
+        and x.ndim >= 1
+        and len(x.placements) == len(sizes)
+        and all(
+            (isinstance(p, Shard) and p.dim == 0) if n > 1 else not p.is_partial() for p, n in zip(x.placements, sizes)
+        )
+    )
 
 
 def wrap_local(x, mesh: DeviceMesh, sizes: Sequence[int], placements: Sequence[Placement]):
@@ -26,12 +32,19 @@ def wrap_local(x, mesh: DeviceMesh, sizes: Sequence[int], placements: Sequence[P
     if not isinstance(x, Tensor) or isinstance(x, DTensor):
         return x
     if x.ndim == 0:
-        raise AnnotationError("a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
-                              "meshlm/bucket/__init__.py): blocks must return batch-first activations")
+        raise AnnotationError(
+            "a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
+            "meshlm/bucket/__init__.py): blocks must return batch-first activations"
+        )
     world = 1
     for s, p in zip(sizes, placements):
         world *= s if isinstance(p, Shard) else 1
     shape = (x.shape[0] * world,) + tuple(x.shape[1:])
-    return DTensor.from_local(x, mesh, tuple(placements), run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
-
+    return DTensor.from_local(
+        x,
+        mesh,
+        tuple(placements),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )

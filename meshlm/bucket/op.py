@@ -53,8 +53,14 @@ class Gather(torch.autograd.Function):
         targets = {j: grad_target(b.members[j], pls[j]) for j in live}
         # Which flat collectives each gradient goes through; gradients with the same route
         # share their buffers, so a buffer is freed as a whole (none outlives its last use).
-        route = {j: tuple((i, type(targets[j][i]).__name__) for i in range(len(b.sizes))
-                          if is_sum_partial(pls[j][i]) and not targets[j][i].is_partial()) for j in live}
+        route = {
+            j: tuple(
+                (i, type(targets[j][i]).__name__)
+                for i in range(len(b.sizes))
+                if is_sum_partial(pls[j][i]) and not targets[j][i].is_partial()
+            )
+            for j in live
+        }
         other = tuple(i for i in range(len(b.sizes)) if i not in b.data_dims)
         # Reduce-scatters over data axes, outer axis first; then all-reduces on the scattered
         # shards (HSDP all-reduces 1/fsdp of the gradient over dp); then the other axes (the
@@ -125,4 +131,3 @@ _SUM = Partial("sum")
 def gather(key: int, local: bool, *params):
     """``Gather`` as one opaque node for Dynamo (NOTE [at-use under compile] in lowering/atuse.py)."""
     return Gather.apply(key, local, *params)
-

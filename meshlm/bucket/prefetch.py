@@ -71,8 +71,10 @@ class Prefetch:
             steps = gather_steps(b, xs)
             if steps:
                 i, groups = steps[0]
-                self.inflight[nxt] = (_stamp(params), [issue_gather([xs[j] for j in grp], b.groups[i])
-                                                       for grp in groups])
+                self.inflight[nxt] = (
+                    _stamp(params),
+                    [issue_gather([xs[j] for j in grp], b.groups[i]) for grp in groups],
+                )
                 self.stats["issued"] += 1
 
 

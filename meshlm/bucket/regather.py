@@ -103,4 +103,3 @@ def free_after(freed: Freed, out):
         flat[k] = o
     freed.free()
     return type(out)(flat) if isinstance(out, (tuple, list)) else flat[0]
-

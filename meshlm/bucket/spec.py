@@ -62,8 +62,14 @@ def register(bucket: Bucket) -> int:
     return len(BUCKETS) - 1
 
 
-def member(storage: Sequence[Placement], compute: Sequence[Placement], grads: Optional[Sequence[Placement]],
-           shape: Sequence[int], dtype: torch.dtype, data_dims: Sequence[int]) -> Optional[Member]:
+def member(
+    storage: Sequence[Placement],
+    compute: Sequence[Placement],
+    grads: Optional[Sequence[Placement]],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    data_dims: Sequence[int],
+) -> Optional[Member]:
     """The bucket member for one parameter, or None if its storage -> compute move is not a
     pure gather over data axes (then the per-parameter path handles it)."""
     gather = []
@@ -75,8 +81,15 @@ def member(storage: Sequence[Placement], compute: Sequence[Placement], grads: Op
             continue
         return None
     stride = tuple(torch.empty(tuple(shape), device="meta").stride())
-    return Member(tuple(storage), tuple(compute), None if grads is None else tuple(grads), tuple(shape), stride,
-                  dtype, tuple(sorted(gather, key=lambda t: -t[0])))
+    return Member(
+        tuple(storage),
+        tuple(compute),
+        None if grads is None else tuple(grads),
+        tuple(shape),
+        stride,
+        dtype,
+        tuple(sorted(gather, key=lambda t: -t[0])),
+    )
 
 
 def grad_target(m: Member, pls: list) -> tuple[Placement, ...]:

@@ -44,18 +44,32 @@ meshlm._torch_compat and the vocabulary modules), never one above:
 
 from meshlm.lowering.inputs import input_axes, shard_batch
 from meshlm.lowering.params import (
-                                    ParamPlan,
-                                    full_state_dict,
-                                    iter_params,
-                                    local_box,
-                                    local_slice,
-                                    placements,
-                                    plan_params,
-                                    pure_data_parallel,
+    ParamPlan,
+    full_state_dict,
+    iter_params,
+    local_box,
+    local_slice,
+    placements,
+    plan_params,
+    pure_data_parallel,
 )
 from meshlm.lowering.policies import keep_constraints
 from meshlm.lowering.shard import shard
 from meshlm.lowering.state import ShardState, shard_state
 
-__all__ = ["ParamPlan", "ShardState", "full_state_dict", "input_axes", "iter_params", "keep_constraints", "local_box",
-           "local_slice", "placements", "plan_params", "pure_data_parallel", "shard", "shard_batch", "shard_state"]
+__all__ = [
+    "ParamPlan",
+    "ShardState",
+    "full_state_dict",
+    "input_axes",
+    "iter_params",
+    "keep_constraints",
+    "local_box",
+    "local_slice",
+    "placements",
+    "plan_params",
+    "pure_data_parallel",
+    "shard",
+    "shard_batch",
+    "shard_state",
+]

@@ -97,7 +97,6 @@ def at_use(p, key: int):
     return AtUse.apply(p, *_AT_USE[key])
 
 
-
 @dataclass
 class UseSpec:
     compute: tuple[Placement, ...]
@@ -130,4 +129,3 @@ def tied_getter(name: str):
         return getattr(first, first_name)
 
     return property(get)
-

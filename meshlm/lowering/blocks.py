@@ -46,8 +46,14 @@ def _frees(spec: BlockSpec) -> bool:
     """Whether this forward of a re-gathering block frees and re-gathers its parameters
     (NOTE [free and re-gather] in meshlm/bucket/regather.py) instead of checkpointing: eager, recording
     autograd, and not a recompute inside backward."""
-    return (spec.regather and spec.key is not None and EAGER_REGATHER == "free" and torch.is_grad_enabled()
-            and compat.eager() and not compat.in_backward())
+    return (
+        spec.regather
+        and spec.key is not None
+        and EAGER_REGATHER == "free"
+        and torch.is_grad_enabled()
+        and compat.eager()
+        and not compat.in_backward()
+    )
 
 
 def block_forward(self, *args, **kwargs):
@@ -67,8 +73,9 @@ def block_forward(self, *args, **kwargs):
             return _run_block(self, False, *args, **kwargs)
         if frees:
             return _run_freeing(self, False, *args, **kwargs)
-        return checkpoint(keep_constraints(_run_block), self, False, *args, use_reentrant=False,
-                          context_fn=regather_context, **kwargs)
+        return checkpoint(
+            keep_constraints(_run_block), self, False, *args, use_reentrant=False, context_fn=regather_context, **kwargs
+        )
     if plain:
         return run_local(self, spec, outer, frees, *args, **kwargs)
     # NOTE [local blocks] in meshlm/bucket/__init__.py: unwrap and wrap outside any checkpoint, so that the
@@ -100,8 +107,7 @@ def _run_local_rows(self, spec: BlockSpec, outer: bool, frees: bool, *args, **kw
         # matmul and attention outputs (selective), whose policy costs only at trace time.
         run = rng.on_rows(spec.rows, _run_block)
         if torch.compiler.is_compiling():
-            out = checkpoint(run, self, True, *args, use_reentrant=False, context_fn=regather_context_local,
-                             **kwargs)
+            out = checkpoint(run, self, True, *args, use_reentrant=False, context_fn=regather_context_local, **kwargs)
         else:
             out = checkpoint(run, self, True, *args, use_reentrant=False, **kwargs)
     else:
@@ -125,8 +131,9 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     else:
         gathered = bucket.gather(spec.key, local, *params)
     if _keep is not None:
-        freed = bucket.Freed(spec.key, params, [compat.local_tensor(t) if isinstance(t, DTensor) else t
-                                                for t in gathered], local, site)
+        freed = bucket.Freed(
+            spec.key, params, [compat.local_tensor(t) if isinstance(t, DTensor) else t for t in gathered], local, site
+        )
         _keep.append(freed)
         bucket.free_after_backward(freed, gathered)
     for m, (_p, n), t in zip(mods, spec.entries, gathered):
@@ -151,11 +158,13 @@ def _run_freeing(self, local: bool, *args, **kwargs):
     return bucket.free_after(keep[0], out)
 
 
-
 def link_blocks(model: nn.Module, st: ShardState) -> None:
     """Tell the buckets the blocks' forward order (NOTE [prefetch] in meshlm/bucket/prefetch.py)."""
-    keyed = [blk for blk in outer_blocks(model) if getattr(blk, "_meshlm_block", None) is not None
-             and blk._meshlm_block.key is not None]
+    keyed = [
+        blk
+        for blk in outer_blocks(model)
+        if getattr(blk, "_meshlm_block", None) is not None and blk._meshlm_block.key is not None
+    ]
     for n, blk in enumerate(keyed):
         blk._meshlm_pos = n
     st.prefetch.link([blk._meshlm_block.key for blk in keyed], [_stored_params(blk) for blk in keyed])
@@ -213,10 +222,20 @@ def whole_in_compute(mem: bucket.Member, st: ShardState) -> bool:
 def register_bucket(st: ShardState, members: Sequence[bucket.Member], local: bool) -> int:
     """The index of the bucket of ``members`` on the model's mesh (NOTE [block buckets])."""
     mesh, names = st.mesh, st.names
-    return bucket.register(bucket.Bucket(mesh, tuple(mesh.get_group(i).group_name for i in range(len(names))),
-                                         tuple(st.sizes[n] for n in names),
-                                         tuple(i for i, n in enumerate(names) if n in DATA_AXES), tuple(members),
-                                         st.compute_dtype, st.reduce_dtype, local, st.overlap, st.grad_dtype))
+    return bucket.register(
+        bucket.Bucket(
+            mesh,
+            tuple(mesh.get_group(i).group_name for i in range(len(names))),
+            tuple(st.sizes[n] for n in names),
+            tuple(i for i, n in enumerate(names) if n in DATA_AXES),
+            tuple(members),
+            st.compute_dtype,
+            st.reduce_dtype,
+            local,
+            st.overlap,
+            st.grad_dtype,
+        )
+    )
 
 
 def allow_conduit_under_checkpoint() -> None:
@@ -227,4 +246,3 @@ def allow_conduit_under_checkpoint() -> None:
     in backward.  Here the dict is only a conduit within one trace (written, read, cleared),
     and the recompute is the traced graph's, so not replaying it is exactly right."""
     compat.allow_side_effects_under_checkpoint()
-

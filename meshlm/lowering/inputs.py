@@ -26,8 +26,10 @@ def input_axes(model: nn.Module, path: str, ndim: int) -> Axes:
     if path in declared:
         axes = tuple(declared[path])
         if len(axes) != ndim:
-            raise AnnotationError(f"{type(model).__name__}.input_axes[{path!r}] = {axes} names {len(axes)} axes "
-                                  f"for an input of {ndim} dims: give one logical axis (or None) per dim")
+            raise AnnotationError(
+                f"{type(model).__name__}.input_axes[{path!r}] = {axes} names {len(axes)} axes "
+                f"for an input of {ndim} dims: give one logical axis (or None) per dim"
+            )
         return axes
     base: tuple = ("batch", "seq")
     return (base + (None,) * ndim)[:ndim]
@@ -66,8 +68,14 @@ def wrap_input(st, local: Tensor, axes: Axes) -> DTensor:
     for i, p in enumerate(pl):
         if isinstance(p, Shard):
             gshape[p.dim] *= mesh.size(i)
-    return DTensor.from_local(local.to(mesh.device_type).contiguous(), mesh, pl, run_check=False,
-                              shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride())
+    return DTensor.from_local(
+        local.to(mesh.device_type).contiguous(),
+        mesh,
+        pl,
+        run_check=False,
+        shape=torch.Size(gshape),
+        stride=torch.empty(gshape, device="meta").stride(),
+    )
 
 
 def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axes | dict | None" = None) -> Any:
@@ -84,8 +92,15 @@ def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axe
         ax = axes.get(path) if isinstance(axes, dict) else axes
         ax = tuple(ax) if ax is not None else (("batch", "seq") + (None,) * t.ndim)[: t.ndim]
         where = f"input `{path}` " if path else "input "
-        plan = resolve(ax, layout.compute, sizes, shape=tuple(t.shape), what=f"{where}{ax} of shape {tuple(t.shape)}",
-                       layout=layout, allow_mesh=INPUT_MESH_AXES)
+        plan = resolve(
+            ax,
+            layout.compute,
+            sizes,
+            shape=tuple(t.shape),
+            what=f"{where}{ax} of shape {tuple(t.shape)}",
+            layout=layout,
+            allow_mesh=INPUT_MESH_AXES,
+        )
         return local_slice(t, mesh, placements(plan, mesh)).contiguous()
 
     return tree.map_tensors(batch, one)

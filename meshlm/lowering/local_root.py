@@ -115,8 +115,9 @@ class LocalHandler(rng.Handler):
 
     def _constrain(self, x: Tensor, axes: Axes) -> Tensor:
         if len(axes) != x.ndim:
-            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims "
-                                  f"{tuple(x.shape)}")
+            raise AnnotationError(
+                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}"
+            )
         if torch.compiler.is_compiling():
             return x
         k = (tuple(axes), tuple(x.shape))
@@ -208,13 +209,15 @@ def _lift(path: str, out: Tensor, st, handler: LocalHandler, rows_pl: tuple, row
                 f"{name} is a scalar computed on this rank's rows under a data-parallel layout, and meshlm cannot "
                 "tell how it combines over the batch (it is not an F.cross_entropy / F.nll_loss): return "
                 "meshlm.reduce_batch(x, 'mean') for a mean over equal per-rank rows, or "
-                "meshlm.reduce_batch(x, 'sum') for a sum (NOTE [local root] in meshlm/lowering/local_root.py)")
+                "meshlm.reduce_batch(x, 'sum') for a sum (NOTE [local root] in meshlm/lowering/local_root.py)"
+            )
         if not _nll_rows_ok(nll[2], rows):
-            raise AnnotationError(f"{name}: its NLL targets do not have this rank's {rows} input rows; return "
-                                  "meshlm.reduce_batch(x, 'mean'|'sum') or compute it on batch-first targets")
+            raise AnnotationError(
+                f"{name}: its NLL targets do not have this rank's {rows} input rows; return "
+                "meshlm.reduce_batch(x, 'mean'|'sum') or compute it on batch-first targets"
+            )
         mean = nll[0] == 1
-        return BatchReduce.apply(out, nll[1] if mean else None, "mean" if mean else "sum",
-                                 _data_groups(st))
+        return BatchReduce.apply(out, nll[1] if mean else None, "mean" if mean else "sum", _data_groups(st))
     axes = handler.axes_of(out)
     if axes is None:
         if out.shape[0] != rows:
@@ -222,17 +225,21 @@ def _lift(path: str, out: Tensor, st, handler: LocalHandler, rows_pl: tuple, row
                 f"{name} of shape {tuple(out.shape)} is not batch-first (dim 0 is not this rank's {rows} input rows) "
                 "and was not passed through meshlm.constrain, so meshlm cannot tell which dim holds the batch: "
                 "return it through constrain(x, axes) with its logical axes, or meshlm.reduce_batch(x, 'mean'|'sum') "
-                "if it is reduced over the batch")
+                "if it is reduced over the batch"
+            )
         return bucket.wrap_local(out, st.mesh, sizes, rows_pl)
     if "batch" not in axes:
-        raise AnnotationError(f"{name} has logical axes {axes} without 'batch': under a data-parallel layout each "
-                              "rank computed it on its own rows; reduce it with meshlm.reduce_batch(x, 'mean'|'sum')")
+        raise AnnotationError(
+            f"{name} has logical axes {axes} without 'batch': under a data-parallel layout each "
+            "rank computed it on its own rows; reduce it with meshlm.reduce_batch(x, 'mean'|'sum')"
+        )
     d = axes.index("batch")
     pl = tuple(Shard(d) if isinstance(p, Shard) else p for p in rows_pl)
     gshape = list(out.shape)
     gshape[d] *= st.mesh.size()
-    return DTensor.from_local(out, st.mesh, pl, run_check=False, shape=torch.Size(gshape),
-                              stride=torch.empty(gshape, device="meta").stride())
+    return DTensor.from_local(
+        out, st.mesh, pl, run_check=False, shape=torch.Size(gshape), stride=torch.empty(gshape, device="meta").stride()
+    )
 
 
 def _check_no_numbers(out: Any) -> None:
@@ -242,7 +249,8 @@ def _check_no_numbers(out: Any) -> None:
             raise AnnotationError(
                 f"output `{path or '(the whole output)'}` is a Python {type(v).__name__} computed on this rank's rows "
                 "under a data-parallel layout, so it differs between ranks: return a tensor instead (through "
-                "meshlm.reduce_batch(x, 'mean'|'sum') if it is reduced over the batch)")
+                "meshlm.reduce_batch(x, 'mean'|'sum') if it is reduced over the batch)"
+            )
 
 
 def _nll_weight(loss: Tensor) -> Optional[Tensor]:

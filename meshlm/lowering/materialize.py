@@ -16,8 +16,14 @@ from meshlm.lowering.params import ParamPlan, iter_params, local_slice, placemen
 from meshlm.mesh import mesh_spec
 
 
-def materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh, seed: Optional[int],
-                param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+def materialize(
+    model: nn.Module,
+    plans: dict[str, ParamPlan],
+    mesh: DeviceMesh,
+    seed: Optional[int],
+    param_dtype: Optional[torch.dtype] = None,
+    master_dtype: Optional[torch.dtype] = None,
+) -> None:
     """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
     gradients, NOTE [main grads] in meshlm/main_grad.py), each parameter also gets this rank's
     optimizer-placement block of its initial weights in ``master_dtype``, before they are
@@ -41,10 +47,19 @@ def materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh,
             first[id(p)] = (m, n)
             if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
                 pl = placements(plans[fqn].storage, mesh)
-                local = torch.empty(plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
-                                    dtype=param_dtype or p.dtype, device=dev)
-                dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
-                                        stride=torch.empty(plans[fqn].shape, device="meta").stride())
+                local = torch.empty(
+                    plans[fqn].local_shape(plans[fqn].storage, mesh_spec(mesh).as_dict()),
+                    dtype=param_dtype or p.dtype,
+                    device=dev,
+                )
+                dt = DTensor.from_local(
+                    local,
+                    mesh,
+                    pl,
+                    run_check=False,
+                    shape=torch.Size(plans[fqn].shape),
+                    stride=torch.empty(plans[fqn].shape, device="meta").stride(),
+                )
                 m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 continue
             if p.is_meta:
@@ -62,15 +77,18 @@ def materialize(model: nn.Module, plans: dict[str, ParamPlan], mesh: DeviceMesh,
             src = full.to("cpu") if full.device.type != dev.type else full
             local = local.to(dev, dtype=param_dtype or p.dtype).clone().contiguous()
             stride = torch.empty(plans[fqn].shape, device="meta").stride()
-            dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape),
-                                    stride=stride)
+            dt = DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(plans[fqn].shape), stride=stride)
             m._parameters[n] = nn.Parameter(dt, requires_grad=p.requires_grad)
             if master_dtype is not None and master_dtype != local.dtype and p.requires_grad:
                 opl = placements(plans[fqn].optimizer, mesh)
                 init = local_slice(src, mesh, opl).to(dev, dtype=master_dtype).clone().contiguous()
-                setattr(m._parameters[n], main_grad.INIT_MASTER,
-                        DTensor.from_local(init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape),
-                                           stride=stride))
+                setattr(
+                    m._parameters[n],
+                    main_grad.INIT_MASTER,
+                    DTensor.from_local(
+                        init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape), stride=stride
+                    ),
+                )
     for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
         for n, p in m._parameters.items():
             if p is not None and id(p) in first and first[id(p)] != (m, n):
@@ -84,6 +102,7 @@ def _check_no_shared_params(model: nn.Module) -> None:
     for mname, m in model.named_modules(remove_duplicate=False):
         for n, p in m._parameters.items():
             if isinstance(p, nn.Parameter) and not isinstance(p.data, DTensor):
-                raise MeshlmError(f"internal error: parameter `{mname}.{n}` was left unsharded by meshlm.shard "
-                                  "(a slot of a tied parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)")
-
+                raise MeshlmError(
+                    f"internal error: parameter `{mname}.{n}` was left unsharded by meshlm.shard "
+                    "(a slot of a tied parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)"
+                )

@@ -53,7 +53,9 @@ def iter_params(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, Tensor]
             yield (f"{mname}.{pname}" if mname else pname), m, pname, p
 
 
-def plan_params(model: nn.Module, layout: Layout, mesh: "Mapping[str, int] | MeshSpec | DeviceMesh") -> dict[str, ParamPlan]:
+def plan_params(
+    model: nn.Module, layout: Layout, mesh: "Mapping[str, int] | MeshSpec | DeviceMesh"
+) -> dict[str, ParamPlan]:
     """Plan every parameter of ``model`` under ``layout`` on a mesh of the given sizes.
 
     Raises :class:`AnnotationError` for a parameter without logical axes (never silently
@@ -77,7 +79,9 @@ def plan_params(model: nn.Module, layout: Layout, mesh: "Mapping[str, int] | Mes
         compute = resolve(axes, layout.compute, sizes, section="compute", **kw)
         g = layout.grad_rules
         grads = None if g == "local" else resolve(axes, g, sizes, section="grads" if layout.grads else "params", **kw)  # type: ignore[arg-type]
-        opt_sec = "optimizer" if layout.optimizer is not None else ("grads" if isinstance(layout.grads, dict) else "params")
+        opt_sec = (
+            "optimizer" if layout.optimizer is not None else ("grads" if isinstance(layout.grads, dict) else "params")
+        )
         optim = resolve(axes, layout.optimizer_rules, sizes, section=opt_sec, **kw)
         out[fqn] = ParamPlan(fqn, axes, shape, p.dtype, storage, compute, grads, optim)
     return out
@@ -120,8 +124,9 @@ def local_box(shape: Sequence[int], mesh: DeviceMesh, pl: Sequence[Placement]) -
             idx = idx * mesh.size(i) + mesh.get_local_rank(i)
             k *= mesh.size(i)
         if shape[d] % k:
-            raise LayoutError(f"dim {d} of size {shape[d]} is not divisible by mesh axes "
-                              f"{[names[i] for i in mdims]} (size {k})")
+            raise LayoutError(
+                f"dim {d} of size {shape[d]} is not divisible by mesh axes {[names[i] for i in mdims]} (size {k})"
+            )
         n = shape[d] // k
         box[d] = (idx * n, n)
     return box
@@ -134,7 +139,6 @@ def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tens
         if n != full.shape[d]:
             t = t.narrow(d, start, n)
     return t
-
 
 
 def pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
@@ -161,7 +165,6 @@ def needs_regather(pp: ParamPlan) -> bool:
         if any(a in DATA_AXES and a not in cp_axes for a in st_axes):
             return True
     return False
-
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

@@ -29,8 +29,9 @@ from meshlm import annotate, bucket
 #     block under train's activation checkpointing is re-gathered by that checkpoint's
 #     recompute alone.
 def regather_policy(ctx, op, *args, **kwargs):
-    if not bucket.GATHERING[0] and ((op in SAVED_OPS and _has_dtensor(args)) or op in SAVED_COLLECTIVES
-                              or is_random(op)):
+    if not bucket.GATHERING[0] and (
+        (op in SAVED_OPS and _has_dtensor(args)) or op in SAVED_COLLECTIVES or is_random(op)
+    ):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -50,8 +51,12 @@ def _has_dtensor(args) -> bool:
 # shift onto the wrong saved outputs.  Matmuls and attention run no DTensor op inside, and
 # plain-tensor ops are never saved, so a shift can only pair recompute with recompute.
 SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+for _name in (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+):
     if hasattr(torch.ops.aten, _name):
         SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
 
@@ -63,8 +68,10 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
 # reduce-scatters).  These are plain-tensor ops that run nothing inside, so saving them
 # cannot shift the recompute's op counts (above).  The parameter gathers are not saved
 # (``bucket.GATHERING``): re-running them is the point.
-SAVED_COLLECTIVES = {getattr(compat.c10d_functional, _name).default
-                     for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")}
+SAVED_COLLECTIVES = {
+    getattr(compat.c10d_functional, _name).default
+    for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")
+}
 
 
 def is_random(op) -> bool:
@@ -92,7 +99,6 @@ def regather_context_local():
 
 def regather_context():
     return create_selective_checkpoint_contexts(regather_policy)
-
 
 
 def keep_constraints(fn):

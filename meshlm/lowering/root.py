@@ -47,5 +47,6 @@ def root_forward(self, *args, **kwargs):
     with annotate.handling(st.handler):  # constrain, and dropout (NOTE [dropout keys] in rng.py)
         out = orig(*bound.args, **bound.kwargs)
     # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is
-    return tree.map_tensors(out, lambda _p, t: t.full_tensor() if isinstance(t, DTensor) and t.ndim == 0 else t,
-                            strict=False)
+    return tree.map_tensors(
+        out, lambda _p, t: t.full_tensor() if isinstance(t, DTensor) and t.ndim == 0 else t, strict=False
+    )

@@ -77,8 +77,11 @@ def shard(
     by_module: dict[int, tuple[nn.Module, dict[str, UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]
-        use = UseSpec(placements(pp.compute, mesh), None if pp.grads is None else placements(pp.grads, mesh),
-                      regather=needs_regather(pp))
+        use = UseSpec(
+            placements(pp.compute, mesh),
+            None if pp.grads is None else placements(pp.grads, mesh),
+            regather=needs_regather(pp),
+        )
         use.key = at_use_key(use.compute, use.grads, compute_dtype, reduce_dtype, use.regather, grad_dtype)
         by_module.setdefault(id(m), (m, {}))[1][name] = use
     tied: dict[int, dict[str, tuple[nn.Module, str]]] = {}  # NOTE [ties] in ties.py: read through the first slot
@@ -97,8 +100,9 @@ def shard(
             continue
         cls = type(m)
         base = cls.__mro__[1] if cls in _CLASSES.values() else cls
-        m.__class__ = sharded_class(base, tuple(getattr(m, "_meshlm_use", {})), True,
-                                    tuple(getattr(m, "_meshlm_tied", {})))
+        m.__class__ = sharded_class(
+            base, tuple(getattr(m, "_meshlm_use", {})), True, tuple(getattr(m, "_meshlm_tied", {}))
+        )
         m._meshlm_block = spec
         m._meshlm_state = st
         if spec.regather and spec.key is not None:
@@ -107,8 +111,9 @@ def shard(
     st.root = root_spec(model, st) if bucket else None
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward
-    model.__class__ = type(root_cls.__name__, (root_cls,), {"forward": root.root_forward,
-                                                            "__module__": root_cls.__module__})
+    model.__class__ = type(
+        root_cls.__name__, (root_cls,), {"forward": root.root_forward, "__module__": root_cls.__module__}
+    )
     model._meshlm_state = st
     return model
 
@@ -140,4 +145,3 @@ def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
     for a in layout.mesh_axes_used():
         if a in spec and spec[a] > 1 and a not in names:
             raise LayoutError(f"{layout.source}: mesh axis {a!r} is not a dim of this DeviceMesh")
-

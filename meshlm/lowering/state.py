@@ -55,22 +55,38 @@ class ShardState:
         return placements(plan, self.names)
 
     def activation_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
-        plan = resolve(tuple(axes), self.layout.compute, self.sizes, shape=tuple(shape),
-                       what=f"activation {tuple(axes)} of shape {tuple(shape)}", layout=self.layout, known=self.vocab)
+        plan = resolve(
+            tuple(axes),
+            self.layout.compute,
+            self.sizes,
+            shape=tuple(shape),
+            what=f"activation {tuple(axes)} of shape {tuple(shape)}",
+            layout=self.layout,
+            known=self.vocab,
+        )
         return placements(plan, self.names)
 
     def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
         """Placements of an input given as each rank's local slice (any local size works:
         the global size is the local one times the mesh axes splitting it)."""
-        plan = resolve(tuple(axes), self.layout.compute, self.sizes, what=f"input {tuple(axes)}",
-                       layout=self.layout, allow_mesh=INPUT_MESH_AXES, known=self.vocab)
+        plan = resolve(
+            tuple(axes),
+            self.layout.compute,
+            self.sizes,
+            what=f"input {tuple(axes)}",
+            layout=self.layout,
+            allow_mesh=INPUT_MESH_AXES,
+            known=self.vocab,
+        )
         return placements(plan, self.names)
 
     def constrain(self, x: Tensor, axes: Axes) -> Tensor:
         if not isinstance(x, DTensor):
             return x
         if len(axes) != x.ndim:
-            raise AnnotationError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}")
+            raise AnnotationError(
+                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}"
+            )
         pl = self.activation_placements(axes, x.shape)
         # Always through redistribute, even when the placements already agree: its backward
         # puts the gradient at the same placements, so a Partial gradient is reduced here
@@ -84,4 +100,3 @@ def shard_state(model: nn.Module) -> ShardState:
     if st is None:
         raise MeshlmError("this module was not lowered: call meshlm.shard(model, layout, mesh) first")
     return st
-

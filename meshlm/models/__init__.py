@@ -4,5 +4,16 @@ from meshlm.models.gpt2 import CONFIGS as GPT2_CONFIGS
 from meshlm.models.gpt2 import GPT2, GPT2Config, gpt2_config, gpt2_model
 from meshlm.models.llama import CONFIGS, Llama, LlamaConfig, llama_config, llama_fields, llama_model
 
-__all__ = ["CONFIGS", "GPT2", "GPT2Config", "GPT2_CONFIGS", "Llama", "LlamaConfig", "gpt2_config", "gpt2_model",
-           "llama_config", "llama_fields", "llama_model"]
+__all__ = [
+    "CONFIGS",
+    "GPT2",
+    "GPT2Config",
+    "GPT2_CONFIGS",
+    "Llama",
+    "LlamaConfig",
+    "gpt2_config",
+    "gpt2_model",
+    "llama_config",
+    "llama_fields",
+    "llama_model",
+]

@@ -62,8 +62,10 @@ class GPT2Config:
         if self.mlp is not None and (not isinstance(self.mlp, int) or self.mlp <= 0):
             raise ConfigError(f"model.mlp={self.mlp!r} must be a positive integer (or null: 4 * embed)")
         if self.embed % self.heads:
-            raise ConfigError(f"model.embed={self.embed} is not divisible by model.heads={self.heads}: GPT-2's "
-                              "heads split the width evenly (head_dim = embed / heads)")
+            raise ConfigError(
+                f"model.embed={self.embed} is not divisible by model.heads={self.heads}: GPT-2's "
+                "heads split the width evenly (head_dim = embed / heads)"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
 
@@ -102,10 +104,17 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPT2Config, device=None):
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        self.c_attn = mnn.Linear(cfg.embed, 3 * cfg.embed, bias=cfg.bias, axes=("embed", "heads"),
-                                 init_std=cfg.init_std, device=device)
-        self.c_proj = mnn.Linear(cfg.embed, cfg.embed, bias=cfg.bias, axes=("heads", "embed"),
-                                 init_std=cfg.init_std / math.sqrt(2 * cfg.layers), device=device)
+        self.c_attn = mnn.Linear(
+            cfg.embed, 3 * cfg.embed, bias=cfg.bias, axes=("embed", "heads"), init_std=cfg.init_std, device=device
+        )
+        self.c_proj = mnn.Linear(
+            cfg.embed,
+            cfg.embed,
+            bias=cfg.bias,
+            axes=("heads", "embed"),
+            init_std=cfg.init_std / math.sqrt(2 * cfg.layers),
+            device=device,
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
         x = constrain(x, ("batch", WHOLE, "embed"))
@@ -123,10 +132,17 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPT2Config, device=None):
         super().__init__()
-        self.c_fc = mnn.Linear(cfg.embed, cfg.hidden, bias=cfg.bias, axes=("embed", "mlp"),
-                               init_std=cfg.init_std, device=device)
-        self.c_proj = mnn.Linear(cfg.hidden, cfg.embed, bias=cfg.bias, axes=("mlp", "embed"),
-                                 init_std=cfg.init_std / math.sqrt(2 * cfg.layers), device=device)
+        self.c_fc = mnn.Linear(
+            cfg.embed, cfg.hidden, bias=cfg.bias, axes=("embed", "mlp"), init_std=cfg.init_std, device=device
+        )
+        self.c_proj = mnn.Linear(
+            cfg.hidden,
+            cfg.embed,
+            bias=cfg.bias,
+            axes=("mlp", "embed"),
+            init_std=cfg.init_std / math.sqrt(2 * cfg.layers),
+            device=device,
+        )
 
     def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
         x = constrain(x, ("batch", WHOLE, "embed"))
@@ -164,14 +180,19 @@ class GPT2(nn.Module):
         them uninitialised)."""
         super().__init__()
         self.cfg = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=mnn.Embedding(cfg.vocab, cfg.embed, axes=("vocab", "embed"), init_std=cfg.init_std, device=device),
-            wpe=mnn.Embedding(cfg.block_size, cfg.embed, axes=(None, "embed"), init_std=cfg.init_std, device=device),
-            h=nn.ModuleList(Block(cfg, device) for _ in range(cfg.layers)),
-            ln_f=mnn.LayerNorm(cfg.embed, cfg.norm_eps, bias=cfg.bias, device=device),
-        ))
-        self.lm_head = mnn.Linear(cfg.embed, cfg.vocab, bias=False, axes=("embed", "vocab"), init_std=cfg.init_std,
-                                  device=device)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=mnn.Embedding(cfg.vocab, cfg.embed, axes=("vocab", "embed"), init_std=cfg.init_std, device=device),
+                wpe=mnn.Embedding(
+                    cfg.block_size, cfg.embed, axes=(None, "embed"), init_std=cfg.init_std, device=device
+                ),
+                h=nn.ModuleList(Block(cfg, device) for _ in range(cfg.layers)),
+                ln_f=mnn.LayerNorm(cfg.embed, cfg.norm_eps, bias=cfg.bias, device=device),
+            )
+        )
+        self.lm_head = mnn.Linear(
+            cfg.embed, cfg.vocab, bias=False, axes=("embed", "vocab"), init_std=cfg.init_std, device=device
+        )
         if cfg.tie_embeddings:  # one Parameter in two modules (NOTE [ties] in meshlm/ties.py)
             self.transformer.wte.weight = self.lm_head.weight
         if seed is not None and torch.device(device or "cpu").type != "meta":
@@ -182,9 +203,11 @@ class GPT2(nn.Module):
         if s > self.cfg.block_size:
             from meshlm.errors import ConfigError
 
-            raise ConfigError(f"GPT2: a sequence of {s} tokens is longer than model.block_size="
-                              f"{self.cfg.block_size} (the learned positions): shorten the sequence "
-                              "(train.seq_len) or build the model with a larger block_size")
+            raise ConfigError(
+                f"GPT2: a sequence of {s} tokens is longer than model.block_size="
+                f"{self.cfg.block_size} (the learned positions): shorten the sequence "
+                "(train.seq_len) or build the model with a larger block_size"
+            )
         pos = torch.arange(s, dtype=torch.long, device=tokens.device)
         x = constrain(self.transformer.wte(tokens) + self.transformer.wpe(pos), ("batch", "seq", "embed"))
         x = dropout(x, self.cfg.dropout, ("batch", "seq", "embed"), self.training)

@@ -65,15 +65,15 @@ CONFIGS: dict[str, LlamaConfig] = {
     # the CPU demo (byte-level vocabulary)
     "llama_small": LlamaConfig(vocab=256, embed=256, layers=4, heads=8, kv_heads=4, mlp=704),
     # ~1B, for the GPU benchmark
-    "llama_1b": LlamaConfig(vocab=32000, embed=2048, layers=16, heads=32, kv_heads=8, mlp=5632,
-                            rope_theta=500000.0),
+    "llama_1b": LlamaConfig(vocab=32000, embed=2048, layers=16, heads=32, kv_heads=8, mlp=5632, rope_theta=500000.0),
     # published shapes, for planning only (never materialised here)
-    "llama3_8b": LlamaConfig(vocab=128256, embed=4096, layers=32, heads=32, kv_heads=8, mlp=14336,
-                             rope_theta=500000.0),
-    "llama3_70b": LlamaConfig(vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, mlp=28672,
-                              rope_theta=500000.0),
-    "llama3_405b": LlamaConfig(vocab=128256, embed=16384, layers=126, heads=128, kv_heads=8, mlp=53248,
-                               rope_theta=500000.0),
+    "llama3_8b": LlamaConfig(vocab=128256, embed=4096, layers=32, heads=32, kv_heads=8, mlp=14336, rope_theta=500000.0),
+    "llama3_70b": LlamaConfig(
+        vocab=128256, embed=8192, layers=80, heads=64, kv_heads=8, mlp=28672, rope_theta=500000.0
+    ),
+    "llama3_405b": LlamaConfig(
+        vocab=128256, embed=16384, layers=126, heads=128, kv_heads=8, mlp=53248, rope_theta=500000.0
+    ),
 }
 
 
@@ -85,8 +85,9 @@ def llama_fields(**fields) -> LlamaConfig:
     known = [f.name for f in dataclass_fields(LlamaConfig)]
     for k, v in fields.items():
         if k not in known:
-            raise ConfigError(f"model.{k}: meshlm.models.llama_model takes no argument {k!r}; it takes: "
-                              f"{', '.join(known)}")
+            raise ConfigError(
+                f"model.{k}: meshlm.models.llama_model takes no argument {k!r}; it takes: {', '.join(known)}"
+            )
         if k == "dropout":
             if v is not None and not 0.0 <= v < 1.0:
                 raise ConfigError(f"model.dropout={v} must be in [0, 1)")
@@ -195,7 +196,9 @@ class MLP(nn.Module):
     """SwiGLU feed-forward block: embed -> mlp -> embed."""
 
     param_axes: ClassVar[dict[str, Axes]] = {
-        "w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp"),
+        "w_gate": ("mlp", "embed"),
+        "w_up": ("mlp", "embed"),
+        "w_down": ("embed", "mlp"),
     }
 
     def __init__(self, cfg: LlamaConfig, device=None):

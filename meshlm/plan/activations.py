@@ -14,8 +14,9 @@ from meshlm.plan.report import _bytes
 from meshlm.plan.state import _prod
 
 
-def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int,
-                     ac: str, dtype: torch.dtype) -> dict[str, Any]:
+def activation_bytes(
+    cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b: int, s: int, ac: str, dtype: torch.dtype
+) -> dict[str, Any]:
     """Activation bytes per rank per micro-batch (docs/plan.md, "Activations").
 
     ``held``: what stays allocated from the end of forward to the start of backward (what
@@ -68,9 +69,11 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
         per_block, mode = full_block, "none"
     held = per_block * L + outside
     recompute = max(full_block - per_block, 0) if mode != "none" else 0
-    text = {"none": "per layer sb·(2·[(F+B)h/ts + F/ts + Bh] + B(2q+2k')/t + F·a/t + 4B·f/t) + 4s·hd·B",
-            "selective": "per layer sb·(Bh/ts + B(2q+2kv)/t + F·a/t + 2Bh + 2B·f/t) (matmul/SDPA outputs)",
-            "full": "per layer sb·B·h/ts (block input)"}[mode]
+    text = {
+        "none": "per layer sb·(2·[(F+B)h/ts + F/ts + Bh] + B(2q+2k')/t + F·a/t + 4B·f/t) + 4s·hd·B",
+        "selective": "per layer sb·(Bh/ts + B(2q+2kv)/t + F·a/t + 2Bh + 2B·f/t) (matmul/SDPA outputs)",
+        "full": "per layer sb·B·h/ts (block input)",
+    }[mode]
     # Korthikanti et al. (GPT block, 16-bit, bytes per layer) for the same regime, for scale.
     sbh = s * b * h
     if mode == "full":
@@ -78,8 +81,18 @@ def activation_bytes(cfg: LlamaConfig, lay: Layout, sizes: Mapping[str, int], b:
     elif mode == "selective":
         korthikanti = 34 * sbh / ts if (t == 1 or ts > 1) else sbh * (10 + 24 / t)
     else:
-        korthikanti = sbh * (34 + 5 * a * s / h) if t == 1 else (
-            sbh * (10 + 24 / t + 5 * a * s / (h * t)) if ts == 1 else sbh * (34 / t + 5 * a * s / (h * t)))
-    return {"held": int(held), "recompute": int(recompute), "layers": L, "per_layer": per_block, "outside_blocks": outside,
-            "checkpointing": mode, "text": text + f", q={q}, kv={kv}, f={f}, t={t}, ts={ts}",
-            "korthikanti_gpt_16bit_per_layer": korthikanti}
+        korthikanti = (
+            sbh * (34 + 5 * a * s / h)
+            if t == 1
+            else (sbh * (10 + 24 / t + 5 * a * s / (h * t)) if ts == 1 else sbh * (34 / t + 5 * a * s / (h * t)))
+        )
+    return {
+        "held": int(held),
+        "recompute": int(recompute),
+        "layers": L,
+        "per_layer": per_block,
+        "outside_blocks": outside,
+        "checkpointing": mode,
+        "text": text + f", q={q}, kv={kv}, f={f}, t={t}, ts={ts}",
+        "korthikanti_gpt_16bit_per_layer": korthikanti,
+    }

@@ -69,7 +69,11 @@ def plan(
     gdt = None  # main gradients' dtype (NOTE [main grads] in main_grad.py), None: none
     if param_dtype == "auto":
         td = train_dtypes(_dtype(compute_dtype), _dtype(reduce_dtype) if reduce_dtype else None, lay, sizes)
-        param_dtype, compute_dtype, reduce_dtype = td["param_dtype"] or "float32", td["compute_dtype"], td["reduce_dtype"]
+        param_dtype, compute_dtype, reduce_dtype = (
+            td["param_dtype"] or "float32",
+            td["compute_dtype"],
+            td["reduce_dtype"],
+        )
         gdt = td["grad_dtype"]
     pdt = _dtype(param_dtype)
     gdt = gdt if gdt != pdt else None
@@ -82,9 +86,11 @@ def plan(
     batch_axes = _batch_axes(lay, sizes)
     n_batch = _prod(batch_axes, sizes) * grad_accum
     if global_batch % n_batch:
-        raise ConfigError(f"train.batch_size={global_batch} does not split into {grad_accum} micro-batch(es) over "
-                          f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards): "
-                          f"use a train.batch_size that is a multiple of {n_batch}")
+        raise ConfigError(
+            f"train.batch_size={global_batch} does not split into {grad_accum} micro-batch(es) over "
+            f"the batch axes {batch_axes or ['-']} of mesh {dict(sizes)} ({n_batch} shards): "
+            f"use a train.batch_size that is a multiple of {n_batch}"
+        )
 
     # ---------------------------------------------------------------- model state
     params = grads = optim = 0
@@ -121,8 +127,14 @@ def plan(
     act = activation_bytes(cfg, lay, sizes, b_local, seq, activation_checkpointing, cdt)
     gathered = _held_gathered(params_, sizes, regather, CB, cdt != pdt)
     formulas["activations"] = act
-    memory = {"params": params, "grads": grads, "optimizer": optim, "activations": act["held"],
-              "gathered": gathered, "recompute": act["recompute"]}
+    memory = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optim,
+        "activations": act["held"],
+        "gathered": gathered,
+        "recompute": act["recompute"],
+    }
     memory["total"] = sum(memory.values())
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing
@@ -131,5 +143,19 @@ def plan(
     ckpt = activation_checkpointing != "none"
     comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
-    return Plan(name, lay.name, dict(sizes), spec.size, global_batch, seq, _name(pdt), _name(mdt),
-                activation_checkpointing, memory, formulas, comm, _name(cdt), _name(rdt))
+    return Plan(
+        name,
+        lay.name,
+        dict(sizes),
+        spec.size,
+        global_batch,
+        seq,
+        _name(pdt),
+        _name(mdt),
+        activation_checkpointing,
+        memory,
+        formulas,
+        comm,
+        _name(cdt),
+        _name(rdt),
+    )

@@ -63,11 +63,25 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
         # mesh with a data axis (lowering/blocks.py block_spec)
         member = prm.in_block and bool(data_active) and all(a in DATA_AXES for a, _ in gathers)
         for ax, nb in gathers:
-            add("all_gather", ax, "forward", nb * CB, "param gather at use", accum * k,
-                bucket="gather" if member else None)
+            add(
+                "all_gather",
+                ax,
+                "forward",
+                nb * CB,
+                "param gather at use",
+                accum * k,
+                bucket="gather" if member else None,
+            )
             if regather:
-                add("all_gather", ax, "backward", nb * CB, "param re-gather in backward (ZeRO-3)", accum * k,
-                    bucket="gather" if member else None)
+                add(
+                    "all_gather",
+                    ax,
+                    "backward",
+                    nb * CB,
+                    "param re-gather in backward (ZeRO-3)",
+                    accum * k,
+                    bucket="gather" if member else None,
+                )
         # Gradient reduction (lowering/atuse.py AtUse.backward): the gradient is Partial over each
         # data axis that splits the batch but not the parameter, and, under sequence
         # parallelism, over the seq axes for the norm weights (the only parameters used on
@@ -108,8 +122,15 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
                 for ax in reversed(o_axes):
                     if ax not in s_axes and sizes.get(ax, 1) > 1:
                         cur *= sizes[ax]
-                        add("all_gather", ax, "optimizer", cur * B, "updated shard all-gather (ZeRO-1/2)", k,
-                            bucket=chunk)
+                        add(
+                            "all_gather",
+                            ax,
+                            "optimizer",
+                            cur * B,
+                            "updated shard all-gather (ZeRO-1/2)",
+                            k,
+                            bucket=chunk,
+                        )
     # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim (of
     # the loss and its weight under a local root)
     for ax in data_batch:
@@ -121,6 +142,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
 def _outside_chunks(params_) -> dict[int, int]:
     """The optimizer chunk of each parameter outside the blocks (optim.outside_chunks, capped
     at one block's bytes, as ``ShardedOptimizer`` chunks them)."""
+
     def nbytes(prm):
         return math.prod(prm.plan.shape) * prm.plan.dtype.itemsize
 
@@ -160,10 +182,10 @@ def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:
             add("reduce_scatter", ax, "forward", bsh, "vocab-parallel embedding output", n)
             add("reduce_scatter", ax, "backward", bsh, "vocab-parallel head: input grad", n)
         if ckpt:
-            add("all_gather", ax, "backward", bsh, "recompute: attention and MLP inputs (checkpointed block)",
-                2 * L * n)
+            add(
+                "all_gather", ax, "backward", bsh, "recompute: attention and MLP inputs (checkpointed block)", 2 * L * n
+            )
             add("reduce_scatter", ax, "backward", bsh, "recompute: attention output (checkpointed block)", L * n)
-
 
 
 def _comm_formula(lay, cfg, psi, sizes, b, s, nbytes, batch_axes) -> dict[str, Any]:
@@ -181,10 +203,14 @@ def _comm_formula(lay, cfg, psi, sizes, b, s, nbytes, batch_axes) -> dict[str, A
         # reduce-scatter in the reduce dtype + an all-gather of the stored parameters.
         per = 2 * CB + RB if stage3 else RB + (RB if lay.name == "ddp" else B)
         terms = f"2·{CB}+{RB}" if stage3 else f"{RB}+{RB if lay.name == 'ddp' else B}"
-        out["data"] = {"wire_bytes": (n - 1) / n * psi / t * per,
-                       "text": f"{k}(N-1)/N·Ψ·B/t, here (N-1)/N·Ψ/t·({terms} bytes) with N={n}, t={t} "
-                               f"({'ZeRO-3: gathers + reduce-scatter' if stage3 else 'DDP/ZeRO-1/2'})"}
+        out["data"] = {
+            "wire_bytes": (n - 1) / n * psi / t * per,
+            "text": f"{k}(N-1)/N·Ψ·B/t, here (N-1)/N·Ψ/t·({terms} bytes) with N={n}, t={t} "
+            f"({'ZeRO-3: gathers + reduce-scatter' if stage3 else 'DDP/ZeRO-1/2'})",
+        }
     if t > 1:
-        out["tp"] = {"wire_bytes": 4 * 2 * (t - 1) / t * b * s * cfg.embed * CB * cfg.layers,
-                     "text": f"4·2(t-1)/t·bsh·B per layer × L={cfg.layers} (TP and TP+SP alike)"}
+        out["tp"] = {
+            "wire_bytes": 4 * 2 * (t - 1) / t * b * s * cfg.embed * CB * cfg.layers,
+            "text": f"4·2(t-1)/t·bsh·B per layer × L={cfg.layers} (TP and TP+SP alike)",
+        }
     return out

@@ -30,10 +30,11 @@ HARDWARE = {
 }
 
 
-
 def _hardware(name: str) -> Hardware:
     if name == "auto":
         name = "h100_nvlink_ib" if torch.cuda.is_available() else "cpu"
     if name not in HARDWARE:
-        raise ConfigError(f"plan.profile={name!r}: unknown hardware profile; choose one of {', '.join(HARDWARE)} or auto")
+        raise ConfigError(
+            f"plan.profile={name!r}: unknown hardware profile; choose one of {', '.join(HARDWARE)} or auto"
+        )
     return HARDWARE[name]

@@ -55,20 +55,34 @@ def _from_run_config(cfg) -> dict[str, Any]:
     # the formula knows the shipped Llama only; the measured planner takes any model
     llama = cfg.model.is_llama() and not cfg.model.init_from
     if method == "formula" and not llama:
-        raise ConfigError(f"plan.method=formula plans the shipped Llama only, not model {cfg.model.label}: "
-                          "use plan.method=measure (the default), which plans any model")
-    return {"model": (cfg.model.label, cfg.model.llama() if llama else None), "devices": devices,
-            "global_batch": t.batch_size,
-            "seq": t.seq_len, "ac": t.activation_checkpointing, "grad_accum": t.grad_accum,
-            # as meshlm.train (precision.shard_dtypes): float32 storage, which is the master copy,
-            # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
-            # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
-            # gradients reduced in train.reduce_dtype
-            "param_dtype": "auto" if main_grads_allowed(t) else "float32", "master_dtype": None,
-            "compute_dtype": t.param_dtype,
-            "reduce_dtype": t.reduce_dtype,
-            "max_memory": pc.max_memory_per_device, "profile": pc.profile, "overlap": pc.overlap, "png": pc.png,
-            "top": pc.top, "format": pc.format, "method": method, "headroom": headroom}
+        raise ConfigError(
+            f"plan.method=formula plans the shipped Llama only, not model {cfg.model.label}: "
+            "use plan.method=measure (the default), which plans any model"
+        )
+    return {
+        "model": (cfg.model.label, cfg.model.llama() if llama else None),
+        "devices": devices,
+        "global_batch": t.batch_size,
+        "seq": t.seq_len,
+        "ac": t.activation_checkpointing,
+        "grad_accum": t.grad_accum,
+        # as meshlm.train (precision.shard_dtypes): float32 storage, which is the master copy,
+        # used in train.param_dtype, or (ZeRO-1/2) storage in train.param_dtype with float32
+        # main gradients and master, chosen per layout ("auto"; NOTE [mixed precision]);
+        # gradients reduced in train.reduce_dtype
+        "param_dtype": "auto" if main_grads_allowed(t) else "float32",
+        "master_dtype": None,
+        "compute_dtype": t.param_dtype,
+        "reduce_dtype": t.reduce_dtype,
+        "max_memory": pc.max_memory_per_device,
+        "profile": pc.profile,
+        "overlap": pc.overlap,
+        "png": pc.png,
+        "top": pc.top,
+        "format": pc.format,
+        "method": method,
+        "headroom": headroom,
+    }
 
 
 def _measured(cfg) -> Any:
@@ -80,8 +94,17 @@ def _measured(cfg) -> Any:
 
     def plan_one(layout: str, sizes: dict) -> Any:
         kw = shard_dtypes(t, load_layout(layout), sizes)
-        return plan_model(build, layout, sizes, global_batch=t.batch_size, seq=t.seq_len, grad_accum=t.grad_accum,
-                          activation_checkpointing=t.activation_checkpointing, shard_kw=kw, name=cfg.model.label)
+        return plan_model(
+            build,
+            layout,
+            sizes,
+            global_batch=t.batch_size,
+            seq=t.seq_len,
+            grad_accum=t.grad_accum,
+            activation_checkpointing=t.activation_checkpointing,
+            shard_kw=kw,
+            name=cfg.model.label,
+        )
 
     return plan_one
 
@@ -115,23 +138,45 @@ def plan_main(cfg, argv: Optional[Sequence[str]] = None) -> int:
     measured = _measured(cfg) if kw["method"] == "measure" else None
     if layout == "auto":
         png = kw["png"] or str(Path("outputs", "plan", *time.strftime("%Y-%m-%d %H-%M-%S").split(), "plan.png"))
-        layout, mesh = search.choose_layout(model=kw["model"], devices=kw["devices"], max_memory=kw["max_memory"],
-                                     global_batch=kw["global_batch"], seq=kw["seq"], activation_checkpointing=kw["ac"],
-                                     param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
-                                     compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
-                                     grad_accum=kw["grad_accum"], hardware=kw["profile"],
-                                     overlap=kw["overlap"], png=png, top=kw["top"], headroom=kw["headroom"],
-                                     planner=measured, out=sys.stdout if kw["format"] == "text" else io.StringIO())
+        layout, mesh = search.choose_layout(
+            model=kw["model"],
+            devices=kw["devices"],
+            max_memory=kw["max_memory"],
+            global_batch=kw["global_batch"],
+            seq=kw["seq"],
+            activation_checkpointing=kw["ac"],
+            param_dtype=kw["param_dtype"],
+            master_dtype=kw["master_dtype"],
+            compute_dtype=kw["compute_dtype"],
+            reduce_dtype=kw["reduce_dtype"],
+            grad_accum=kw["grad_accum"],
+            hardware=kw["profile"],
+            overlap=kw["overlap"],
+            png=png,
+            top=kw["top"],
+            headroom=kw["headroom"],
+            planner=measured,
+            out=sys.stdout if kw["format"] == "text" else io.StringIO(),
+        )
         if kw["format"] == "text":
             print(f"(memory breakdown of these candidates: {png})\n")
     spec = MeshSpec.parse(mesh, kw["devices"])
     if measured is not None:
         p = measured(layout, dict(spec.axes))
     else:
-        p = plan(mcfg, layout, spec, global_batch=kw["global_batch"], seq=kw["seq"],
-                 activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"],
-                 compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
-                 grad_accum=kw["grad_accum"])
+        p = plan(
+            mcfg,
+            layout,
+            spec,
+            global_batch=kw["global_batch"],
+            seq=kw["seq"],
+            activation_checkpointing=kw["ac"],
+            param_dtype=kw["param_dtype"],
+            master_dtype=kw["master_dtype"],
+            compute_dtype=kw["compute_dtype"],
+            reduce_dtype=kw["reduce_dtype"],
+            grad_accum=kw["grad_accum"],
+        )
     p.model = name
     cmd = train_command(p.layout, dict(spec.axes), list(argv or ()))
     if kw["format"] == "json":
@@ -151,8 +196,22 @@ def choose_layout(cfg=None, **kwargs) -> tuple[str, dict[str, int]]:
     kw = _from_run_config(cfg)
     planner = _measured(cfg) if kw["method"] == "measure" else kwargs.get("planner")
     return search.choose_layout(
-        model=kw["model"], devices=kw["devices"], global_batch=kw["global_batch"], seq=kw["seq"],
-        activation_checkpointing=kw["ac"], param_dtype=kw["param_dtype"], grad_accum=kw["grad_accum"],
-        master_dtype=kw["master_dtype"], compute_dtype=kw["compute_dtype"], reduce_dtype=kw["reduce_dtype"],
-        max_memory=kw["max_memory"], hardware=kw["profile"], overlap=kw["overlap"], png=kw["png"], top=kw["top"],
-        headroom=kw["headroom"], planner=planner, out=kwargs.get("out"))
+        model=kw["model"],
+        devices=kw["devices"],
+        global_batch=kw["global_batch"],
+        seq=kw["seq"],
+        activation_checkpointing=kw["ac"],
+        param_dtype=kw["param_dtype"],
+        grad_accum=kw["grad_accum"],
+        master_dtype=kw["master_dtype"],
+        compute_dtype=kw["compute_dtype"],
+        reduce_dtype=kw["reduce_dtype"],
+        max_memory=kw["max_memory"],
+        hardware=kw["profile"],
+        overlap=kw["overlap"],
+        png=kw["png"],
+        top=kw["top"],
+        headroom=kw["headroom"],
+        planner=planner,
+        out=kwargs.get("out"),
+    )

@@ -115,9 +115,17 @@ class _Made(TorchDispatchMode):
         return n
 
 
-def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch: int, seq: int,
-            grad_accum: int = 1, activation_checkpointing: str = "none",
-            shard_kw: "Mapping[str, Any] | None" = None) -> Measured:
+def measure(
+    build: Build,
+    layout,
+    mesh_sizes: Mapping[str, int],
+    *,
+    global_batch: int,
+    seq: int,
+    grad_accum: int = 1,
+    activation_checkpointing: str = "none",
+    shard_kw: "Mapping[str, Any] | None" = None,
+) -> Measured:
     """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
@@ -129,9 +137,11 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
 
     own = not dist.is_initialized()
     if not own and dist.get_backend() != "fake":
-        raise ConfigError(f"meshlm.plan measures on a fake process group, but this process is in a "
-                          f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
-                          "resolved before launch), or use plan.method=formula")
+        raise ConfigError(
+            f"meshlm.plan measures on a fake process group, but this process is in a "
+            f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
+            "resolved before launch), or use plan.method=formula"
+        )
     token = FAKE_IS_EAGER.set(True)  # NOTE [fake eager] in meshlm/_torch_compat
     # DTensor warns, per redistribution, about sequential all-reduces over two mesh axes
     # (a gradient Partial over dp and tp): a fact of the layout, not news to a planner's user
@@ -140,8 +150,9 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
     log.setLevel(logging.ERROR)
     try:
         mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
-        return _measure(build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing,
-                        shard_kw)
+        return _measure(
+            build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing, shard_kw
+        )
     except compat.fake_unsupported_errors() as e:
         # a step that runs for real but not on fake tensors (an op that reads data back to
         # Python): say so in the plan's terms, never a raw torch traceback
@@ -149,7 +160,8 @@ def measure(build: Build, layout, mesh_sizes: Mapping[str, int], *, global_batch
             f"meshlm plan could not measure layout {getattr(layout, 'name', layout)} on mesh {dict(mesh_sizes)}: "
             f"the fake training step hit an op that needs real data ({type(e).__name__}: {e}). Plan another "
             "layout, or the shipped Llama with plan.method=formula; the layout may still train "
-            "(meshlm train measures memory as it runs)") from None
+            "(meshlm train measures memory as it runs)"
+        ) from None
     finally:
         FAKE_IS_EAGER.reset(token)
         log.setLevel(level)
@@ -180,7 +192,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             held = 0
             for i in range(grad_accum):
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
-                with ctx, (cc.phase("forward") if cc is not None else contextlib.nullcontext()):
+                with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
                     loss = model(x, y)
                 if made is not None and i == 0:
                     held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
@@ -199,13 +211,21 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         flops = FlopCounterMode(display=False)
         with flops:
             step()
-        seed = list(model.parameters()) + list(opt.masters().values()) + [
-            v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        seed = (
+            list(model.parameters())
+            + list(opt.masters().values())
+            + [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        )
         cc, made = CommCounter(mesh), _Made()
         peak = PeakStorage(seed)
         with cc, peak:
             held, grads = step(cc, made)
         state = model_state_bytes(model, opt)
-    memory = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"],
-              "activations": held, "peak": peak.peak}
+    memory = {
+        "params": state["params"],
+        "grads": grads,
+        "optimizer": state["optimizer"],
+        "activations": held,
+        "peak": peak.peak,
+    }
     return Measured(memory, cc, int(flops.get_total_flops()), psi)

@@ -14,9 +14,18 @@ from meshlm.plan.report import CommEntry, Plan, _name
 from meshlm.plan.state import _shard_n, _zero_formula
 
 
-def plan_model(build: Build, layout, mesh: "Mapping[str, int] | str | MeshSpec", *, global_batch: int, seq: int,
-               activation_checkpointing: str = "none", grad_accum: int = 1, shard_kw: "Mapping | None" = None,
-               name: str = "model") -> Plan:
+def plan_model(
+    build: Build,
+    layout,
+    mesh: "Mapping[str, int] | str | MeshSpec",
+    *,
+    global_batch: int,
+    seq: int,
+    activation_checkpointing: str = "none",
+    grad_accum: int = 1,
+    shard_kw: "Mapping | None" = None,
+    name: str = "model",
+) -> Plan:
     """Measure ``build`` under ``layout`` on ``mesh`` (:func:`meshlm.plan.measure.measure`)
     and report it as a :class:`Plan`: ``memory`` holds ``params``, ``grads``,
     ``optimizer``, ``activations`` (held from forward to backward, at-use parameter copies
@@ -28,8 +37,16 @@ def plan_model(build: Build, layout, mesh: "Mapping[str, int] | str | MeshSpec",
     spec = MeshSpec.parse(mesh)
     sizes = {a: n for a, n in spec.axes if n > 1} or {"dp": 1}  # the mesh meshlm train builds
     kw = dict(shard_kw or {})
-    m = measure(build, lay, sizes, global_batch=global_batch, seq=seq, grad_accum=grad_accum,
-                activation_checkpointing=activation_checkpointing, shard_kw=kw)
+    m = measure(
+        build,
+        lay,
+        sizes,
+        global_batch=global_batch,
+        seq=seq,
+        grad_accum=grad_accum,
+        activation_checkpointing=activation_checkpointing,
+        shard_kw=kw,
+    )
     memory = dict(m.memory, total=m.memory["peak"])
     comm: dict[tuple, CommEntry] = {}
     for r in m.comm.records:
@@ -42,12 +59,27 @@ def plan_model(build: Build, layout, mesh: "Mapping[str, int] | str | MeshSpec",
     rd = kw.get("reduce_dtype") or (torch.float32 if cd != torch.float32 or sd != torch.float32 else sd)
     B = torch.empty((), dtype=sd).element_size()
     GB = torch.empty((), dtype=kw["grad_dtype"]).element_size() if kw.get("grad_dtype") not in (None, sd) else None
-    formulas = {"psi": m.psi, "flops": m.flops,
-                "zero": _zero_formula(lay, m.psi, _shard_n(lay, sizes), sizes.get("tp", 1), B,
-                                      4 if GB is not None else B, GB)}
+    formulas = {
+        "psi": m.psi,
+        "flops": m.flops,
+        "zero": _zero_formula(lay, m.psi, _shard_n(lay, sizes), sizes.get("tp", 1), B, 4 if GB is not None else B, GB),
+    }
     by = defaultdict(int)
     for c in comm.values():
         by[c.phase] += 1
-    return Plan(name, lay.name, sizes, spec.size, global_batch, seq, _name(sd),
-                _name(torch.float32 if GB is not None else sd), activation_checkpointing, memory, formulas,
-                list(comm.values()), _name(cd), _name(rd))
+    return Plan(
+        name,
+        lay.name,
+        sizes,
+        spec.size,
+        global_batch,
+        seq,
+        _name(sd),
+        _name(torch.float32 if GB is not None else sd),
+        activation_checkpointing,
+        memory,
+        formulas,
+        list(comm.values()),
+        _name(cd),
+        _name(rd),
+    )

@@ -11,8 +11,14 @@ import torch
 
 SCHEMA_VERSION = 1
 GiB = 1024**3
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _dtype(d: "str | torch.dtype | None", default: torch.dtype = torch.float32) -> torch.dtype:
@@ -118,8 +124,10 @@ def format_plan(p: Plan) -> str:
         f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}  what",
     ]
     for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
-        lines.append(f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
-                     f"{_gib(c.wire_bytes):>14}  {c.what}")
+        lines.append(
+            f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
+            f"{_gib(c.wire_bytes):>14}  {c.what}"
+        )
     lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
     return _comm_lines(p, lines)
 
@@ -164,7 +172,8 @@ def _format_measured(p: Plan) -> str:
         f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}",
     ]
     for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
-        lines.append(f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}"
-                     f"{_gib(c.wire_bytes):>14}")
+        lines.append(
+            f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}{_gib(c.wire_bytes):>14}"
+        )
     lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
     return "\n".join(lines)

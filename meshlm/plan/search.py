@@ -85,8 +85,9 @@ def parse_memory(v: Any) -> Optional[float]:
     try:
         return float(text) * GiB
     except ValueError:
-        raise ConfigError(f"plan.max_memory_per_device={v!r}: write a size like 80GiB, 141GB or 512MiB "
-                          "(a bare number is GiB)") from None
+        raise ConfigError(
+            f"plan.max_memory_per_device={v!r}: write a size like 80GiB, 141GB or 512MiB (a bare number is GiB)"
+        ) from None
 
 
 @dataclass
@@ -95,13 +96,23 @@ class Candidate:
     time: dict[str, float]
 
 
-def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, seq: int,
-               activation_checkpointing: str = "none", param_dtype: str = "float32",
-               master_dtype: Optional[str] = None, grad_accum: int = 1,
-               hardware: "str | Hardware" = "h100_nvlink_ib", overlap: bool = True,
-               layouts: Optional[list[str]] = None, compute_dtype: str | None = None,
-               reduce_dtype: str | None = None, planner: Optional[Callable[[str, dict], Plan]] = None
-               ) -> list[Candidate]:
+def candidates(
+    model: "str | LlamaConfig",
+    devices: int,
+    *,
+    global_batch: int,
+    seq: int,
+    activation_checkpointing: str = "none",
+    param_dtype: str = "float32",
+    master_dtype: Optional[str] = None,
+    grad_accum: int = 1,
+    hardware: "str | Hardware" = "h100_nvlink_ib",
+    overlap: bool = True,
+    layouts: Optional[list[str]] = None,
+    compute_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    planner: Optional[Callable[[str, dict], Plan]] = None,
+) -> list[Candidate]:
     """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp) that
     applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
     planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order.
@@ -121,16 +132,38 @@ def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, s
             if devices > 1 and not any(sz > 1 for sz in m.values()):
                 continue
             try:
-                p = planner(lay, m) if planner is not None else plan(
-                    mcfg, lay, m, global_batch=global_batch, seq=seq, grad_accum=grad_accum,
-                    activation_checkpointing=activation_checkpointing, param_dtype=param_dtype,
-                    master_dtype=master_dtype, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+                p = (
+                    planner(lay, m)
+                    if planner is not None
+                    else plan(
+                        mcfg,
+                        lay,
+                        m,
+                        global_batch=global_batch,
+                        seq=seq,
+                        grad_accum=grad_accum,
+                        activation_checkpointing=activation_checkpointing,
+                        param_dtype=param_dtype,
+                        master_dtype=master_dtype,
+                        compute_dtype=compute_dtype,
+                        reduce_dtype=reduce_dtype,
+                    )
+                )
             except MeshlmError:  # a dim does not divide, or the batch does not split
                 continue
             p.model = name
             t = step_time(p, mcfg, hw, overlap)
-            sig = (tuple(sorted(p.memory.items())), round(t["step_s"], 12), round(t["comm_s"], 12), tuple(sorted(
-                (k[0], p.mesh[k[1][0]], k[2], v["count"], v["bytes"]) for k, v in p.comm_summary(by_phase=True).items())))
+            sig = (
+                tuple(sorted(p.memory.items())),
+                round(t["step_s"], 12),
+                round(t["comm_s"], 12),
+                tuple(
+                    sorted(
+                        (k[0], p.mesh[k[1][0]], k[2], v["count"], v["bytes"])
+                        for k, v in p.comm_summary(by_phase=True).items()
+                    )
+                ),
+            )
             if sig in seen:
                 continue
             seen.add(sig)
@@ -138,14 +171,27 @@ def candidates(model: "str | LlamaConfig", devices: int, *, global_batch: int, s
     return out
 
 
-def choose_layout(*, model: "str | LlamaConfig" = "llama_small", devices: int = 1,
-                  max_memory: "float | str | None" = None, global_batch: int = 16, seq: int = 128,
-                  activation_checkpointing: str = "none", param_dtype: str = "float32",
-                  master_dtype: Optional[str] = None, grad_accum: int = 1, hardware: str = "auto",
-                  overlap: bool = True, png: Optional[str] = None, out=None,
-                  top: int = 5, compute_dtype: str | None = None,
-                  reduce_dtype: str | None = None, headroom: float = 0.0,
-                  planner: Optional[Callable[[str, dict], Plan]] = None) -> tuple[str, dict[str, int]]:
+def choose_layout(
+    *,
+    model: "str | LlamaConfig" = "llama_small",
+    devices: int = 1,
+    max_memory: "float | str | None" = None,
+    global_batch: int = 16,
+    seq: int = 128,
+    activation_checkpointing: str = "none",
+    param_dtype: str = "float32",
+    master_dtype: Optional[str] = None,
+    grad_accum: int = 1,
+    hardware: str = "auto",
+    overlap: bool = True,
+    png: Optional[str] = None,
+    out=None,
+    top: int = 5,
+    compute_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    headroom: float = 0.0,
+    planner: Optional[Callable[[str, dict], Plan]] = None,
+) -> tuple[str, dict[str, int]]:
     """``layout=auto``: plan every candidate (:func:`candidates`), drop what does not fit
     ``max_memory`` per device (default: the hardware profile's memory) less the
     ``headroom`` fraction kept free, rank the rest (:func:`rank_key`), print a ranked table (and write a PNG of the memory of the shown
@@ -156,9 +202,21 @@ def choose_layout(*, model: "str | LlamaConfig" = "llama_small", devices: int = 
     out = out or sys.stdout
     hw = _hardware(hardware)
     cap = (parse_memory(max_memory) if max_memory is not None else hw.memory) * (1.0 - headroom)
-    rows = candidates(model, devices, global_batch=global_batch, seq=seq, activation_checkpointing=activation_checkpointing,
-                      param_dtype=param_dtype, master_dtype=master_dtype, grad_accum=grad_accum, hardware=hw,
-                      overlap=overlap, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, planner=planner)
+    rows = candidates(
+        model,
+        devices,
+        global_batch=global_batch,
+        seq=seq,
+        activation_checkpointing=activation_checkpointing,
+        param_dtype=param_dtype,
+        master_dtype=master_dtype,
+        grad_accum=grad_accum,
+        hardware=hw,
+        overlap=overlap,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
+        planner=planner,
+    )
     fits = sorted((r for r in rows if r.plan.memory["total"] <= cap), key=rank_key)
     if png:
         shown = fits[:top] or sorted(rows, key=lambda r: r.plan.memory["total"])[:top]
@@ -176,45 +234,56 @@ def rank_key(r: Candidate) -> tuple:
     return (r.time["step_s"], r.plan.memory["total"], r.time["comm_s"])
 
 
-def format_candidates(rows: list[Candidate], hw: Hardware, cap: float, overlap: bool, n_all: int, n_fit: int,
-                      headroom: float = 0.0) -> str:
+def format_candidates(
+    rows: list[Candidate], hw: Hardware, cap: float, overlap: bool, n_all: int, n_fit: int, headroom: float = 0.0
+) -> str:
     p0 = rows[0].plan
-    lines = [f"meshlm plan: layout=auto for {p0.model} on {p0.world_size} devices ({hw.name}, "
-             f"{cap / GiB:.1f} GiB each{f' after {headroom:.0%} headroom' if headroom else ''}), global batch {p0.global_batch} x seq {p0.seq}: "
-             f"{n_fit} of {n_all} candidates fit; step = {'max' if overlap else 'sum'}(compute, comm)",
-             f"{'rank':<5}{'layout':<12}{'mesh':<20}{'state GiB':>10}{'act GiB':>9}{'total GiB':>10}"
-             f"{'compute s':>11}{'comm s':>10}{'step s':>10}{'tok/s/dev':>11}"]
+    lines = [
+        f"meshlm plan: layout=auto for {p0.model} on {p0.world_size} devices ({hw.name}, "
+        f"{cap / GiB:.1f} GiB each{f' after {headroom:.0%} headroom' if headroom else ''}), global batch {p0.global_batch} x seq {p0.seq}: "
+        f"{n_fit} of {n_all} candidates fit; step = {'max' if overlap else 'sum'}(compute, comm)",
+        f"{'rank':<5}{'layout':<12}{'mesh':<20}{'state GiB':>10}{'act GiB':>9}{'total GiB':>10}"
+        f"{'compute s':>11}{'comm s':>10}{'step s':>10}{'tok/s/dev':>11}",
+    ]
     for i, r in enumerate(rows, 1):
         p, t, m = r.plan, r.time, r.plan.memory
         state = m["params"] + m["grads"] + m["optimizer"]
         act = m["total"] - state
-        lines.append(f"{i:<5}{p.layout:<12}{_mesh_str(p.mesh):<20}{state / GiB:>10.2f}{act / GiB:>9.2f}"
-                     f"{m['total'] / GiB:>10.2f}{t['compute_s']:>11.4f}{t['comm_s']:>10.4f}{t['step_s']:>10.4f}"
-                     f"{t['tokens_per_s'] / p.world_size:>11.0f}")
+        lines.append(
+            f"{i:<5}{p.layout:<12}{_mesh_str(p.mesh):<20}{state / GiB:>10.2f}{act / GiB:>9.2f}"
+            f"{m['total'] / GiB:>10.2f}{t['compute_s']:>11.4f}{t['comm_s']:>10.4f}{t['step_s']:>10.4f}"
+            f"{t['tokens_per_s'] / p.world_size:>11.0f}"
+        )
     return "\n".join(lines)
 
 
 def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "none") -> str:
     if not plans:
-        return (f"no layout applies to this model on {devices} devices: no factorisation into (dp, fsdp, tp) divides "
-                "its dims and the batch; change the device count or train.batch_size")
+        return (
+            f"no layout applies to this model on {devices} devices: no factorisation into (dp, fsdp, tp) divides "
+            "its dims and the batch; change the device count or train.batch_size"
+        )
     p = min(plans, key=lambda p: p.memory["total"])
     parts = _parts(p)
     dom = max(parts, key=parts.get)
     if p.formulas.get("activations", {}).get("checkpointing") == "full":
         ac = "full"  # its blocks already keep only their inputs
     advice = {
-        "activations": ("use smaller micro-batches (train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
-                        if ac == "full" else
-                        f"turn on activation checkpointing (train.activation_checkpointing="
-                        f"{'full' if ac == 'selective' else 'selective or full'}), use smaller micro-batches "
-                        "(train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"),
+        "activations": (
+            "use smaller micro-batches (train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
+            if ac == "full"
+            else f"turn on activation checkpointing (train.activation_checkpointing="
+            f"{'full' if ac == 'selective' else 'selective or full'}), use smaller micro-batches "
+            "(train.grad_accum) or shard the sequence (tp_sp, fsdp_tp_sp)"
+        ),
         "recompute": "use smaller micro-batches (train.grad_accum) or grow tp",
         "gathered": "grow tp (shards the output head) or add devices",
         "optimizer": "shard the optimizer state over more ranks (more fsdp: zero1/zero2/fsdp layouts) or add devices",
         "params": "shard the parameters (fsdp or tp) over more ranks, or add devices",
         "grads": "shard the gradients (zero2/fsdp) over more ranks, or add devices",
     }[dom]
-    return (f"nothing fits in {cap / GiB:.1f} GiB per device. The smallest any candidate reaches is "
-            f"{p.memory['total'] / GiB:.2f} GiB ({p.layout}, {_mesh_str(p.mesh)}), dominated by {dom} "
-            f"({parts[dom] / GiB:.2f} GiB): {advice}.")
+    return (
+        f"nothing fits in {cap / GiB:.1f} GiB per device. The smallest any candidate reaches is "
+        f"{p.memory['total'] / GiB:.2f} GiB ({p.layout}, {_mesh_str(p.mesh)}), dominated by {dom} "
+        f"({parts[dom] / GiB:.2f} GiB): {advice}."
+    )

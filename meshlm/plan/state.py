@@ -26,13 +26,15 @@ def _master_is_view(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
     optimizer placements only split further what storage keeps: per tensor dim, the
     storage's active axes are the leading ones of the optimizer's, and no axis moves to
     another dim."""
+
     def active(plan):
         return [tuple(a for a in axes if sizes.get(a, 1) > 1) for axes in plan]
 
     st, op = active(pp.storage), active(pp.optimizer)
     dim_of = {a: d for d, axes in enumerate(op) for a in axes}
-    return all(s == o[:len(s)] for s, o in zip(st, op)) and all(dim_of.get(a, d) == d for d, axes in enumerate(st)
-                                                                 for a in axes)
+    return all(s == o[: len(s)] for s, o in zip(st, op)) and all(
+        dim_of.get(a, d) == d for d, axes in enumerate(st) for a in axes
+    )
 
 
 def _dimplan_axes(plan) -> set[str]:
@@ -80,8 +82,7 @@ def _param_plans(cfg: LlamaConfig, layout: Layout, sizes: dict[str, int]) -> lis
         out = []
         for fqn, pp in plan_params(_MODELS[one], layout, sizes).items():
             in_block = fqn.startswith("layers.")
-            out.append(_Param(pp, cfg.layers if in_block else 1, in_block,
-                              fqn.split(".", 2)[2] if in_block else fqn))
+            out.append(_Param(pp, cfg.layers if in_block else 1, in_block, fqn.split(".", 2)[2] if in_block else fqn))
         if len(_PLAN_CACHE) > 4096:
             _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = out
@@ -90,7 +91,9 @@ def _param_plans(cfg: LlamaConfig, layout: Layout, sizes: dict[str, int]) -> lis
 
 def _regathers(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
     """Gathered over a data axis at use (lowering/params.py ``needs_regather``, on active axes)."""
-    return any(a in DATA_AXES and a not in c and sizes.get(a, 1) > 1 for s_, c in zip(pp.storage, pp.compute) for a in s_)
+    return any(
+        a in DATA_AXES and a not in c and sizes.get(a, 1) > 1 for s_, c in zip(pp.storage, pp.compute) for a in s_
+    )
 
 
 def _held_gathered(params_: list[_Param], sizes: Mapping[str, int], regather: bool, B: int, cast: bool) -> int:
@@ -106,8 +109,9 @@ def _held_gathered(params_: list[_Param], sizes: Mapping[str, int], regather: bo
     out = 0
     for prm in params_:
         pp = prm.plan
-        if not cast and [[a for a in d if sizes.get(a, 1) > 1] for d in pp.compute] == \
-                [[a for a in d if sizes.get(a, 1) > 1] for d in pp.storage]:
+        if not cast and [[a for a in d if sizes.get(a, 1) > 1] for d in pp.compute] == [
+            [a for a in d if sizes.get(a, 1) > 1] for d in pp.storage
+        ]:
             continue  # used as stored: the saved tensor is (a view of) the parameter
         if prm.in_block and regather:
             continue
@@ -144,8 +148,16 @@ def _zero_formula(lay: Layout, psi: int, n: int, t: int, B: int, MB: int, GB: Op
     else:
         grads = p * B / (nn_ if stage >= 2 else 1) + (p * MB / nn_ if MB != B else 0)  # + the master's grad
     opt = p * (2 * MB) / (nn_ if stage >= 1 else 1) + (p * MB / nn_ if (stage in (1, 2) or MB != B) else 0)
-    gtext = (f"main grads {GB}Ψ/{'N' if stage >= 2 else '1'}" if GB is not None else
-             f"grads {B}Ψ/{'N' if stage >= 2 else '1'}{f' + master grads {MB}Ψ/N' if MB != B else ''}")
-    return {"stage": stage, "params": params, "grads": grads, "optimizer": opt,
-            "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, {gtext}, "
-                    f"Adam {2 * MB}Ψ/{'N' if stage >= 1 else '1'} (+ master {MB}Ψ/N if separate), Ψ/t with t={t}"}
+    gtext = (
+        f"main grads {GB}Ψ/{'N' if stage >= 2 else '1'}"
+        if GB is not None
+        else f"grads {B}Ψ/{'N' if stage >= 2 else '1'}{f' + master grads {MB}Ψ/N' if MB != B else ''}"
+    )
+    return {
+        "stage": stage,
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "text": f"ZeRO-{stage}: params {B}Ψ/{'N' if stage == 3 else '1'}, {gtext}, "
+        f"Adam {2 * MB}Ψ/{'N' if stage >= 1 else '1'} (+ master {MB}Ψ/N if separate), Ψ/t with t={t}",
+    }

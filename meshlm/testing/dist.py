@@ -391,8 +391,14 @@ class DistPool:
                     ) from None
                 except Exception as exc:  # a result that does not unpickle here
                     status = "err"
-                    payload = _Failure(rank, type(exc).__name__, f"the result did not unpickle: {exc}",
-                                       traceback.format_exc(), time.time(), False)
+                    payload = _Failure(
+                        rank,
+                        type(exc).__name__,
+                        f"the result did not unpickle: {exc}",
+                        traceback.format_exc(),
+                        time.time(),
+                        False,
+                    )
                 pending.discard(rank)
                 if status == "ok":
                     results[rank] = payload

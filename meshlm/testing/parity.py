@@ -103,14 +103,27 @@ class TokenBatches:
         return (tokens, labels), {}
 
 
-def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], nn.Module] | None = None,
-                   batches: Callable[[int, int], tuple[tuple, dict]] | None = None,
-                   input_axes: Mapping[Any, Sequence[str | None]] | None = None,
-                   optims: Sequence[str] = ("sgd", "adamw"), steps: int = 3, grad_accum: int = 2,
-                   compile: str | None = None, comms: str = "graph", overlap: bool | None = None,
-                   shard_kw: dict | None = None, hparams: dict | None = None, seed: int = 0,
-                   from_seed: bool = True, strict: bool = True, activation_checkpointing: str = "none",
-                   precision: str = "fp32") -> dict:
+def check_training(
+    layout: str,
+    mesh_shape: str,
+    *,
+    build: Callable[[str, int], nn.Module] | None = None,
+    batches: Callable[[int, int], tuple[tuple, dict]] | None = None,
+    input_axes: Mapping[Any, Sequence[str | None]] | None = None,
+    optims: Sequence[str] = ("sgd", "adamw"),
+    steps: int = 3,
+    grad_accum: int = 2,
+    compile: str | None = None,
+    comms: str = "graph",
+    overlap: bool | None = None,
+    shard_kw: dict | None = None,
+    hparams: dict | None = None,
+    seed: int = 0,
+    from_seed: bool = True,
+    strict: bool = True,
+    activation_checkpointing: str = "none",
+    precision: str = "fp32",
+) -> dict:
     """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
     side by side and check them (module docstring).
 
@@ -137,21 +150,40 @@ def check_training(layout: str, mesh_shape: str, *, build: Callable[[str, int], 
     compat.dynamo_reset()
     mesh = meshlm.make_mesh(mesh_shape)
     recipe = _recipe(precision, mesh)
-    job = _Job(layout, mesh, build or LlamaBuild(), batches or TokenBatches(), dict(input_axes or {}),
-               grad_accum, strict, recipe)
+    job = _Job(
+        layout,
+        mesh,
+        build or LlamaBuild(),
+        batches or TokenBatches(),
+        dict(input_axes or {}),
+        grad_accum,
+        strict,
+        recipe,
+    )
     dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
     roots = {"local": 0, "dtensor": 0}
     worst, losses = {}, {}
     for name in optims:
         cls, hp = OPTIMS[name]
         hp = {**hp, **(hparams or {}).get(name, {})}
-        model = meshlm.shard(job.build("meta" if from_seed else "cpu", seed), layout, mesh, seed=seed,
-                             overlap=overlap, **{**dtypes, **(shard_kw or {})})
+        model = meshlm.shard(
+            job.build("meta" if from_seed else "cpu", seed),
+            layout,
+            mesh,
+            seed=seed,
+            overlap=overlap,
+            **{**dtypes, **(shard_kw or {})},
+        )
         ref = job.build("cpu", seed)
         refp = dict(ref.named_parameters())
         for n, p in model.named_parameters():  # a narrower storage holds the weights rounded to it
-            torch.testing.assert_close(_full(p), refp[n].detach().to(p.dtype), rtol=0, atol=tol.INIT_ATOL,
-                                       msg=lambda m, n=n: f"init of {n}: {m}")
+            torch.testing.assert_close(
+                _full(p),
+                refp[n].detach().to(p.dtype),
+                rtol=0,
+                atol=tol.INIT_ATOL,
+                msg=lambda m, n=n: f"init of {n}: {m}",
+            )
         apply_activation_checkpointing(model, activation_checkpointing)
         if compile:
             from meshlm.compile import compile_blocks
@@ -198,9 +230,11 @@ class _Job:
         worst[key] = max(worst.get(key, 0.0), r)
         if self.strict and not r <= 1.0:
             i = int(torch.argmax((err.abs() - bound).reshape(-1))) if err.numel() else 0
-            raise AssertionError(f"{self.layout} on {self.mesh.shape}: {what} exceeds its tolerance {r:.3g}x "
-                                 f"(element {i}: error {float(err.reshape(-1)[i]):.3g}, tolerance "
-                                 f"{float(bound.reshape(-1)[i]):.3g}; meshlm/testing/tolerances.py)")
+            raise AssertionError(
+                f"{self.layout} on {self.mesh.shape}: {what} exceeds its tolerance {r:.3g}x "
+                f"(element {i}: error {float(err.reshape(-1)[i]):.3g}, tolerance "
+                f"{float(bound.reshape(-1)[i]):.3g}; meshlm/testing/tolerances.py)"
+            )
 
     def _shard(self, args: tuple, kwargs: dict) -> tuple[list, dict]:
         import meshlm
@@ -213,8 +247,9 @@ class _Job:
 
         return [one(i, a) for i, a in enumerate(args)], {k: one(k, v) for k, v in kwargs.items()}
 
-    def train(self, name: str, cls: type, hp: dict, model: nn.Module, ref: nn.Module, seed: int,
-              steps: int) -> tuple[dict, list]:
+    def train(
+        self, name: str, cls: type, hp: dict, model: nn.Module, ref: nn.Module, seed: int, steps: int
+    ) -> tuple[dict, list]:
         from meshlm.optim import ShardedOptimizer
 
         opt = ShardedOptimizer(model, cls, **hp)
@@ -226,8 +261,9 @@ class _Job:
         losses = []
         rcp = self.recipe
         for n, m in opt.masters().items():  # the master starts from the float32 initial weights
-            torch.testing.assert_close(_full(m), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL,
-                                       msg=lambda s, n=n: f"initial master of {n}: {s}")
+            torch.testing.assert_close(
+                _full(m), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL, msg=lambda s, n=n: f"initial master of {n}: {s}"
+            )
         for k in range(1, steps + 1):
             micro = [self.batches(k, j) for j in range(self.grad_accum)]
             weights = rcp.probe_weights(model, opt)
@@ -248,16 +284,26 @@ class _Job:
                     self._check_placed(model)
                     loss = _full(loss)
                     losses.append(float(loss))
-                    self._check(f"{name} step {k} micro-batch {j}: loss", loss.float() - probe_losses[j].float(),
-                                loss_tols[j], worst, "loss")
+                    self._check(
+                        f"{name} step {k} micro-batch {j}: loss",
+                        loss.float() - probe_losses[j].float(),
+                        loss_tols[j],
+                        worst,
+                        "loss",
+                    )
                 # the gradients the optimizer steps with: reduced at the step (ZeRO-1/2), on the masters
                 with at_step():
                     opt.reduce_grads()
             masters = opt.masters()
             for n, m in masters.items():
                 gp = probe_grads[n]
-                self._check(f"{name} step {k}: gradient of {n} the optimizer steps with", _full(m.grad) - gp,
-                            grad_tols[n], worst, "grad")
+                self._check(
+                    f"{name} step {k}: gradient of {n} the optimizer steps with",
+                    _full(m.grad) - gp,
+                    grad_tols[n],
+                    worst,
+                    "grad",
+                )
             old = {n: p.detach().clone() for n, p in refp.items()}
             ref_opt.step()
             opt.step()
@@ -267,17 +313,32 @@ class _Job:
                 bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
                 bound = bounds[n].bound
                 stored = _full(mine_p[n])
-                self._check(f"{name} step {k}: parameter {n}", stored.float() - p.detach(),
-                            tol.stored_bound(bound["param"], p.detach(), stored.dtype), worst, "param")
-                self._check(f"{name} step {k}: master of {n}", _full(masters[n]).to(p.dtype) - p.detach(),
-                            bound["param"], worst, "param")
+                self._check(
+                    f"{name} step {k}: parameter {n}",
+                    stored.float() - p.detach(),
+                    tol.stored_bound(bound["param"], p.detach(), stored.dtype),
+                    worst,
+                    "param",
+                )
+                self._check(
+                    f"{name} step {k}: master of {n}",
+                    _full(masters[n]).to(p.dtype) - p.detach(),
+                    bound["param"],
+                    worst,
+                    "param",
+                )
                 mine = opt.inner.state[masters[n]]
                 for key, val in st.items():
                     if key == "step":
                         assert float(_full(mine[key])) == float(val), f"{name} step {k}: step count of {n}"
                         continue
-                    self._check(f"{name} step {k}: optimizer state {key} of {n}", _full(mine[key]) - val,
-                                bound[key], worst, "state")
+                    self._check(
+                        f"{name} step {k}: optimizer state {key} of {n}",
+                        _full(mine[key]) - val,
+                        bound[key],
+                        worst,
+                        "state",
+                    )
             ref_opt.zero_grad()
             opt.zero_grad()
         return worst, losses
@@ -299,7 +360,7 @@ class _Job:
                 want = placements(plan.grads, self.mesh)
                 assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
             else:  # ZeRO-1: unreduced over the data axes until the step
-                assert any(pl.is_partial() for pl in g.placements) or self.mesh.size() == 1, \
+                assert any(pl.is_partial() for pl in g.placements) or self.mesh.size() == 1, (
                     f"grad of {n}: {g.placements}"
-            assert not compat.in_flight(compat.local_tensor(g)), \
-                f"grad of {n} is still in flight after backward"
+                )
+            assert not compat.in_flight(compat.local_tensor(g)), f"grad of {n} is still in flight after backward"

@@ -105,16 +105,25 @@ class BF16(FP32):
         cc = CommCounter(mesh)
         with cc:
             yield lambda: cc.phase("step")
-        bad = [c for c in cc.records if c.kind in ("all_reduce", "reduce_scatter") and c.phase != "forward"
-               and any(a in DATA_AXES for a in c.axes) and c.dtype != torch.float32]
-        assert not bad, (f"{what}: {len(bad)} gradient reductions over data axes not in float32, e.g. "
-                         f"{bad[0].kind} over {bad[0].axes} in {bad[0].dtype} ({bad[0].phase})")
+        bad = [
+            c
+            for c in cc.records
+            if c.kind in ("all_reduce", "reduce_scatter")
+            and c.phase != "forward"
+            and any(a in DATA_AXES for a in c.axes)
+            and c.dtype != torch.float32
+        ]
+        assert not bad, (
+            f"{what}: {len(bad)} gradient reductions over data axes not in float32, e.g. "
+            f"{bad[0].kind} over {bad[0].axes} in {bad[0].dtype} ({bad[0].phase})"
+        )
 
     def probe_weights(self, model: nn.Module, opt) -> dict[str, Tensor]:
         return {n: _full(m).float() for n, m in opt.masters().items()}
 
-    def tolerances(self, job, weights: dict, micro: list, losses: list, grads: dict, seed: int,
-                   step: int) -> tuple[list[Tensor], dict[str, Tensor]]:
+    def tolerances(
+        self, job, weights: dict, micro: list, losses: list, grads: dict, seed: int, step: int
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
         # The probe's own bf16 rounding error, measured against float32 at the same
         # bf16-rounded weights (weight rounding excluded: both runs round the weights alike):
         # the gradients of the whole step, and the loss of every row of every micro-batch.
@@ -132,13 +141,16 @@ class BF16(FP32):
                     hi = m32(*a, **kw).float()
                     if bool(torch.isfinite(lo) & torch.isfinite(hi)):  # not a row without targets
                         row_errs.append(float((lo - hi).abs()))
-        return (tol.bf16_loss_tols(losses, row_errs, self.ranks),
-                {n: tol.bf16_grad_tol(g, grads32[n], self.ranks) for n, g in grads.items()})
+        return (
+            tol.bf16_loss_tols(losses, row_errs, self.ranks),
+            {n: tol.bf16_grad_tol(g, grads32[n], self.ranks) for n, g in grads.items()},
+        )
 
 
 def _rows(args: tuple, kwargs: dict, input_axes: dict):
     """The micro-batch ``(args, kwargs)`` one row at a time: every tensor sliced along its
     "batch" dimension (``input_axes``; dim 0 where none is named)."""
+
     def dim(key):
         axes = tuple(input_axes.get(key) or ())
         return axes.index("batch") if "batch" in axes else 0
@@ -147,6 +159,7 @@ def _rows(args: tuple, kwargs: dict, input_axes: dict):
     tensors += [(k, v) for k, v in kwargs.items() if isinstance(v, Tensor)]
     key, first = tensors[0]
     for r in range(first.shape[dim(key)]):
+
         def one(k, x, r=r):
             return x.narrow(dim(k), r, 1) if isinstance(x, Tensor) else x
 

@@ -59,8 +59,9 @@ class FP32:
         gives a context to enter around the reduction at the step."""
         yield contextlib.nullcontext
 
-    def tolerances(self, job, weights: dict, micro: list, losses: list, grads: dict, seed: int,
-                   step: int) -> tuple[list[Tensor], dict[str, Tensor]]:
+    def tolerances(
+        self, job, weights: dict, micro: list, losses: list, grads: dict, seed: int, step: int
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """The one-step tolerances (per micro-batch loss, per parameter gradient) at the
         probe's ``weights``, given the probe's ``losses`` and ``grads``."""
         return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g) for n, g in grads.items()}

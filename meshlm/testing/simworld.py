@@ -48,7 +48,7 @@ class SimWorld:
     def members(self, rank: int, i: int) -> list[int]:
         """The ranks of ``rank``'s group over mesh dim i, in the order of coordinate i."""
         c = self.coords[rank]
-        return [self.coords.index(c[:i] + (k,) + c[i + 1:]) for k in range(self.sizes[i])]
+        return [self.coords.index(c[:i] + (k,) + c[i + 1 :]) for k in range(self.sizes[i])]
 
     def _exchange(self, op: str, group: str, t: Tensor, extra: tuple = ()) -> tuple[list[Tensor], int, int]:
         r = self._tls.rank
@@ -142,8 +142,9 @@ def fake_mesh(sizes: Sequence[int], rank: int = 0):
     return init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(f"d{i}" for i in range(len(sizes))))
 
 
-def locals_of(t: Tensor, placements: Sequence[Placement], sizes: Sequence[int], gen: torch.Generator,
-              _i: int = 0) -> dict[tuple, Tensor]:
+def locals_of(
+    t: Tensor, placements: Sequence[Placement], sizes: Sequence[int], gen: torch.Generator, _i: int = 0
+) -> dict[tuple, Tensor]:
     """Coordinates -> the local tensor of ``t`` placed ``placements`` (see the module docstring)."""
     if _i == len(sizes):
         return {(): t}
@@ -157,5 +158,8 @@ def locals_of(t: Tensor, placements: Sequence[Placement], sizes: Sequence[int], 
         assert p.is_partial(), p
         pieces = [torch.randint(-4, 5, t.shape, generator=gen).to(t.dtype) for _ in range(n - 1)]
         pieces.append(t - sum(pieces) if pieces else t)
-    return {(c,) + rest: v for c, piece in enumerate(pieces)
-            for rest, v in locals_of(piece, placements, sizes, gen, _i + 1).items()}
+    return {
+        (c,) + rest: v
+        for c, piece in enumerate(pieces)
+        for rest, v in locals_of(piece, placements, sizes, gen, _i + 1).items()
+    }

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SENTENCES = ("the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day",
-             "the fox and the dog are friends now", "every day the sun rises over the quiet hills")
+SENTENCES = (
+    "the quick brown fox jumps over the lazy dog",
+    "a lazy dog sleeps in the sun all day",
+    "the fox and the dog are friends now",
+    "every day the sun rises over the quiet hills",
+)
 
 
 def train_bpe(path: "str | Path", texts=SENTENCES, vocab: int = 300):
@@ -16,8 +20,12 @@ def train_bpe(path: "str | Path", texts=SENTENCES, vocab: int = 300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(texts), trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        list(texts),
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     Path(path).mkdir(parents=True, exist_ok=True)
     tok.save(str(Path(path) / "tokenizer.json"))
     return tok

@@ -187,7 +187,7 @@ STEP_ULPS = 32
 # meshlm): p - lr*g differs from the reference by lr times the gradient difference (bounded
 # by GRAD_RTOL and GRAD_ATOL_OF_MAX above, scaled by lr) plus the rounding of the update on
 # each side, at most one ulp of the result each (2 * 2^-24 relative); we allow twice that.
-SGD_STEP_RTOL = 2.0 ** -22
+SGD_STEP_RTOL = 2.0**-22
 
 # Initialisation from a seed replays the one-device init order: exact.
 INIT_ATOL = 0.0
@@ -312,8 +312,18 @@ class StepBounds:
     def __init__(self):
         self.bound: dict[str, Tensor] = {}
 
-    def update(self, kind: str, hp: dict, k: int, g: Tensor, g_probe: Tensor, state: dict,
-               w_old: Tensor, w_new: Tensor, one_step: Tensor | None = None) -> None:
+    def update(
+        self,
+        kind: str,
+        hp: dict,
+        k: int,
+        g: Tensor,
+        g_probe: Tensor,
+        state: dict,
+        w_old: Tensor,
+        w_new: Tensor,
+        one_step: Tensor | None = None,
+    ) -> None:
         dg = (grad_tol(g_probe) if one_step is None else one_step) + (g_probe - g).abs()
         b = self.bound
         zero = torch.zeros_like(g)

@@ -13,8 +13,17 @@ def test_plan_text_and_json(capsys):
     from meshlm.config import load_config
     from meshlm.plan import plan_main
 
-    over = ["model=llama3_70b", "mesh.dp=4", "mesh.fsdp=8", "mesh.tp=8", "layout=fsdp_tp",
-            "train.batch_size=256", "train.seq_len=8192", "train.param_dtype=bfloat16", "plan.method=formula"]
+    over = [
+        "model=llama3_70b",
+        "mesh.dp=4",
+        "mesh.fsdp=8",
+        "mesh.tp=8",
+        "layout=fsdp_tp",
+        "train.batch_size=256",
+        "train.seq_len=8192",
+        "train.param_dtype=bfloat16",
+        "plan.method=formula",
+    ]
     assert plan_main(load_config(over)) == 0
     text = capsys.readouterr().out
     assert "layout fsdp_tp, mesh dp=4,fsdp=8,tp=8 (256 ranks)" in text and "param re-gather in backward" in text
@@ -28,8 +37,18 @@ def test_choose_layout_from_run_config(tmp_path):
     from meshlm.config import load_config
     from meshlm.plan import choose_layout
 
-    cfg = load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8", "train.seq_len=16",
-                       "plan.profile=cpu", f"plan.png={tmp_path / 'c.png'}", "plan.method=formula"])
+    cfg = load_config(
+        [
+            "layout=auto",
+            "model=llama_tiny",
+            "mesh=dp4",
+            "train.batch_size=8",
+            "train.seq_len=16",
+            "plan.profile=cpu",
+            f"plan.png={tmp_path / 'c.png'}",
+            "plan.method=formula",
+        ]
+    )
     out = io.StringIO()
     layout, mesh = choose_layout(cfg, out=out)
     assert layout in out.getvalue().splitlines()[2] and (tmp_path / "c.png").exists()
@@ -43,8 +62,22 @@ def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
     from meshlm.plan import plan_main
 
     monkeypatch.chdir(tmp_path)
-    assert plan_main(load_config(["layout=auto", "model=llama_tiny", "mesh=dp4", "train.batch_size=8",
-                                  "train.seq_len=16", "plan.profile=cpu", "plan.method=formula"])) == 0
+    assert (
+        plan_main(
+            load_config(
+                [
+                    "layout=auto",
+                    "model=llama_tiny",
+                    "mesh=dp4",
+                    "train.batch_size=8",
+                    "train.seq_len=16",
+                    "plan.profile=cpu",
+                    "plan.method=formula",
+                ]
+            )
+        )
+        == 0
+    )
     (png,) = [p.relative_to(tmp_path) for p in tmp_path.rglob("*.png")]
     assert png.parts[:2] == ("outputs", "plan") and png.name == "plan.png" and len(png.parts) == 5, png
     assert f"(memory breakdown of these candidates: {png})" in capsys.readouterr().out
@@ -53,17 +86,36 @@ def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
 def test_nothing_fits_names_what_to_grow():
     from meshlm.plan import NothingFits, choose_layout
 
-    with pytest.raises(NothingFits, match=r"smallest any candidate reaches is .* dominated by activations.*"
-                                          r"smaller micro-batches"):
-        choose_layout(model="llama3_70b", devices=8, max_memory="80GiB", global_batch=8, seq=32768,
-                      param_dtype="bfloat16", hardware="h100_nvlink_ib", out=io.StringIO())
+    with pytest.raises(
+        NothingFits,
+        match=r"smallest any candidate reaches is .* dominated by activations.*"
+        r"smaller micro-batches",
+    ):
+        choose_layout(
+            model="llama3_70b",
+            devices=8,
+            max_memory="80GiB",
+            global_batch=8,
+            seq=32768,
+            param_dtype="bfloat16",
+            hardware="h100_nvlink_ib",
+            out=io.StringIO(),
+        )
 
 
 def test_405b_on_16384_ranks_plans():
     from meshlm.plan import plan
 
-    p = plan("llama3_405b", "fsdp_tp_sp", {"dp": 16, "fsdp": 128, "tp": 8}, global_batch=2048, seq=8192,
-             activation_checkpointing="full", param_dtype="bfloat16", master_dtype="float32")
+    p = plan(
+        "llama3_405b",
+        "fsdp_tp_sp",
+        {"dp": 16, "fsdp": 128, "tp": 8},
+        global_batch=2048,
+        seq=8192,
+        activation_checkpointing="full",
+        param_dtype="bfloat16",
+        master_dtype="float32",
+    )
     assert p.world_size == 16384 and 0 < p.memory["total"] < 80 * 2**30
 
 
@@ -73,8 +125,16 @@ def test_measured_plan_ends_with_the_train_command_of_its_winner(tmp_path, capsy
     from meshlm.config import load_config
     from meshlm.plan import plan_main
 
-    argv = ["layout=auto", "model=llama_tiny", "mesh=dp2", "train.batch_size=4", "train.seq_len=8",
-            "plan.profile=cpu", f"plan.png={tmp_path / 'p.png'}", "plan.top=1"]
+    argv = [
+        "layout=auto",
+        "model=llama_tiny",
+        "mesh=dp2",
+        "train.batch_size=4",
+        "train.seq_len=8",
+        "plan.profile=cpu",
+        f"plan.png={tmp_path / 'p.png'}",
+        "plan.top=1",
+    ]
     assert plan_main(load_config(argv), argv) == 0
     out = capsys.readouterr().out
     winner = out.splitlines()[2].split()
@@ -100,8 +160,16 @@ def test_headroom_and_ties_toward_lower_memory():
     with pytest.raises(NothingFits_(), match=r"nothing fits in 0\.5 GiB"):
         from meshlm.plan import choose_layout
 
-        choose_layout(model="llama_small", devices=1, max_memory="1GiB", headroom=0.5, global_batch=8, seq=4096,
-                      hardware="cpu", out=io.StringIO())
+        choose_layout(
+            model="llama_small",
+            devices=1,
+            max_memory="1GiB",
+            headroom=0.5,
+            global_batch=8,
+            seq=4096,
+            hardware="cpu",
+            out=io.StringIO(),
+        )
 
 
 def NothingFits_():
@@ -123,12 +191,22 @@ def test_plan_a_users_model_from_its_node(capsys, monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "usermodel"))
     sys.modules.pop("mymodels", None)
-    over = ["model._target_=mymodels.TinyLM", "model.width=32", "layout=fsdp", "mesh=fsdp2", "train.seq_len=32",
-            "train.batch_size=8", "plan.profile=cpu"]
+    over = [
+        "model._target_=mymodels.TinyLM",
+        "model.width=32",
+        "layout=fsdp",
+        "mesh=fsdp2",
+        "train.seq_len=32",
+        "train.batch_size=8",
+        "plan.profile=cpu",
+    ]
     assert plan_main(load_config(over), over) == 0
     out = capsys.readouterr().out
     assert out.startswith("meshlm plan: TinyLM, layout fsdp, mesh fsdp=2") and "measured on fake tensors" in out
-    assert out.strip().splitlines()[-1].startswith(
-        "run it: meshlm train model._target_=mymodels.TinyLM model.width=32 train.seq_len=32"), out[-300:]
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("run it: meshlm train model._target_=mymodels.TinyLM model.width=32 train.seq_len=32")
+    ), out[-300:]
     with pytest.raises(ConfigError, match="plan.method=formula plans the shipped Llama only"):
         plan_main(load_config(over + ["plan.method=formula"]), over)

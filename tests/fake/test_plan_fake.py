@@ -11,7 +11,8 @@ import pytest
 
 B, S = 8, 8
 MESHES = {  # 8 ranks each, every axis a layout uses of size > 1
-    "zero1": {"dp": 4, "fsdp": 2}, "hsdp": {"dp": 4, "fsdp": 2},
+    "zero1": {"dp": 4, "fsdp": 2},
+    "hsdp": {"dp": 4, "fsdp": 2},
     "fsdp_tp_sp": {"dp": 2, "fsdp": 2, "tp": 2},
 }
 
@@ -74,8 +75,14 @@ def test_measured_plan_equals_the_llama_formula(fake8, layout, ac):
     from meshlm.plan import plan, plan_model
 
     cfg = llama_config("llama_tiny")
-    m = plan_model(lambda device: Llama(cfg, device=device), layout, MESHES[layout], global_batch=B, seq=S,
-                   activation_checkpointing=ac)
+    m = plan_model(
+        lambda device: Llama(cfg, device=device),
+        layout,
+        MESHES[layout],
+        global_batch=B,
+        seq=S,
+        activation_checkpointing=ac,
+    )
     p = plan("llama_tiny", layout, MESHES[layout], global_batch=B, seq=S, activation_checkpointing=ac)
     for k in ("params", "grads", "optimizer"):
         assert m.memory[k] == p.memory[k], f"{layout} {k}: measured {m.memory[k]} formula {p.memory[k]}"

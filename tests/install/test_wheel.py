@@ -27,8 +27,18 @@ REPO = Path(__file__).resolve().parents[2]
 # What a wheel is built from (pyproject.toml reads README.md as the long description).
 SOURCES = ("pyproject.toml", "README.md", "meshlm", "layouts", "conf")
 # Variables that would point the installed meshlm back at the repository, or into a world.
-CLEARED = ("PYTHONPATH", "PYTHONHOME", "MESHLM_LAYOUTS", "MESHLM_CONF", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+CLEARED = (
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "MESHLM_LAYOUTS",
+    "MESHLM_CONF",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 pytestmark = [pytest.mark.install, pytest.mark.timeout(300)]
 
@@ -51,8 +61,10 @@ def wheel(tmp_path_factory) -> Path:
         (shutil.copytree(p, src / name, ignore=junk) if p.is_dir() else shutil.copy2(p, src / name))
     out = tmp_path_factory.mktemp("wheel")
     # The environment's setuptools (the `test` extra pins one that builds wheels): no index needed.
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", out, src], timeout=120)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", out, src],
+        timeout=120,
+    )
     (whl,) = out.glob("meshlm-*.whl")
     return whl
 
@@ -63,8 +75,11 @@ def venv(wheel, tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=60)
     py = venv / "bin" / "python"
-    purelib = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], timeout=60,
-                        env=_env(venv)).stdout.strip())
+    purelib = Path(
+        _run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], timeout=60, env=_env(venv)
+        ).stdout.strip()
+    )
     parents = [*site.getsitepackages()]
     if site.ENABLE_USER_SITE:
         parents.append(site.getusersitepackages())
@@ -113,8 +128,11 @@ def test_installed_wheel_runs_from_an_empty_directory(venv, tmp_path):
     (mine / "mine.yaml").write_text("# mine: a user's layout.\nparams:\n  embed: fsdp\n")
 
     # the library: layouts and configs from the installed package, a user's layout directory too
-    probe = json.loads(_run([venv / "bin" / "python", "-c", PROBE], timeout=120, cwd=cwd,
-                            env={**env, "MESHLM_LAYOUTS": str(mine)}).stdout.splitlines()[-1])
+    probe = json.loads(
+        _run(
+            [venv / "bin" / "python", "-c", PROBE], timeout=120, cwd=cwd, env={**env, "MESHLM_LAYOUTS": str(mine)}
+        ).stdout.splitlines()[-1]
+    )
     site_dir = Path(probe["site"]) / "meshlm"
     assert Path(probe["site"]).is_relative_to(venv), probe
     assert probe["meshlm"] == str(site_dir / "__init__.py"), probe
@@ -123,15 +141,36 @@ def test_installed_wheel_runs_from_an_empty_directory(venv, tmp_path):
     assert probe["mine"] == str(mine / "mine.yaml")
     assert str(site_dir / "layouts" / "fsdp_tp.yaml") in probe["list"], probe["list"][:500]
 
-    r = _run([venv / "bin" / "meshlm", "layout", "show", "fsdp", "--model", "llama_tiny", "--mesh", "fsdp=2"],
-             timeout=120, cwd=cwd, env=env)
+    r = _run(
+        [venv / "bin" / "meshlm", "layout", "show", "fsdp", "--model", "llama_tiny", "--mesh", "fsdp=2"],
+        timeout=120,
+        cwd=cwd,
+        env=env,
+    )
     assert f"layout fsdp ({site_dir / 'layouts' / 'fsdp.yaml'}) on mesh fsdp=2" in r.stdout, r.stdout[:500]
 
     # the Hydra app: the packaged conf/, the run directory under the current directory
-    r = _run([venv / "bin" / "meshlm", "train", "model=llama_tiny", "layout=fsdp", "mesh=fsdp2", "train.steps=2",
-              "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=0", "train.val_every=0",
-              "train.val_batches=1", "train.progress=false", "train.count_comm=false", "train.pg_timeout_s=60"],
-             timeout=240, cwd=cwd, env=env)
+    r = _run(
+        [
+            venv / "bin" / "meshlm",
+            "train",
+            "model=llama_tiny",
+            "layout=fsdp",
+            "mesh=fsdp2",
+            "train.steps=2",
+            "train.seq_len=32",
+            "train.batch_size=4",
+            "train.warmup_steps=0",
+            "train.val_every=0",
+            "train.val_batches=1",
+            "train.progress=false",
+            "train.count_comm=false",
+            "train.pg_timeout_s=60",
+        ],
+        timeout=240,
+        cwd=cwd,
+        env=env,
+    )
     assert "done: 2 steps" in r.stdout, r.stdout[-2000:]
     assert [p.name for p in cwd.iterdir()] == ["outputs"], "meshlm train wrote outside outputs/"
     (run_dir,) = [p.parent for p in (cwd / "outputs").rglob("metrics.jsonl")]

@@ -13,8 +13,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from meshlm import bucket
 
 # The ``eager`` fixture only sets a constant, the same for every example.
-SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -74,12 +79,13 @@ def test_target_is_grads_or_storage_keeping_partial():
 
 # --------------------------------------------------------------------------- _groups, _gather_steps
 @SETTINGS
-@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from([None, 0, 1, "a"])), min_size=0, max_size=8),
-       st.data())
+@given(
+    st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from([None, 0, 1, "a"])), min_size=0, max_size=8), st.data()
+)
 def test_groups_partition_by_dtype_and_key(specs, data):
     xs = [torch.zeros(1, dtype=dt) for dt, _k in specs]
     key = {j: k for j, (_dt, k) in enumerate(specs) if k is not None}
-    idx = data.draw(st.permutations(range(len(xs))).map(lambda p: p[:data.draw(st.integers(0, len(p)))]))
+    idx = data.draw(st.permutations(range(len(xs))).map(lambda p: p[: data.draw(st.integers(0, len(p)))]))
     force = data.draw(st.sampled_from([None, torch.float32]))
     groups = bucket.flat.group_indices(list(idx), xs, key, force)
     # a partition of idx, each group in idx's order, the groups in order of their first index
@@ -98,20 +104,38 @@ def test_gather_steps_inner_dim_first_grouped_by_dtype():
     R, S0, S1 = Replicate(), Shard(0), Shard(1)
     f32, bf16 = torch.float32, torch.bfloat16
     mk = bucket.member
-    members = (mk((S0, S1, R), (R, R, R), None, (4, 4), f32, (0, 1, 2)),   # over dims 0 and 1
-               mk((R, S0, R), (R, R, R), None, (4, 4), bf16, (0, 1, 2)),   # over dim 1
-               mk((R, R, R), (R, R, R), None, (4, 4), f32, (0, 1, 2)),     # none
-               mk((S1, S0, S0), (R, R, R), None, (4, 4), f32, (0, 1, 2)),  # dims 0, 1 and 2 (size 1)
-               mk((S0, R, R), (R, R, R), None, (4, 4), bf16, (0, 1, 2)))   # over dim 0
-    b = bucket.Bucket(mesh=None, groups=("g0", "g1", ""), sizes=(2, 3, 1), data_dims=(0, 1, 2), members=members,
-                      compute_dtype=None, reduce_dtype=None, local=True)
+    members = (
+        mk((S0, S1, R), (R, R, R), None, (4, 4), f32, (0, 1, 2)),  # over dims 0 and 1
+        mk((R, S0, R), (R, R, R), None, (4, 4), bf16, (0, 1, 2)),  # over dim 1
+        mk((R, R, R), (R, R, R), None, (4, 4), f32, (0, 1, 2)),  # none
+        mk((S1, S0, S0), (R, R, R), None, (4, 4), f32, (0, 1, 2)),  # dims 0, 1 and 2 (size 1)
+        mk((S0, R, R), (R, R, R), None, (4, 4), bf16, (0, 1, 2)),
+    )  # over dim 0
+    b = bucket.Bucket(
+        mesh=None,
+        groups=("g0", "g1", ""),
+        sizes=(2, 3, 1),
+        data_dims=(0, 1, 2),
+        members=members,
+        compute_dtype=None,
+        reduce_dtype=None,
+        local=True,
+    )
     xs = [torch.zeros(1, dtype=m.dtype) for m in members]
     assert bucket.prefetch.gather_steps(b, xs) == [(1, [[0, 3], [1]]), (0, [[0, 3], [4]])]
     # the dtype of each flat buffer is that of the tensors gathered (the compute dtype, cast first)
     xs = [torch.zeros(1, dtype=bf16) for _ in members]
     assert bucket.prefetch.gather_steps(b, xs) == [(1, [[0, 1, 3]]), (0, [[0, 3, 4]])]
-    b2 = bucket.Bucket(mesh=None, groups=("g0", "g1", ""), sizes=(1, 3, 1), data_dims=(0, 1, 2), members=members,
-                       compute_dtype=None, reduce_dtype=None, local=True)
+    b2 = bucket.Bucket(
+        mesh=None,
+        groups=("g0", "g1", ""),
+        sizes=(1, 3, 1),
+        data_dims=(0, 1, 2),
+        members=members,
+        compute_dtype=None,
+        reduce_dtype=None,
+        local=True,
+    )
     assert bucket.prefetch.gather_steps(b2, xs) == [(1, [[0, 1, 3]])]
 
 
@@ -179,8 +203,8 @@ def test_pack_lays_out_rank_blocks_cast(eager, case):
 
 def test_pack_cases_by_hand(eager):
     """The layout on a case small enough to read: two ranks, a row-split and a column-split tensor."""
-    a = torch.arange(4.0).view(2, 2)          # rows [0, 1] | [2, 3]
-    b = torch.arange(10.0, 14.0).view(2, 2)   # columns [10, 12] | [11, 13]
+    a = torch.arange(4.0).view(2, 2)  # rows [0, 1] | [2, 3]
+    b = torch.arange(10.0, 14.0).view(2, 2)  # columns [10, 12] | [11, 13]
     flat, _ = bucket.flat.pack([a, b], [0, 1], 2, torch.float64)
     assert flat.tolist() == [0, 1, 10, 12, 2, 3, 11, 13] and flat.dtype == torch.float64
     assert bucket.flat.pack([a, b], None, 2, None)[0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]

@@ -15,8 +15,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from meshlm import bucket
 from meshlm.testing.simworld import SimWorld, locals_of
 
-SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
@@ -83,7 +88,9 @@ def test_gather_flat_puts_each_ranks_block_at_its_offset(eager, monkeypatch, n, 
 
 def test_issue_gather_sends_one_tensor_as_it_is(monkeypatch):
     sent = []
-    monkeypatch.setattr(bucket.flat.compat, "all_gather_single", lambda flat, dim, group: sent.append((flat, dim, group)) or flat)
+    monkeypatch.setattr(
+        bucket.flat.compat, "all_gather_single", lambda flat, dim, group: sent.append((flat, dim, group)) or flat
+    )
     x, y = torch.arange(6.0).view(2, 3), torch.arange(3.0)
     bucket.flat.issue_gather([x], "g")
     bucket.flat.issue_gather([x, y], "g")
@@ -161,15 +168,27 @@ def _moves(draw):
     for _ in range(draw(st.integers(1, 5))):
         ndim = draw(st.integers(1, 2))
         tg = [draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(ndim)])) for _ in sizes]
-        src = [draw(st.sampled_from([t, Partial()] + ([Shard(d) for d in range(ndim)] if t == Replicate() else [])))
-               for t in tg]
-        ok = all(not (isinstance(tg[i], Shard) and src[i] == Partial() and Shard(tg[i].dim) in src[i + 1:]) and
-                 not (isinstance(src[i], Shard) and tg[i] == Replicate() and src[i] in tg[i + 1:])
-                 for i in range(len(sizes)))
+        src = [
+            draw(st.sampled_from([t, Partial()] + ([Shard(d) for d in range(ndim)] if t == Replicate() else [])))
+            for t in tg
+        ]
+        ok = all(
+            not (isinstance(tg[i], Shard) and src[i] == Partial() and Shard(tg[i].dim) in src[i + 1 :])
+            and not (isinstance(src[i], Shard) and tg[i] == Replicate() and src[i] in tg[i + 1 :])
+            for i in range(len(sizes))
+        )
         if ok:
             shape = [draw(st.integers(1, 2)) * world for _ in range(ndim)]
-            cases.append((shape, src, tg, draw(st.sampled_from([torch.float32, torch.bfloat16])),
-                          draw(st.sampled_from([None, "a", "b"])), draw(st.booleans())))
+            cases.append(
+                (
+                    shape,
+                    src,
+                    tg,
+                    draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                    draw(st.sampled_from([None, "a", "b"])),
+                    draw(st.booleans()),
+                )
+            )
     return sizes, cases, draw(st.sampled_from([None, torch.float32])), draw(st.integers(0, 2**16))
 
 
@@ -190,11 +209,15 @@ def test_flat_moves_reach_the_target_layout(eager, monkeypatch, case):
     def rank(_r, c):
         xs = [s[c] for s in src]
         pls = [list(cs[1]) for cs in cases]
-        into = {j: torch.empty(w[c].shape, dtype=dtype or cs[3] if Partial() in cs[1] else cs[3])
-                for j, (w, cs) in enumerate(zip(want, cases)) if cs[5]}
+        into = {
+            j: torch.empty(w[c].shape, dtype=dtype or cs[3] if Partial() in cs[1] else cs[3])
+            for j, (w, cs) in enumerate(zip(want, cases))
+            if cs[5]
+        }
         keys = {j: cs[4] for j, cs in enumerate(cases) if cs[4] is not None}
-        bucket.flat.flat_moves(xs, pls, [tuple(cs[2]) for cs in cases], sizes, groups, order, key=keys, into=into,
-                           dtype=dtype)
+        bucket.flat.flat_moves(
+            xs, pls, [tuple(cs[2]) for cs in cases], sizes, groups, order, key=keys, into=into, dtype=dtype
+        )
         return xs, pls, into
 
     for r, (xs, pls, into) in enumerate(world.run(rank)):
@@ -211,9 +234,11 @@ def test_flat_moves_reach_the_target_layout(eager, monkeypatch, case):
         for kind, i in order:
             sig = set()
             for shape, s, t, dt, k, _i in cases:
-                moves = {"rs": s[i] == Partial() and isinstance(t[i], Shard),
-                         "ar": s[i] == Partial() and t[i] == Replicate(),
-                         "ag": isinstance(s[i], Shard) and t[i] == Replicate()}[kind]
+                moves = {
+                    "rs": s[i] == Partial() and isinstance(t[i], Shard),
+                    "ar": s[i] == Partial() and t[i] == Replicate(),
+                    "ag": isinstance(s[i], Shard) and t[i] == Replicate(),
+                }[kind]
                 if moves:
                     sig.add((dtype or dt if kind != "ag" or Partial() in s else dt, k))
             want_log.append(((kind, i), len(sig)))
@@ -222,7 +247,7 @@ def test_flat_moves_reach_the_target_layout(eager, monkeypatch, case):
         assert sum(n for _ki, n in want_log) == len(issued)
         pos = 0
         for (kind, i), n in want_log:
-            assert all(o in op[kind] and g == groups[i] for o, g in issued[pos:pos + n]), (kind, i, issued)
+            assert all(o in op[kind] and g == groups[i] for o, g in issued[pos : pos + n]), (kind, i, issued)
             pos += n
 
 
@@ -279,8 +304,9 @@ def test_flat_moves_reduce_in_one_dtype_and_gather_in_each(monkeypatch):
     world.log = [[] for _ in world.log]
     for xs in world.run(lambda r, c: rank(r, c, S0)):  # [1, 1] | [2, 2] -> each in its own dtype
         assert [x.dtype for x in xs] == [f32, bf16] and all(x.tolist() == [1, 1, 2, 2] for x in xs)
-    assert [[e[:1] + e[3:] for e in lg] for lg in world.log] == [[("all_gather", (2,), f32),
-                                                                  ("all_gather", (2,), bf16)]] * 2
+    assert [[e[:1] + e[3:] for e in lg] for lg in world.log] == [
+        [("all_gather", (2,), f32), ("all_gather", (2,), bf16)]
+    ] * 2
 
 
 def test_sim_world_refuses_mismatched_collectives(monkeypatch):

@@ -36,19 +36,27 @@ def _bucket(mesh, sizes, data_dims, specs, local, compute_dtype=None, reduce_dty
     """specs: (storage, compute, grads, shape, dtype) per member."""
     members = tuple(bucket.member(s, c, g, shape, dt, data_dims) for s, c, g, shape, dt in specs)
     assert all(m is not None for m in members)
-    b = bucket.Bucket(mesh=mesh, groups=tuple(f"g{i}" for i in range(len(sizes))), sizes=tuple(sizes),
-                      data_dims=tuple(data_dims), members=members, compute_dtype=compute_dtype,
-                      reduce_dtype=reduce_dtype, local=local, grad_dtype=grad_dtype)
+    b = bucket.Bucket(
+        mesh=mesh,
+        groups=tuple(f"g{i}" for i in range(len(sizes))),
+        sizes=tuple(sizes),
+        data_dims=tuple(data_dims),
+        members=members,
+        compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype,
+        local=local,
+        grad_dtype=grad_dtype,
+    )
     return bucket.register(b), b
 
 
 # Data-parallel blocks (every mesh dim a data axis): FSDP, HSDP, DDP, ZeRO-1 and 2-D FSDP members.
 DATA_SPECS = [
-    ((S0, S0), (R, R), (S0, S0), (8, 3), f32),    # sharded over both (outer dim first)
-    ((R, S1), (R, R), (R, S1), (2, 4), f32),      # HSDP: sharded over the inner, replicated over the outer
-    ((R, R), (R, R), (R, R), (5,), f32),          # DDP
-    ((R, S0), (R, R), None, (4, 2), f32),         # ZeRO-1: gradients left Partial (local)
-    ((S1, R), (R, R), (S1, R), (3, 2), bf16),     # another dtype: its own flat buffers
+    ((S0, S0), (R, R), (S0, S0), (8, 3), f32),  # sharded over both (outer dim first)
+    ((R, S1), (R, R), (R, S1), (2, 4), f32),  # HSDP: sharded over the inner, replicated over the outer
+    ((R, R), (R, R), (R, R), (5,), f32),  # DDP
+    ((R, S0), (R, R), None, (4, 2), f32),  # ZeRO-1: gradients left Partial (local)
+    ((S1, R), (R, R), (S1, R), (3, 2), bf16),  # another dtype: its own flat buffers
 ]
 
 
@@ -57,8 +65,9 @@ DATA_SPECS = [
 def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dtype):
     sizes = (2, 2)
     mesh = fake_mesh(sizes)
-    key, b = _bucket(mesh, sizes, (0, 1), DATA_SPECS, local=True, compute_dtype=compute_dtype,
-                     reduce_dtype=reduce_dtype)
+    key, b = _bucket(
+        mesh, sizes, (0, 1), DATA_SPECS, local=True, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype
+    )
     gen = torch.Generator().manual_seed(0)
     full = [_ints(m.shape, m.dtype, gen) for m in b.members]
     stored = [locals_of(t, m.storage, sizes, gen) for t, m in zip(full, b.members)]
@@ -92,19 +101,21 @@ def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dty
         fwd, bwd = world.log[r][:n_fwd], world.log[r][n_fwd:]
         # (over g1: members 0, 1, 3; over g0: members 0 and 4, one buffer per dtype)
         assert [(op, g) for op, g, *_ in fwd] == [("all_gather", "g1")] + [("all_gather", "g0")] * (
-            1 if compute_dtype else 2)
+            1 if compute_dtype else 2
+        )
         assert {e[4] for e in fwd} == ({compute_dtype} if compute_dtype else {f32, bf16})
         # (a buffer per route: the members reduced the same way share one; here none do)
         assert [(op.rstrip("_"), g) for op, g, *_ in bwd] == [("reduce_scatter", "g0")] * 2 + [
-            ("reduce_scatter", "g1")] * 2 + [("all_reduce", "g0")] * 2 + [("all_reduce", "g1")] * 2
+            ("reduce_scatter", "g1")
+        ] * 2 + [("all_reduce", "g0")] * 2 + [("all_reduce", "g1")] * 2
         assert {e[4] for e in bwd} == ({reduce_dtype} if reduce_dtype else {f32, bf16})
 
 
 # A DTensor block on an (fsdp, tp) mesh: only dim 0 is a data axis; tp stays as it is stored.
 TP_SPECS = [
-    ((S0, S1), (R, S1), (S0, S1), (4, 6), f32),   # a column of the tp split, rows over fsdp
-    ((S1, S0), (R, S0), (S1, S0), (4, 6), f32),   # rows over tp, columns over fsdp
-    ((S0, R), (R, R), (S0, R), (6,), f32),        # a norm weight, Partial over tp under SP
+    ((S0, S1), (R, S1), (S0, S1), (4, 6), f32),  # a column of the tp split, rows over fsdp
+    ((S1, S0), (R, S0), (S1, S0), (4, 6), f32),  # rows over tp, columns over fsdp
+    ((S0, R), (R, R), (S0, R), (6,), f32),  # a norm weight, Partial over tp under SP
 ]
 
 
@@ -120,8 +131,10 @@ def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch
     world.patch(monkeypatch)
 
     def rank(_r, c):
-        gs = [DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride)
-              for p, pl, m in zip(parts, arrive, b.members)]
+        gs = [
+            DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride)
+            for p, pl, m in zip(parts, arrive, b.members)
+        ]
         return bucket.Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
 
     for r, out in enumerate(world.run(rank)):
@@ -132,7 +145,10 @@ def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch
         # one reduce-scatter over fsdp for the two weights, one for the norm weight (another
         # route), then the norm weight's all-reduce over tp on its scattered shard
         assert [(op.rstrip("_"), g, shape) for op, g, _x, shape, _dt in world.log[r]] == [
-            ("reduce_scatter", "g0", (12 + 12,)), ("reduce_scatter", "g0", (6,)), ("all_reduce", "g1", (3,))]
+            ("reduce_scatter", "g0", (12 + 12,)),
+            ("reduce_scatter", "g0", (6,)),
+            ("all_reduce", "g1", (3,)),
+        ]
 
 
 def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch):

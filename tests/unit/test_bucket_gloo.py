@@ -36,9 +36,11 @@ def test_all_reduce_inplace_reduces_the_buffer_itself(group):
 @pytest.mark.parametrize("wait", [True, False])
 def test_flat_reductions_wait_or_leave_in_flight(group, wait):
     gs = [torch.arange(4.0).view(2, 2), torch.ones(3, dtype=torch.bfloat16)]
-    for out in (bucket.flat.reduce_scatter_flat(gs, [1, 0], group, 1, wait=wait, dtype=torch.float32),
-                bucket.flat.all_reduce_flat(gs, group, wait=wait, dtype=torch.float32),
-                bucket.flat.all_reduce_flat(gs[:1], group, wait=wait)):  # a gradient as it is: out of place
+    for out in (
+        bucket.flat.reduce_scatter_flat(gs, [1, 0], group, 1, wait=wait, dtype=torch.float32),
+        bucket.flat.all_reduce_flat(gs, group, wait=wait, dtype=torch.float32),
+        bucket.flat.all_reduce_flat(gs[:1], group, wait=wait),
+    ):  # a gradient as it is: out of place
         assert [_pending(y) for y in out] == [not wait] * len(out)
         got = [y.wait() if _pending(y) else y for y in out]
         assert all(torch.equal(y, g.to(y.dtype)) for y, g in zip(got, gs))

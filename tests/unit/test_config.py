@@ -17,8 +17,9 @@ def test_defaults_are_the_quickstart():
 
 
 def test_overrides_and_groups():
-    cfg = load_config(["layout=ddp", "mesh=dp4", "model=llama_tiny", "train.steps=7", "data.path=/x.txt",
-                       "model.layers=3"])
+    cfg = load_config(
+        ["layout=ddp", "mesh=dp4", "model=llama_tiny", "train.steps=7", "data.path=/x.txt", "model.layers=3"]
+    )
     assert (cfg.layout.name, cfg.mesh.as_dict(), cfg.train.steps, cfg.data.path) == ("ddp", {"dp": 4}, 7, "/x.txt")
     assert cfg.model.llama().layers == 3
 
@@ -29,25 +30,28 @@ def test_every_shipped_layout_has_a_conf_entry():
     assert load_config(["layout=auto"]).layout.name == "auto"
 
 
-@pytest.mark.parametrize("override,words", [
-    ("train.compile=jit", ["train.compile", "none", "aot_eager", "inductor"]),
-    ("train.compile_comms=host", ["train.compile_comms", "graph", "eager"]),
-    ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
-    ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
-    ("train.compute_dtype=bfloat16", ["train.compute_dtype", "not a config key", "train.param_dtype=bfloat16"]),
-    ("train.reduce_dtype=null", ["train.reduce_dtype", "null", "train.reduce_dtype=float32"]),
-    ("checkpoint.resume=latest", ["checkpoint.resume='latest'", "checkpoint.resume=auto", "./latest"]),
-    ("checkpoint.resume=none", ["checkpoint.resume='none'", "checkpoint.resume=null"]),
-    ("checkpoint.resume=auto", ["checkpoint.resume=auto", "checkpoint.dir"]),
-    ("train.steps=0", ["train.steps", ">= 1"]),
-    ("train.steps=abc", ["train.steps", "integer"]),
-    ("model.layers=0", ["model.layers=0", "positive"]),
-    ("model.layer=3", ["model.layer", "takes no argument", "layers"]),
-    ("model._target_=nosuch.Model", ["model._target_=nosuch.Model", "PYTHONPATH"]),
-    ("data.format=csv", ["data.format", "text", "tokens"]),
-    ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
-    ("mesh.tp=0", ["mesh.tp"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("train.compile=jit", ["train.compile", "none", "aot_eager", "inductor"]),
+        ("train.compile_comms=host", ["train.compile_comms", "graph", "eager"]),
+        ("train.activation_checkpointing=some", ["train.activation_checkpointing", "full", "selective"]),
+        ("train.param_dtype=fp8", ["train.param_dtype", "bfloat16"]),
+        ("train.compute_dtype=bfloat16", ["train.compute_dtype", "not a config key", "train.param_dtype=bfloat16"]),
+        ("train.reduce_dtype=null", ["train.reduce_dtype", "null", "train.reduce_dtype=float32"]),
+        ("checkpoint.resume=latest", ["checkpoint.resume='latest'", "checkpoint.resume=auto", "./latest"]),
+        ("checkpoint.resume=none", ["checkpoint.resume='none'", "checkpoint.resume=null"]),
+        ("checkpoint.resume=auto", ["checkpoint.resume=auto", "checkpoint.dir"]),
+        ("train.steps=0", ["train.steps", ">= 1"]),
+        ("train.steps=abc", ["train.steps", "integer"]),
+        ("model.layers=0", ["model.layers=0", "positive"]),
+        ("model.layer=3", ["model.layer", "takes no argument", "layers"]),
+        ("model._target_=nosuch.Model", ["model._target_=nosuch.Model", "PYTHONPATH"]),
+        ("data.format=csv", ["data.format", "text", "tokens"]),
+        ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
+        ("mesh.tp=0", ["mesh.tp"]),
+    ],
+)
 def test_bad_value_names_key_and_choices(override, words):
     with pytest.raises(ConfigError) as e:
         load_config([override])

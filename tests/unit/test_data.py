@@ -11,8 +11,9 @@ from meshlm.errors import ConfigError
 SEQ = 7  # windows of 8 tokens
 
 
-def _arange_loader(n_tokens: int = 800, global_batch: int = 8, dp_rank: int = 0,
-                   dp_size: int = 1, seed: int = 0) -> ShardedLoader:
+def _arange_loader(
+    n_tokens: int = 800, global_batch: int = 8, dp_rank: int = 0, dp_size: int = 1, seed: int = 0
+) -> ShardedLoader:
     # tokens[i] == i, so inputs[:, 0] is each window's start offset.
     return ShardedLoader(torch.arange(n_tokens), SEQ, global_batch, dp_rank, dp_size, seed)
 
@@ -77,8 +78,7 @@ def test_windows_inputs_labels_shifted_by_one():
 @pytest.mark.parametrize("dp_size", [2, 4, 8])
 def test_dp_shards_concatenate_to_global_batch(dp_size):
     ref = _batches(_arange_loader(global_batch=8, dp_size=1), 25)  # 100 windows: crosses epochs
-    shards = [_batches(_arange_loader(global_batch=8, dp_rank=r, dp_size=dp_size), 25)
-              for r in range(dp_size)]
+    shards = [_batches(_arange_loader(global_batch=8, dp_rank=r, dp_size=dp_size), 25) for r in range(dp_size)]
     for step, (ref_in, ref_lab) in enumerate(ref):
         assert shards[0][step][0].shape == (8 // dp_size, SEQ)
         assert torch.equal(torch.cat([s[step][0] for s in shards]), ref_in)
@@ -222,8 +222,9 @@ def test_auto_tokenizer_is_the_fine_tuned_model_s(tmp_path):
     for init_from in (None, str(tmp_path / "bare")):  # no tokenizer.json there: bytes
         ds = TokenDataset.from_config(DataConfig(path=str(f)), seq_len=16, init_from=init_from)
         assert ds.vocab_size == 256 and len(ds.train) + len(ds.val) == len(f.read_bytes())
-    ds = TokenDataset.from_config(DataConfig(path=str(f), tokenizer="bytes"), seq_len=16,
-                                  init_from=str(tmp_path / "hf_model"))
+    ds = TokenDataset.from_config(
+        DataConfig(path=str(f), tokenizer="bytes"), seq_len=16, init_from=str(tmp_path / "hf_model")
+    )
     assert ds.vocab_size == 256
 
 
@@ -295,8 +296,11 @@ def test_vocab_mismatch_names_the_model_key(tmp_path):
     ds = TokenDataset.from_config(DataConfig(format="tokens", path=str(tmp_path)), seq_len=SEQ)
     ds.check_vocab(400, "m")
     ds.check_vocab(None, "m")  # a model without a vocab axis: nothing to check
-    with pytest.raises(ConfigError, match=r"ids up to 399 \(400 ids\) but model m has a vocabulary of 399.*"
-                                          r"model.vocab=400"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ids up to 399 \(400 ids\) but model m has a vocabulary of 399.*"
+        r"model.vocab=400",
+    ):
         ds.check_vocab(399, "m")
     TokenDataset.from_config(DataConfig(), seq_len=SEQ).check_vocab(256, "m")
     with pytest.raises(ConfigError, match="model.vocab=256"):

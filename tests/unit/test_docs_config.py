@@ -44,8 +44,9 @@ def _commands() -> list[tuple[str, list[str]]]:
 
 
 def _inline() -> list[tuple[str, str]]:
-    return [(doc.name, m) for doc in DOCS for m in re.findall(r"`([^`\s]+=[^`\s]+)`", doc.read_text())
-            if OVERRIDE.match(m)]
+    return [
+        (doc.name, m) for doc in DOCS for m in re.findall(r"`([^`\s]+=[^`\s]+)`", doc.read_text()) if OVERRIDE.match(m)
+    ]
 
 
 COMMANDS = _commands()
@@ -78,10 +79,14 @@ def test_documented_overrides_compose():
 
 
 def test_documented_keys_exist():
-    keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig)
-            for f in dataclasses.fields(s.default_factory())}
-    named = {(doc.name, m) for doc in DOCS
-             for m in re.findall(r"`((?:mesh|train|data|checkpoint|plan)\.[a-z_0-9]+)[`=]", doc.read_text())}
+    keys = {
+        f"{s.name}.{f.name}" for s in dataclasses.fields(RunConfig) for f in dataclasses.fields(s.default_factory())
+    }
+    named = {
+        (doc.name, m)
+        for doc in DOCS
+        for m in re.findall(r"`((?:mesh|train|data|checkpoint|plan)\.[a-z_0-9]+)[`=]", doc.read_text())
+    }
     assert len(named) > 20
     wrong = sorted(f"{where}: {k}" for where, k in named if k not in keys)
     assert not wrong, f"the docs name config keys that do not exist: {wrong}"

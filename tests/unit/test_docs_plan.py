@@ -34,8 +34,9 @@ def test_formula_outputs_are_what_the_command_prints(name, capsys, monkeypatch):
     monkeypatch.chdir(DOCS.parent)
     head, *expected = (DOCS / "plan" / f"{name}.txt").read_text().rstrip("\n").splitlines()
     args = shlex.split(head.removeprefix("$ meshlm plan "))
-    args = [a if not a.startswith("plan.png=") else "plan.png=" + str(Path(a[9:]).with_suffix(".test.png"))
-            for a in args]
+    args = [
+        a if not a.startswith("plan.png=") else "plan.png=" + str(Path(a[9:]).with_suffix(".test.png")) for a in args
+    ]
     try:
         main(["plan", *args])
     finally:

@@ -14,8 +14,16 @@ from meshlm.effective import check, effective
 from meshlm.errors import LayoutError
 from meshlm.layout import load_layout, resolve, shipped_layouts
 
-MESHES = [{"dp": 4}, {"fsdp": 4}, {"dp": 1, "fsdp": 4, "tp": 1}, {"fsdp": 2, "tp": 2}, {"dp": 2, "tp": 2},
-          {"dp": 2, "fsdp": 2}, {"tp": 4}, {"dp": 1}]
+MESHES = [
+    {"dp": 4},
+    {"fsdp": 4},
+    {"dp": 1, "fsdp": 4, "tp": 1},
+    {"fsdp": 2, "tp": 2},
+    {"dp": 2, "tp": 2},
+    {"dp": 2, "fsdp": 2},
+    {"tp": 4},
+    {"dp": 1},
+]
 
 
 def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:

@@ -46,8 +46,9 @@ def test_logits_and_loss():
     x = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
     logits = m(x)
     assert logits.shape == (2, 10, 256)
-    torch.testing.assert_close(m(x, x), torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        m(x, x), torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()), rtol=0, atol=0
+    )
 
 
 def test_unknown_field_is_named():
@@ -55,12 +56,15 @@ def test_unknown_field_is_named():
         gpt2_model(device="meta", n_embd=64)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(embed=64, heads=3), r"model.embed=64 is not divisible by model.heads=3"),
-    (dict(layers=0), r"model.layers=0 must be a positive integer"),
-    (dict(mlp=-4), r"model.mlp=-4 must be a positive integer"),
-    (dict(dropout=1.0), r"model.dropout=1.0 must be in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(embed=64, heads=3), r"model.embed=64 is not divisible by model.heads=3"),
+        (dict(layers=0), r"model.layers=0 must be a positive integer"),
+        (dict(mlp=-4), r"model.mlp=-4 must be a positive integer"),
+        (dict(dropout=1.0), r"model.dropout=1.0 must be in \[0, 1\)"),
+    ],
+)
 def test_bad_config_is_named(kw, match):
     with pytest.raises(ConfigError, match=match):
         GPT2Config(**kw)

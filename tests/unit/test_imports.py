@@ -33,9 +33,14 @@ def _owner(name: str, mods: dict) -> str | None:
 def _is_main_block(node: ast.AST) -> bool:
     """``if __name__ == "__main__":``"""
     test = getattr(node, "test", None)
-    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
-            and test.left.id == "__name__" and len(test.comparators) == 1
-            and getattr(test.comparators[0], "value", None) == "__main__")
+    return (
+        isinstance(node, ast.If)
+        and isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and getattr(test.comparators[0], "value", None) == "__main__"
+    )
 
 
 def _walk(tree: ast.AST):
@@ -125,8 +130,10 @@ def test_graph_sees_imports_inside_functions(tmp_path):
 
 def test_meshlm_has_no_import_cycles():
     found = cycles(import_graph(modules(REPO)))
-    assert not found, ("import cycles among meshlm's modules (each list imports itself around; move what both "
-                       f"sides need below both): {found}")
+    assert not found, (
+        "import cycles among meshlm's modules (each list imports itself around; move what both "
+        f"sides need below both): {found}"
+    )
 
 
 def stated_order(package: Path) -> list[str]:
@@ -163,4 +170,6 @@ def test_packages_import_downward_only():
         assert not upward_imports(REPO / "meshlm" / pkg, graph)
     # the check itself sees an upward import
     graph["meshlm.lowering.params"] = graph["meshlm.lowering.params"] | {"meshlm.lowering.shard"}
-    assert upward_imports(REPO / "meshlm" / "lowering", graph) == ["meshlm.lowering.params imports shard, listed above it"]
+    assert upward_imports(REPO / "meshlm" / "lowering", graph) == [
+        "meshlm.lowering.params imports shard, listed above it"
+    ]

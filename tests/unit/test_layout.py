@@ -11,10 +11,14 @@ from meshlm.lower import plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import CONFIGS, Llama, llama_config
 
-FSDP_TP = parse_layout({
-    "params": {"embed": "fsdp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
-    "compute": {"batch": ["dp", "fsdp"], "seq": "tp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
-}, name="t", source="t.yaml")
+FSDP_TP = parse_layout(
+    {
+        "params": {"embed": "fsdp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
+        "compute": {"batch": ["dp", "fsdp"], "seq": "tp", "heads": "tp", "mlp": "tp", "vocab": "tp"},
+    },
+    name="t",
+    source="t.yaml",
+)
 
 # (axes, section, mesh, expected per-dim mesh axes)
 RESOLVE_TABLE = [
@@ -45,14 +49,24 @@ def test_resolve_table(axes, section, mesh, expected):
     assert resolve(axes, FSDP_TP.rules(section), mesh) == expected
 
 
-
 def test_rules_of_each_section():
-    lay = parse_layout({"params": {"embed": "fsdp"}, "compute": {"batch": "dp"}, "grads": {"embed": "dp"},
-                        "optimizer": {"embed": ["dp", "fsdp"]}})
+    lay = parse_layout(
+        {
+            "params": {"embed": "fsdp"},
+            "compute": {"batch": "dp"},
+            "grads": {"embed": "dp"},
+            "optimizer": {"embed": ["dp", "fsdp"]},
+        }
+    )
     assert [lay.rules(s) for s in ("params", "compute", "grads", "optimizer")] == [
-        {"embed": ("fsdp",)}, {"batch": ("dp",)}, {"embed": ("dp",)}, {"embed": ("dp", "fsdp")}]
+        {"embed": ("fsdp",)},
+        {"batch": ("dp",)},
+        {"embed": ("dp",)},
+        {"embed": ("dp", "fsdp")},
+    ]
     local = parse_layout({"params": {"embed": "fsdp"}, "grads": "local"})  # the optimizer defaults to params
     assert local.rules("grads") == "local" and local.rules("optimizer") == {"embed": ("fsdp",)}
+
 
 def test_shipped_layouts_all_present_and_documented():
     names = set(shipped_layouts())
@@ -118,7 +132,9 @@ def test_unknown_layout_name_lists_shipped():
 def test_mesh_axis_used_twice_in_one_tensor():
     lay = parse_layout({"params": {"mlp": "tp", "embed": "tp"}}, source="layouts/x.yaml")
     m = Llama(llama_config("llama_tiny"), device="meta")
-    with pytest.raises(LayoutError, match=r"param `layers.0.mlp.w_gate`: mesh axis 'tp' is used twice.*params.mlp and params.embed"):
+    with pytest.raises(
+        LayoutError, match=r"param `layers.0.mlp.w_gate`: mesh axis 'tp' is used twice.*params.mlp and params.embed"
+    ):
         plan_params(m, lay, {"tp": 2})
 
 

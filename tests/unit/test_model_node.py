@@ -25,8 +25,11 @@ def _usermodel_on_path(monkeypatch):
 
 def test_user_target_starts_from_an_empty_node():
     cfg = load_config(["model._target_=mymodels.TinyLM", "model.width=16", "model.heads=2"])
-    assert (cfg.model.target, cfg.model.args, cfg.model.label) == ("mymodels.TinyLM", {"width": 16, "heads": 2},
-                                                                   "TinyLM")
+    assert (cfg.model.target, cfg.model.args, cfg.model.label) == (
+        "mymodels.TinyLM",
+        {"width": 16, "heads": 2},
+        "TinyLM",
+    )
     m = build_model(cfg.model)
     assert m.wte.weight.shape == (256, 16) and all(p.is_meta for p in m.parameters())
     assert from_dict(cfg.to_dict()) == cfg  # what checkpoints and config.yaml save comes back
@@ -42,15 +45,18 @@ def test_shipped_node_keeps_its_keys_and_takes_overrides():
         load_config(["model=llama_tiny", "model._target_=mymodels.TinyLM"])
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["model._target_=mymodels.TinyLM", "model.widht=3"], ["model.widht", "takes no argument", "width, depth"]),
-    (["model._target_=torch.nn.Linear", "model.in_features=3"], ["model.out_features is required"]),
-    (["model._target_=mymodels.NoSuch"], ["model._target_=mymodels.NoSuch", "no attribute 'NoSuch'"]),
-    (["model._target_=nosuchpkg.Model"], ["no module named 'nosuchpkg'", "PYTHONPATH"]),
-    (["model._target_=mymodels"], ["is a module, not a callable"]),
-    (["model=custom"], ["model._target_ is not set", "model=llama_tiny"]),
-    (["model._target_=mymodels.TinyLM", "model.device=cpu"], ["model.device='cpu'", "drop model.device"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["model._target_=mymodels.TinyLM", "model.widht=3"], ["model.widht", "takes no argument", "width, depth"]),
+        (["model._target_=torch.nn.Linear", "model.in_features=3"], ["model.out_features is required"]),
+        (["model._target_=mymodels.NoSuch"], ["model._target_=mymodels.NoSuch", "no attribute 'NoSuch'"]),
+        (["model._target_=nosuchpkg.Model"], ["no module named 'nosuchpkg'", "PYTHONPATH"]),
+        (["model._target_=mymodels"], ["is a module, not a callable"]),
+        (["model=custom"], ["model._target_ is not set", "model=llama_tiny"]),
+        (["model._target_=mymodels.TinyLM", "model.device=cpu"], ["model.device='cpu'", "drop model.device"]),
+    ],
+)
 def test_bad_node_names_the_key(overrides, words):
     with pytest.raises(ConfigError) as e:
         load_config(overrides)
@@ -74,7 +80,9 @@ def test_loss_of_takes_a_scalar_or_a_loss_entry():
     assert loss_of(loss, cfg) is loss
     assert loss_of({"loss": loss, "logits": w}, cfg) is loss
     assert loss_of(SimpleNamespace(loss=loss), cfg) is loss
-    with pytest.raises(ConfigError, match=r"model TinyLM: forward\(tokens, targets\) returned a tensor of shape \(3,\)"):
+    with pytest.raises(
+        ConfigError, match=r"model TinyLM: forward\(tokens, targets\) returned a tensor of shape \(3,\)"
+    ):
         loss_of(w * 2, cfg)
     with pytest.raises(ConfigError, match="returned a tuple"):
         loss_of((w, loss), cfg)
@@ -97,8 +105,10 @@ def test_model_vocab_is_the_size_of_the_vocab_axis():
 def test_layout_show_user_model(capsys):
     from meshlm.cli import main
 
-    assert main(["layout", "show", "fsdp_tp", "--mesh", "fsdp=2,tp=2", "model._target_=mymodels.TinyLM",
-                 "model.width=16"]) == 0
+    assert (
+        main(["layout", "show", "fsdp_tp", "--mesh", "fsdp=2,tp=2", "model._target_=mymodels.TinyLM", "model.width=16"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model TinyLM" in out
     row = next(line.split() for line in out.splitlines() if line.startswith("blocks.1.attn.q.weight"))

@@ -26,14 +26,18 @@ class _Wrap(nn.Module):
 
 
 # --------------------------------------------------------------------------- meshlm.nn is torch's
-@pytest.mark.parametrize("make", [
-    lambda: (nn.Linear(6, 10), mnn.Linear(6, 10, axes=("embed", "mlp"))),
-    lambda: (nn.Linear(6, 10, bias=False), mnn.Linear(6, 10, bias=False, axes=("embed", "mlp"))),
-    lambda: (nn.Embedding(12, 6, padding_idx=3), mnn.Embedding(12, 6, axes=("vocab", "embed"), padding_idx=3)),
-    lambda: (nn.LayerNorm(6), mnn.LayerNorm(6)),
-    lambda: (nn.LayerNorm(6, bias=False), mnn.LayerNorm(6, bias=False)),
-    lambda: (nn.RMSNorm(6), mnn.RMSNorm(6)),
-], ids=["linear", "linear_nobias", "embedding", "layernorm", "layernorm_nobias", "rmsnorm"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (nn.Linear(6, 10), mnn.Linear(6, 10, axes=("embed", "mlp"))),
+        lambda: (nn.Linear(6, 10, bias=False), mnn.Linear(6, 10, bias=False, axes=("embed", "mlp"))),
+        lambda: (nn.Embedding(12, 6, padding_idx=3), mnn.Embedding(12, 6, axes=("vocab", "embed"), padding_idx=3)),
+        lambda: (nn.LayerNorm(6), mnn.LayerNorm(6)),
+        lambda: (nn.LayerNorm(6, bias=False), mnn.LayerNorm(6, bias=False)),
+        lambda: (nn.RMSNorm(6), mnn.RMSNorm(6)),
+    ],
+    ids=["linear", "linear_nobias", "embedding", "layernorm", "layernorm_nobias", "rmsnorm"],
+)
 def test_layers_are_torchs(make):
     """Same parameter names and shapes (so the same state_dict keys), the same forward, and
     init_weights(generator) draws torch's default initialisation from that generator."""
@@ -116,8 +120,13 @@ def test_unannotated_torch_module_says_how_to_annotate_it():
     with pytest.raises(AnnotationError) as e:
         plan_params(m, load_layout("ddp"), {"dp": 2})
     msg = str(e.value)
-    for part in ("`blocks.0.weight`", "no logical axes", "meshlm.nn.Linear",
-                 "meshlm.set_axes(model.get_submodule('blocks.0'), weight=(...))", "never replicates"):
+    for part in (
+        "`blocks.0.weight`",
+        "no logical axes",
+        "meshlm.nn.Linear",
+        "meshlm.set_axes(model.get_submodule('blocks.0'), weight=(...))",
+        "never replicates",
+    ):
         assert part in msg, (part, msg)
 
 
@@ -148,8 +157,11 @@ def test_a_typo_in_the_model_suggests_the_closest_axis():
     with pytest.raises(AxisError) as e:
         plan_params(_VQ(("codebok", "embed")), load_layout("fsdp"), {"fsdp": 2})
     msg = str(e.value)
-    for part in ("parameter `codes`", "unknown logical axis 'codebok' (did you mean 'codebook'?)",
-                 "logical_axes = {'codebok': "):
+    for part in (
+        "parameter `codes`",
+        "unknown logical axis 'codebok' (did you mean 'codebook'?)",
+        "logical_axes = {'codebok': ",
+    ):
         assert part in msg, (part, msg)
     with pytest.raises(AxisError, match=r"unknown logical axis 'embd' \(did you mean 'embed'\?\)"):
         plan_params(_VQ(("codebook", "embd")), load_layout("fsdp"), {"fsdp": 2})
@@ -160,8 +172,11 @@ def test_a_typo_in_the_layout_suggests_the_closest_axis():
     with pytest.raises(AxisError) as e:
         plan_params(_VQ(), lay, TP)
     msg = str(e.value)
-    for part in ("layouts/vq.yaml: params.codebok", "'codebok' (did you mean 'codebook'?)",
-                 "model _VQ (it declares codebook)"):
+    for part in (
+        "layouts/vq.yaml: params.codebok",
+        "'codebok' (did you mean 'codebook'?)",
+        "model _VQ (it declares codebook)",
+    ):
         assert part in msg, (part, msg)
     # an axis no module of this model declares is an error even when another model declares it
     lay = parse_layout({"compute": {"codebook": "tp"}}, source="vq.yaml")
@@ -183,7 +198,7 @@ class _TinyLM(nn.Module):
     def __init__(self, tie=True, head_axes=("embed", "vocab"), device=None, seed=0, block=False):
         super().__init__()
         self.wte = mnn.Embedding(16, 8, axes=("vocab", "embed"), init_std=0.02, device=device)
-        self.mid = (meshlm.block(type("Blk", (nn.Module,), {}))() if block else nn.Module())
+        self.mid = meshlm.block(type("Blk", (nn.Module,), {}))() if block else nn.Module()
         self.mid.lin = mnn.Linear(8, 8, axes=("embed", "mlp"), device=device)
         self.head = mnn.Linear(8, 16, bias=False, axes=head_axes, device=device)
         if tie == "torch_head":
@@ -213,16 +228,23 @@ def test_tied_slots_that_disagree_on_axes():
     with pytest.raises(AnnotationError) as e:
         plan_params(_TinyLM(head_axes=("vocab", "embed")), load_layout("tp"), TP)
     msg = str(e.value)
-    for part in ("`wte.weight` and `head.weight` are one Parameter", "('vocab', 'embed')", "('embed', 'vocab')",
-                 "give both the same axes"):
+    for part in (
+        "`wte.weight` and `head.weight` are one Parameter",
+        "('vocab', 'embed')",
+        "('embed', 'vocab')",
+        "give both the same axes",
+    ):
         assert part in msg, (part, msg)
 
 
 def test_a_tie_across_a_block_is_an_error_that_says_how_to_share():
     m = _TinyLM(tie="across_block", head_axes=("embed", "vocab"), block=True)
     m.mid.lin.param_axes = {"weight": ("vocab", "embed"), "bias": ("mlp",)}
-    with pytest.raises(AnnotationError, match=r"tied across blocks: .*`mid.lin.weight` \(in block 'mid'\).*share the "
-                                              r"module"):
+    with pytest.raises(
+        AnnotationError,
+        match=r"tied across blocks: .*`mid.lin.weight` \(in block 'mid'\).*share the "
+        r"module",
+    ):
         plan_params(m, load_layout("ddp"), {"dp": 2})
 
 

@@ -51,11 +51,11 @@ class _Blk(nn.Module):
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb = nn.Parameter(torch.zeros(30))                       # 120 B
+        self.emb = nn.Parameter(torch.zeros(30))  # 120 B
         self.pos = nn.Parameter(torch.zeros(20, dtype=torch.bfloat16))  # 40 B
         self.blocks = nn.ModuleList([_Blk(20, inner=True), _Blk(16), _Blk(8)])  # 120, 64, 32 B
-        self.norm = nn.Parameter(torch.zeros(10))                       # 40 B
-        self.head = nn.Parameter(torch.zeros(25))                       # 100 B
+        self.norm = nn.Parameter(torch.zeros(10))  # 40 B
+        self.head = nn.Parameter(torch.zeros(25))  # 100 B
 
 
 def _params(net):
@@ -142,12 +142,14 @@ def test_grad_norm_counts_every_element_once(fake_world, monkeypatch, sizes):
     gen = torch.Generator().manual_seed(1)
     fulls = [torch.randint(-3, 4, (4, 6), generator=gen).float() for _ in range(3)]
     plain = torch.randint(-3, 4, (5,), generator=gen).float()  # a plain tensor: the same on every rank
-    pls = [(Shard(0),) * len(sizes), (Replicate(),) * len(sizes), (Shard(1), Replicate())[:len(sizes)]]
+    pls = [(Shard(0),) * len(sizes), (Replicate(),) * len(sizes), (Shard(1), Replicate())[: len(sizes)]]
     locs = [locals_of(f, pl, sizes, gen) for f, pl in zip(fulls, pls)]
 
     def rank(_r, c):
-        gs = [DTensor.from_local(lc[c], mesh, pl, run_check=False, shape=f.shape, stride=f.stride())
-              for lc, pl, f in zip(locs, pls, fulls)]
+        gs = [
+            DTensor.from_local(lc[c], mesh, pl, run_check=False, shape=f.shape, stride=f.stride())
+            for lc, pl, f in zip(locs, pls, fulls)
+        ]
         return optim.grad_norm(gs + [plain], mesh)
 
     want = torch.linalg.vector_norm(torch.cat([f.flatten() for f in fulls] + [plain]), dtype=torch.float64)

@@ -24,14 +24,14 @@ SIZES = (2, 2)
 # main gradient) or None, the master's placements and dtype or None (the parameter is its
 # own master), chunk)
 CASES = [
-    ((R, R), bf16, (P, P), ((S0, S0), f32), 0),      # ZeRO-1 with fp32 masters: reduce-scatter over both
-    ((R, R), f32, (P, P), ((R, S1), f32), 0),        # ZeRO-1 over the inner dim only (HSDP-like)
-    ((R, R), f32, (P, P), ((S0, S0), f32), 1),       # another chunk: its own collectives
-    ((S0, R), bf16, (S0, R), ((S0, R), f32), 0),     # FSDP with fp32 masters: a cast, no collective
+    ((R, R), bf16, (P, P), ((S0, S0), f32), 0),  # ZeRO-1 with fp32 masters: reduce-scatter over both
+    ((R, R), f32, (P, P), ((R, S1), f32), 0),  # ZeRO-1 over the inner dim only (HSDP-like)
+    ((R, R), f32, (P, P), ((S0, S0), f32), 1),  # another chunk: its own collectives
+    ((S0, R), bf16, (S0, R), ((S0, R), f32), 0),  # FSDP with fp32 masters: a cast, no collective
     ((R, R), bf16, ("main", (S1, R)), ((S1, R), f32), 1),  # a main gradient, already reduced (ZeRO-2)
-    ((R, R), f32, (P, R), ((S0, R), f32), 0),        # ZeRO-1 over one dim, replicated over the other
-    ((S0, S1), f32, (S0, S1), None, 0),              # its own master (direct)
-    ((R, R), f32, None, ((S0, R), f32), 0),          # no gradient this step
+    ((R, R), f32, (P, R), ((S0, R), f32), 0),  # ZeRO-1 over one dim, replicated over the other
+    ((S0, S1), f32, (S0, S1), None, 0),  # its own master (direct)
+    ((R, R), f32, None, ((S0, R), f32), 0),  # no gradient this step
     ((R, R), bf16, ("main", (P, P)), ((R, S0), f32), 1),  # a ZeRO-1 main gradient: reduced, then released
 ]
 SHAPE = (4, 4)
@@ -57,8 +57,10 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
     gen = torch.Generator().manual_seed(0)
     weights = [_ints(gen) for _ in CASES]
     grads = [_ints(gen) for _ in CASES]
-    gl = [None if c[2] is None else locals_of(g, c[2][1] if c[2][0] == "main" else c[2], SIZES, gen)
-          for g, c in zip(grads, CASES)]
+    gl = [
+        None if c[2] is None else locals_of(g, c[2][1] if c[2][0] == "main" else c[2], SIZES, gen)
+        for g, c in zip(grads, CASES)
+    ]
     world = SimWorld(SIZES, [mesh.get_group(i).group_name for i in range(len(SIZES))])
     world.patch(monkeypatch)
 
@@ -66,8 +68,11 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
         pairs, keys = [], []
         for j, (ppl, pdt, gpl, mpl, key) in enumerate(CASES):
             p = nn.Parameter(_dt(mesh, locals_of(weights[j], ppl, SIZES, gen)[c].to(pdt).clone(), ppl))
-            m = p if mpl is None else nn.Parameter(
-                _dt(mesh, locals_of(weights[j], mpl[0], SIZES, gen)[c].to(mpl[1]).clone(), mpl[0]))
+            m = (
+                p
+                if mpl is None
+                else nn.Parameter(_dt(mesh, locals_of(weights[j], mpl[0], SIZES, gen)[c].to(mpl[1]).clone(), mpl[0]))
+            )
             if gpl is not None and gpl[0] == "main":
                 setattr(p, main_grad.ATTR, _dt(mesh, gl[j][c].to(f32), gpl[1]))
             elif gpl is not None:
@@ -75,12 +80,22 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
             pairs.append((f"p{j}", p, m))
             keys.append(key)
         opt = object.__new__(optim.ShardedOptimizer)  # only what reduce_grads and step read
-        opt.__dict__.update(_pairs=pairs, _keys=keys, _ready=False, _local_step=local_step, _locals={}, _wrapped={},
-                            inner=torch.optim.SGD([m for _f, _p, m in pairs], lr=1.0), mesh=mesh)
+        opt.__dict__.update(
+            _pairs=pairs,
+            _keys=keys,
+            _ready=False,
+            _local_step=local_step,
+            _locals={},
+            _wrapped={},
+            inner=torch.optim.SGD([m for _f, _p, m in pairs], lr=1.0),
+            mesh=mesh,
+        )
         opt.reduce_grads()
         n_reduce = len(world.log[_r])
-        reduced = [None if m.grad is None else (m.grad._local_tensor.clone(), tuple(m.grad.placements), m.grad.dtype)
-                   for _f, _p, m in pairs]
+        reduced = [
+            None if m.grad is None else (m.grad._local_tensor.clone(), tuple(m.grad.placements), m.grad.dtype)
+            for _f, _p, m in pairs
+        ]
         released = [main_grad.get(p) is None for _f, p, _m in pairs]
         opt.reduce_grads()  # once per step: nothing more
         assert len(world.log[_r]) == n_reduce
@@ -95,8 +110,9 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
                 assert res.reduced[j][1] == ppl
                 continue
             if gpl is None:
-                assert res.reduced[j] is None and torch.equal(p._local_tensor, locals_of(weights[j], ppl, SIZES,
-                                                                                          gen)[c].to(pdt))
+                assert res.reduced[j] is None and torch.equal(
+                    p._local_tensor, locals_of(weights[j], ppl, SIZES, gen)[c].to(pdt)
+                )
                 continue
             g, pl, dt = res.reduced[j]
             assert pl == mpl[0] and dt == mpl[1], j
@@ -111,8 +127,21 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
         # reduce: per chunk, per kind and mesh dim, one collective (chunk 0: cases 0, 1, 5; chunk 1:
         # cases 2 and 8); step: all-gathers, inner dim first, one per chunk and dtype
         ops = [(op, world.groups.index(g), shape[0]) for op, g, _x, shape, _dt_ in world.log[r]]
-        assert ops[:res.n_reduce] == [("reduce_scatter", 0, 16 + 16), ("reduce_scatter", 1, 8 + 16), ("all_reduce", 0, 8),
-                                      ("reduce_scatter", 0, 16), ("reduce_scatter", 1, 8 + 16), ("all_reduce", 0, 8)]
-        assert ops[res.n_reduce:] == [("all_gather", 1, 4), ("all_gather", 1, 8), ("all_gather", 1, 4), ("all_gather", 1, 8),
-                                      ("all_gather", 0, 8), ("all_gather", 0, 8), ("all_gather", 0, 8),
-                                      ("all_gather", 0, 8 + 8)]
+        assert ops[: res.n_reduce] == [
+            ("reduce_scatter", 0, 16 + 16),
+            ("reduce_scatter", 1, 8 + 16),
+            ("all_reduce", 0, 8),
+            ("reduce_scatter", 0, 16),
+            ("reduce_scatter", 1, 8 + 16),
+            ("all_reduce", 0, 8),
+        ]
+        assert ops[res.n_reduce :] == [
+            ("all_gather", 1, 4),
+            ("all_gather", 1, 8),
+            ("all_gather", 1, 4),
+            ("all_gather", 1, 8),
+            ("all_gather", 0, 8),
+            ("all_gather", 0, 8),
+            ("all_gather", 0, 8),
+            ("all_gather", 0, 8 + 8),
+        ]

@@ -31,13 +31,21 @@ def _opt(inner):
     return o
 
 
-@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
-                                    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                    (torch.optim.Adam, {"lr": 0.01})])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        (torch.optim.Adam, {"lr": 0.01}),
+    ],
+)
 def test_step_local_is_the_optimizer_on_the_local_tensors(mesh, cls, kw):
     gen = torch.Generator().manual_seed(0)
-    specs = [((Shard(0), Replicate()), (3, 4), (6, 4)), ((Replicate(), Shard(1)), (5, 2), (5, 4)),
-             ((Replicate(), Replicate()), (7,), (7,))]
+    specs = [
+        ((Shard(0), Replicate()), (3, 4), (6, 4)),
+        ((Replicate(), Shard(1)), (5, 2), (5, 4)),
+        ((Replicate(), Replicate()), (7,), (7,)),
+    ]
     locals_ = [torch.randn(loc, generator=gen) for _pl, loc, _full in specs]
     masters = [nn.Parameter(_sharded(mesh, x.clone(), pl, full)) for x, (pl, _l, full) in zip(locals_, specs)]
     ref = [nn.Parameter(x.clone()) for x in locals_]
@@ -82,8 +90,10 @@ def test_state_dtensors_are_built_once_and_share_the_local_state(mesh):
         local = opt._locals[id(m)]
         assert local.data.data_ptr() == m._local_tensor.data_ptr() and local.grad is None
     assert seen[0] is seen[1]  # the same DTensor: its local tensor is the state the optimizer updates
-    assert seen[1]._local_tensor.untyped_storage().data_ptr() == \
-        opt.inner.state[m]["exp_avg"]._local_tensor.untyped_storage().data_ptr()
+    assert (
+        seen[1]._local_tensor.untyped_storage().data_ptr()
+        == opt.inner.state[m]["exp_avg"]._local_tensor.untyped_storage().data_ptr()
+    )
     # a master whose storage was replaced gets a fresh local parameter
     with torch.no_grad():
         m._local_tensor = torch.zeros(3, 4)

@@ -123,8 +123,8 @@ def test_rows_are_a_block_of_the_batch():
     x = torch.ones(8, 4, 6)
     whole = rng.dropout_whole(x, 0.5, key)
     for i in range(4):
-        part = rng.dropout_rows(x[2 * i:2 * i + 2], 0.5, ("batch", "seq", "embed"), key, (i, 4))
-        assert torch.equal(part, whole[2 * i:2 * i + 2])
+        part = rng.dropout_rows(x[2 * i : 2 * i + 2], 0.5, ("batch", "seq", "embed"), key, (i, 4))
+        assert torch.equal(part, whole[2 * i : 2 * i + 2])
     # The batch need not be dim 0.
     xt = x.transpose(0, 1).contiguous()
     wt = rng.dropout_whole(xt, 0.5, key)

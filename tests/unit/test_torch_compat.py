@@ -38,8 +38,7 @@ def private_uses(source: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if _private(a.name)]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
-                    if _private(f"{node.module}.{a.name}")]
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if _private(f"{node.module}.{a.name}")]
         elif isinstance(node, ast.Attribute):
             name = _dotted(node)
             if name is not None and _private(name) and not _private(name.rpartition(".")[0]):
@@ -49,18 +48,21 @@ def private_uses(source: str) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("snippet, caught", [
-    ("import torch._dynamo", True),
-    ("from torch.distributed import _functional_collectives as funcol", True),
-    ("from torch.distributed.tensor._dtensor_spec import DTensorSpec", True),
-    ("x = torch.ops._c10d_functional.wait_tensor", True),
-    ("torch._C._current_graph_task_id()", True),
-    ("y = t._local_tensor", True),
-    ("w = node._saved_total_weight", True),
-    ("from torch.distributed.tensor import DTensor, Shard", False),
-    ("torch.compiler.is_compiling(); torch.__version__; torch.ops.aten.mm.default", False),
-    ('"""torch._dynamo in a docstring"""  # and torch._C in a comment', False),
-])
+@pytest.mark.parametrize(
+    "snippet, caught",
+    [
+        ("import torch._dynamo", True),
+        ("from torch.distributed import _functional_collectives as funcol", True),
+        ("from torch.distributed.tensor._dtensor_spec import DTensorSpec", True),
+        ("x = torch.ops._c10d_functional.wait_tensor", True),
+        ("torch._C._current_graph_task_id()", True),
+        ("y = t._local_tensor", True),
+        ("w = node._saved_total_weight", True),
+        ("from torch.distributed.tensor import DTensor, Shard", False),
+        ("torch.compiler.is_compiling(); torch.__version__; torch.ops.aten.mm.default", False),
+        ('"""torch._dynamo in a docstring"""  # and torch._C in a comment', False),
+    ],
+)
 def test_private_uses_sees_what_it_should(snippet, caught):
     assert bool(private_uses(snippet)) is caught, snippet
 
@@ -72,5 +74,7 @@ def test_no_private_torch_api_outside_the_compat_package():
             continue
         for line, what in private_uses(path.read_text()):
             found.append(f"{path.relative_to(REPO)}:{line}: {what}")
-    assert not found, ("private torch APIs outside meshlm/_torch_compat/ (wrap each there, with its version "
-                       "differences, and call the wrapper):\n" + "\n".join(found))
+    assert not found, (
+        "private torch APIs outside meshlm/_torch_compat/ (wrap each there, with its version "
+        "differences, and call the wrapper):\n" + "\n".join(found)
+    )

@@ -22,15 +22,21 @@ class Attention(nn.Module):
     def __init__(self, width: int, heads: int, device=None):
         super().__init__()
         self.heads = heads
-        self.q, self.k, self.v = (mnn.Linear(width, width, bias=False, axes=("embed", "heads"), init_std=0.02,
-                                             device=device) for _ in range(3))
+        self.q, self.k, self.v = (
+            mnn.Linear(width, width, bias=False, axes=("embed", "heads"), init_std=0.02, device=device)
+            for _ in range(3)
+        )
         self.o = mnn.Linear(width, width, bias=False, axes=("heads", "embed"), init_std=0.02, device=device)
 
     def forward(self, x):  # x: (batch, seq, embed)
         b, t, d = x.shape
         x = meshlm.constrain(x, ("batch", None, "embed"))  # every position: tensor parallel needs them
-        q, k, v = (meshlm.constrain(lin(x).view(b, t, self.heads, d // self.heads).transpose(1, 2),
-                                    ("batch", "heads", None, "head_dim")) for lin in (self.q, self.k, self.v))
+        q, k, v = (
+            meshlm.constrain(
+                lin(x).view(b, t, self.heads, d // self.heads).transpose(1, 2), ("batch", "heads", None, "head_dim")
+            )
+            for lin in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = meshlm.constrain(y, ("batch", "heads", None, "head_dim")).transpose(1, 2).flatten(2, 3)
         return meshlm.constrain(self.o(y), ("batch", "seq", "embed"))
@@ -56,8 +62,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A small decoder: ``forward(tokens, targets)`` is the mean next-token cross-entropy."""
 
-    def __init__(self, vocab: int = 256, width: int = 32, depth: int = 2, heads: int = 4, mlp: int = 64,
-                 device=None):
+    def __init__(self, vocab: int = 256, width: int = 32, depth: int = 2, heads: int = 4, mlp: int = 64, device=None):
         super().__init__()
         self.wte = mnn.Embedding(vocab, width, axes=("vocab", "embed"), init_std=0.02, device=device)
         self.blocks = nn.ModuleList(Block(width, heads, mlp, device) for _ in range(depth))
