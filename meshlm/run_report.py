@@ -29,22 +29,9 @@ def planned_memory(cfg, layout: str, sizes: dict[str, int]) -> Optional[dict[str
     loaded from Hugging Face weights, a model other than the shipped Llama)."""
     if cfg.model.init_from or not cfg.model.is_llama():
         return None
-    from meshlm.plan import _from_run_config, plan
+    from meshlm.plan.main import _from_run_config, formula_plan
 
-    kw = _from_run_config(cfg)
-    p = plan(
-        kw["model"],
-        layout,
-        sizes,
-        global_batch=kw["global_batch"],
-        seq=kw["seq"],
-        activation_checkpointing=kw["ac"],
-        param_dtype=kw["param_dtype"],
-        master_dtype=kw["master_dtype"],
-        grad_accum=kw["grad_accum"],
-        compute_dtype=kw["compute_dtype"],
-        reduce_dtype=kw["reduce_dtype"],
-    )
+    p = formula_plan(_from_run_config(cfg), layout, sizes)
     return {k: int(p.memory[k]) for k in ("params", "grads", "optimizer", "total")}
 
 

@@ -16,7 +16,7 @@ from meshlm.plan import search
 from meshlm.plan.analytic import plan
 from meshlm.plan.measure import Build
 from meshlm.plan.measured import plan_model
-from meshlm.plan.report import format_plan
+from meshlm.plan.report import Plan, format_plan
 
 METHODS = ("measure", "formula")
 
@@ -132,51 +132,21 @@ def plan_main(cfg, argv: Optional[Sequence[str]] = None) -> int:
     from pathlib import Path
 
     kw = _from_run_config(cfg)
-    name, mcfg = kw["model"]
+    name = kw["model"][0]
     layout = cfg.layout.name
     mesh = cfg.mesh.as_dict()
     measured = _measured(cfg) if kw["method"] == "measure" else None
     if layout == "auto":
         png = kw["png"] or str(Path("outputs", "plan", *time.strftime("%Y-%m-%d %H-%M-%S").split(), "plan.png"))
-        layout, mesh = search.choose_layout(
-            model=kw["model"],
-            devices=kw["devices"],
-            max_memory=kw["max_memory"],
-            global_batch=kw["global_batch"],
-            seq=kw["seq"],
-            activation_checkpointing=kw["ac"],
-            param_dtype=kw["param_dtype"],
-            master_dtype=kw["master_dtype"],
-            compute_dtype=kw["compute_dtype"],
-            reduce_dtype=kw["reduce_dtype"],
-            grad_accum=kw["grad_accum"],
-            hardware=kw["profile"],
-            overlap=kw["overlap"],
-            png=png,
-            top=kw["top"],
-            headroom=kw["headroom"],
-            planner=measured,
-            out=sys.stdout if kw["format"] == "text" else io.StringIO(),
-        )
+        out = sys.stdout if kw["format"] == "text" else io.StringIO()
+        layout, mesh = search.choose_layout(**{**_search_kwargs(kw), "png": png, "planner": measured, "out": out})
         if kw["format"] == "text":
             print(f"(memory breakdown of these candidates: {png})\n")
     spec = MeshSpec.parse(mesh, kw["devices"])
     if measured is not None:
         p = measured(layout, dict(spec.axes))
     else:
-        p = plan(
-            mcfg,
-            layout,
-            spec,
-            global_batch=kw["global_batch"],
-            seq=kw["seq"],
-            activation_checkpointing=kw["ac"],
-            param_dtype=kw["param_dtype"],
-            master_dtype=kw["master_dtype"],
-            compute_dtype=kw["compute_dtype"],
-            reduce_dtype=kw["reduce_dtype"],
-            grad_accum=kw["grad_accum"],
-        )
+        p = formula_plan(kw, layout, spec)
     p.model = name
     cmd = train_command(p.layout, dict(spec.axes), list(argv or ()))
     if kw["format"] == "json":
@@ -187,31 +157,52 @@ def plan_main(cfg, argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def choose_layout(cfg=None, **kwargs) -> tuple[str, dict[str, int]]:
-    """``layout=auto``: :func:`meshlm.plan.search.choose_layout`, whose keywords the model,
-    train and plan sections of ``cfg`` (a :class:`meshlm.config.RunConfig`) replace when it
-    is given."""
-    if cfg is None:
-        return search.choose_layout(**kwargs)
-    kw = _from_run_config(cfg)
-    planner = _measured(cfg) if kw["method"] == "measure" else kwargs.get("planner")
-    return search.choose_layout(
-        model=kw["model"],
-        devices=kw["devices"],
+def _search_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    """:func:`meshlm.plan.search.choose_layout`'s keywords from :func:`_from_run_config`'s dict."""
+    names = {
+        "model": "model",
+        "devices": "devices",
+        "max_memory": "max_memory",
+        "global_batch": "global_batch",
+        "seq": "seq",
+        "activation_checkpointing": "ac",
+        "param_dtype": "param_dtype",
+        "master_dtype": "master_dtype",
+        "compute_dtype": "compute_dtype",
+        "reduce_dtype": "reduce_dtype",
+        "grad_accum": "grad_accum",
+        "hardware": "profile",
+        "overlap": "overlap",
+        "png": "png",
+        "top": "top",
+        "headroom": "headroom",
+    }
+    return {arg: kw[key] for arg, key in names.items()}
+
+
+def formula_plan(kw: dict[str, Any], layout: str, mesh) -> Plan:
+    """The analytic plan (the shipped Llama) of :func:`_from_run_config`'s dict ``kw``."""
+    return plan(
+        kw["model"][1],
+        layout,
+        mesh,
         global_batch=kw["global_batch"],
         seq=kw["seq"],
         activation_checkpointing=kw["ac"],
         param_dtype=kw["param_dtype"],
-        grad_accum=kw["grad_accum"],
         master_dtype=kw["master_dtype"],
         compute_dtype=kw["compute_dtype"],
         reduce_dtype=kw["reduce_dtype"],
-        max_memory=kw["max_memory"],
-        hardware=kw["profile"],
-        overlap=kw["overlap"],
-        png=kw["png"],
-        top=kw["top"],
-        headroom=kw["headroom"],
-        planner=planner,
-        out=kwargs.get("out"),
+        grad_accum=kw["grad_accum"],
     )
+
+
+def choose_layout(cfg=None, **kwargs) -> tuple[str, dict[str, int]]:
+    """``layout=auto``: :func:`meshlm.plan.search.choose_layout`, whose keywords the model,
+    train and plan sections of ``cfg`` (a :class:`meshlm.config.RunConfig`) replace when it
+    is given (``kwargs`` then only add to them: ``png``, ``out``, ``planner``)."""
+    if cfg is None:
+        return search.choose_layout(**kwargs)
+    kw = _from_run_config(cfg)
+    planner = _measured(cfg) if kw["method"] == "measure" else kwargs.pop("planner", None)
+    return search.choose_layout(**{**_search_kwargs(kw), "planner": planner, **kwargs})
