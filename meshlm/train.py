@@ -435,13 +435,14 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             run_dir / "loss.png",
             title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}",
         )
-        tp = summary["tokens_per_s"]
+        tp = summary["tokens_per_s"]  # None: no step was timed (the first and the memory-measuring one are not)
+        rate = f"{tp:,.0f} tokens/s" if tp else "tokens/s not timed (too few steps)"
         if life.stop_signal:
             print(f"meshlm train: {life.stopped_line(step)}", flush=True)
         else:
             print(
                 f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
-                f"val_loss {val_loss:.3f}; {tp or 0:,.0f} tokens/s; memory/rank {memory_line(summary)}; outputs in "
+                f"val_loss {val_loss:.3f}; {rate}; memory/rank {memory_line(summary)}; outputs in "
                 f"{run_dir}",
                 flush=True,
             )
