@@ -35,6 +35,7 @@ from meshlm.hf_llama import config_from_hf as hf_config_to_llama
 from meshlm.hf_llama import config_to_hf as llama_to_hf_config
 from meshlm.hf_llama import hf_name
 from meshlm.lowering import local_box
+from meshlm.precision import DTYPES as _DTYPES
 
 __all__ = [
     "load_hf",
@@ -378,16 +379,6 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     # a run of its own (step 0): `meshlm train checkpoint.dir=OUT checkpoint.resume=auto` continues it
     ck = Checkpointer(CheckpointConfig(dir=out, keep=0), model=model, run_meta={"converted_from": _strip(path)})
     return ck.save(0, {"step": 0, "init_from": f"hf:{_strip(path)}"})
-
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def convert_main(argv: list[str]) -> int:

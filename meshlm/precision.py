@@ -183,7 +183,15 @@ def main_grads_allowed(t) -> bool:
     return t.compile == "none" or t.compile_comms == "eager"
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype names in configs and CLI flags, with their short aliases (one table for meshlm)
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def shard_dtypes(t, layout=None, sizes=None) -> dict[str, torch.dtype | None]:

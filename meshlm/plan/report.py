@@ -9,16 +9,10 @@ from typing import Any, Mapping
 
 import torch
 
+from meshlm.precision import DTYPES as _DTYPES
+
 SCHEMA_VERSION = 1
 GiB = 1024**3
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def _dtype(d: "str | torch.dtype | None", default: torch.dtype = torch.float32) -> torch.dtype:
