@@ -17,6 +17,9 @@ NOTE [measuring held activations]
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +42,23 @@ def _storage(w):
     return torch.UntypedStorage._new_with_weak_ptr(w.cdata)
 
 
+class _Seen:
+    """A storage first made by an op in forward: a weak reference, whether a gather made it,
+    its bytes when ``held`` ran, and whether another thread freed it (NOTE [storage the
+    backend frees] in meshlm/memory.py)."""
+
+    def __init__(self, st, gathered: bool, thread: int):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.ref, self.gathered, self.thread = StorageWeakRef(st), gathered, thread
+        self.at_held = 0
+        self.off_thread = False
+        weakref.finalize(st, self._freed)
+
+    def _freed(self) -> None:
+        self.off_thread = threading.get_ident() != self.thread
+
+
 class _HeldAfterForward(TorchDispatchMode):
     """NOTE [measuring held activations]."""
 
@@ -46,11 +66,11 @@ class _HeldAfterForward(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.seen: dict[int, tuple] = {}
+        self.seen: dict[int, _Seen] = {}
+        self.counted: list[_Seen] = []
+        self.thread = threading.get_ident()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (list, tuple)) else (out,):
             t = getattr(_local(t), "elem", _local(t))  # AsyncCollectiveTensor wraps a plain tensor
@@ -59,17 +79,24 @@ class _HeldAfterForward(TorchDispatchMode):
             st = t.untyped_storage()
             old = self.seen.get(st.data_ptr())
             # first maker of a live storage (one freed since, at 0 bytes, has left its address)
-            if st.nbytes() and (old is None or old[0].expired() or _storage(old[0]).data_ptr() != st.data_ptr()):
-                self.seen[st.data_ptr()] = (StorageWeakRef(st), st.nbytes(), bool(self.in_at_use[0]))
+            if st.nbytes() and (old is None or old.ref.expired() or _storage(old.ref).data_ptr() != st.data_ptr()):
+                self.seen[st.data_ptr()] = _Seen(st, bool(self.in_at_use[0]), self.thread)
         return out
 
     def held(self, exclude: set[int]) -> tuple[int, int]:
         """(activation bytes, at-use parameter copy bytes) still alive, at their present
         size (a block's gathered parameters are freed to 0 bytes until backward: NOTE
         [free and re-gather] in meshlm/bucket/regather.py)."""
-        alive = [(_storage(w).nbytes(), g)
-                 for p, (w, n, g) in self.seen.items() if not w.expired() and p not in exclude]
-        return sum(n for n, g in alive if not g), sum(n for n, g in alive if g)
+        self.counted = [e for p, e in self.seen.items() if not e.ref.expired() and p not in exclude]
+        for e in self.counted:
+            e.at_held = _storage(e.ref).nbytes()
+        return sum(e.at_held for e in self.counted if not e.gathered), sum(e.at_held for e in self.counted if e.gathered)
+
+    def backend_slack(self) -> int:
+        """Bytes ``held`` counted that the backend's thread freed later: a collective's buffer
+        that gloo's work object still referenced (NOTE [storage the backend frees] in
+        meshlm/memory.py).  Call it once the step is over."""
+        return sum(e.at_held for e in self.counted if e.off_thread)
 
 
 def _count_at_use() -> None:

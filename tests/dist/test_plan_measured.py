@@ -88,6 +88,7 @@ def _real(layout: str, mesh_shape: dict, ac: str, model: str = "gpt2"):
         with cc.phase("optimizer"):
             opt.step()
     opt.zero_grad()
+    held_slack = held.backend_slack()
     with StepMemory(model, opt, torch.device("cpu")) as mem:
         loss = model(x, y)  # held through backward, as train holds it
         (loss / 1).backward()  # train's loss / train.grad_accum
@@ -96,7 +97,7 @@ def _real(layout: str, mesh_shape: dict, ac: str, model: str = "gpt2"):
         # ZeRO-1's gradients peak in the step (NOTE [main grads] in meshlm/main_grad.py)
         grads = max(mem.grads, model_state_bytes(model, opt)["grads"])
     comm = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
-    return dict(mem.result, grads=grads, activations=act + gathered, comm=comm)
+    return dict(mem.result, grads=grads, activations=act + gathered, comm=comm, backend_slack=mem.backend_slack, held_slack=held_slack)
 
 
 def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2") -> None:
@@ -116,20 +117,23 @@ def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2")
         activation_checkpointing=ac,
         shard_kw=shard_dtypes(TrainConfig(), load_layout(layout), mesh),
     )
-    planned = {k: p.memory[k] for k in ("params", "grads", "optimizer", "activations")}
+    planned = {k: p.memory[k] for k in ("params", "grads", "optimizer")}
     measured = {k: got[k] for k in planned}
     assert planned == measured, f"{layout} {mesh} {ac}: planned {planned} measured {measured}"
+    # NOTE [storage the backend frees] in meshlm/memory.py: gloo's thread may hold a
+    # collective's buffer past the program's last use; the fake step has no such thread.
+    act = (got["activations"] - got["held_slack"], got["activations"])
+    assert act[0] <= p.memory["activations"] <= act[1], (
+        f"{layout} {mesh} {ac}: planned activations {p.memory['activations']}, measured {got['activations']} "
+        f"of which up to {got['held_slack']} held by the backend's thread"
+    )
     pc = {k: (int(v["count"]), int(v["bytes"])) for k, v in p.comm_summary(by_phase=True).items()}
     assert pc == got["comm"], f"{layout} {mesh} comm: planned {pc}\nmeasured {got['comm']}"
-    if p.memory["peak"] != got["peak"]:
-        # KNOWN BUG (open): since the lowering and planner branches merged, the real step's
-        # peak differs from the plan by a few KB on some layouts, depending on which tests ran
-        # before in the same worker (each passes alone). Everything above is still exact;
-        # this reports the peak as a known failure, with the numbers, until it is found.
-        pytest.xfail(
-            f"peak depends on earlier tests in the worker: planned {p.memory['peak']} "
-            f"measured {got['peak']} ({layout} {mesh} {ac})"
-        )
+    lo, hi = got["peak"] - got["backend_slack"], got["peak"]
+    assert lo <= p.memory["peak"] <= hi, (
+        f"{layout} {mesh} {ac}: planned peak {p.memory['peak']}, measured {got['peak']} of which up to "
+        f"{got['backend_slack']} held by the backend's thread"
+    )
 
 
 @pytest.mark.parametrize("layout", shipped_layouts())
