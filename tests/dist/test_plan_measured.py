@@ -6,7 +6,9 @@ Equal to the byte: parameter, gradient and optimizer bytes per rank, the activat
 from forward to backward (NOTE [measuring held activations] in test_plan_exact.py), the
 peak of live tensor storage in a step as ``meshlm train`` measures it (NOTE [run memory]
 in meshlm/metrics.py), and every collective's count and bytes per (kind, axes, phase).
-The same for a user's model in a package of its own (tests/usermodel/mymodels), built from
+The peak and the held activations are equal but for the collective buffers that gloo's
+thread happened to free late in that run (NOTE [storage the backend frees] in
+meshlm/memory.py: measured in the same run, usually 0).  The same for a user's model in a package of its own (tests/usermodel/mymodels), built from
 its Hydra node exactly as ``meshlm plan model._target_=mymodels.TinyLM`` builds it."""
 
 from __future__ import annotations
