@@ -44,3 +44,87 @@ def memory_line(s: dict[str, Any]) -> str:
         if m is not None:
             parts.append(f"{k} {fmt_bytes(m)}" + (f" (planned {fmt_bytes(p)})" if p is not None else ""))
     return ", ".join(parts + [f"RSS {fmt_bytes(s['rss_bytes_per_rank'])}"])
+
+
+def gather_memory(mem_kinds: dict, device, world: int) -> dict[str, Any]:
+    """Memory of the fullest rank, by kind (NOTE [run memory] in meshlm/metrics.py; None: not
+    measured), and the process's resident set (CPU) or allocator peak (CUDA) over the run:
+    one all-reduce (max) over the job."""
+    import torch
+    import torch.distributed as dist
+
+    from meshlm.metrics import peak_memory_bytes
+
+    kinds = ("params", "grads", "optimizer", "peak")
+    vals = [mem_kinds.get(k) for k in kinds] + [peak_memory_bytes(device)]
+    peak = torch.tensor([-1 if v is None else v for v in vals], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    out: dict[str, Any] = {f"mem_{k}_bytes": (int(v) if v >= 0 else None) for k, v in zip(kinds, peak.tolist()[:4])}
+    out["rss_bytes_per_rank"] = int(peak[4].item())
+    return out
+
+
+def done_line(summary: dict[str, Any], steps_line: str, run_dir) -> str:
+    """The final line of a run that was not stopped by a signal."""
+    tp = summary["tokens_per_s"]  # None: no step was timed (the first and the memory-measuring one are not)
+    rate = f"{tp:,.0f} tokens/s" if tp else "tokens/s not timed (too few steps)"
+    first, last, val = summary["first_train_loss"], summary["final_train_loss"], summary["final_val_loss"]
+    return (
+        f"done: {steps_line} in {summary['wall_s']:.0f}s; loss {first:.3f} -> {last:.3f}, val_loss {val:.3f}; "
+        f"{rate}; memory/rank {memory_line(summary)}; outputs in {run_dir}"
+    )
+
+
+def run_summary(
+    cfg,
+    *,
+    layout_name,
+    world,
+    start,
+    step,
+    life,
+    eff,
+    skipped,
+    rates,
+    memory,
+    planned,
+    comm_bytes,
+    losses,
+    wall,
+    startup,
+    checkpointed,
+) -> dict[str, Any]:
+    """summary.json of a run: what ran (layout, mesh, model, steps), how fast (the median
+    tokens/s of the timed steps: robust to noisy neighbours), memory by kind measured
+    (``gather_memory``) and planned, bytes per step, the losses (first, last, validation)."""
+    t = cfg.train
+    rates = sorted(rates)
+    first, last, val = losses
+    return {
+        "layout": layout_name,
+        "mesh": str(cfg.mesh),
+        "model": cfg.model.label,
+        "world_size": world,
+        "steps": t.steps,
+        "start_step": start,
+        "steps_run": step - start,
+        "global_step": step,
+        "run_id": life.run_id,
+        "stopped_by": life.stop_name,
+        "skipped_steps": skipped,
+        "tokens_per_s": rates[len(rates) // 2] if rates else None,
+        "layout_effective": eff.label(),
+        "layout_warnings": eff.problems(),
+        "grad_accum": t.grad_accum,
+        "tokens_per_step": t.batch_size * t.seq_len,
+        **memory,
+        **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
+        "comm_bytes_per_step": comm_bytes,
+        "first_train_loss": first,
+        "final_train_loss": last,
+        "final_val_loss": val,
+        "wall_s": wall,
+        "startup_s": startup,
+        "activation_checkpointed_blocks": checkpointed,
+    }

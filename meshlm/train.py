@@ -13,11 +13,11 @@ world (see docs/train.md for the multi-node command).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -33,28 +33,15 @@ from meshlm import _torch_compat as compat
 from meshlm import lifecycle
 from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
 from meshlm.config import RunConfig, TrainConfig
-from meshlm.errors import ConfigError, MeshError, MeshlmError
+from meshlm.errors import ConfigError, MeshError
 from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
-from meshlm.run_report import effective_layout, fmt_bytes, memory_line, planned_memory
+from meshlm.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
+from meshlm.train_step import NonFiniteLossError, accumulate, evaluate, lr_at, train_step  # noqa: F401 (meshlm.train's API)
 
 log = logging.getLogger("meshlm.train")
 
 
-class NonFiniteLossError(MeshlmError):
-    """The loss became NaN or Inf."""
-
-
 # --------------------------------------------------------------------------- helpers
-def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warmup to ``t.lr`` over ``t.warmup_steps`` steps, then cosine to ``t.min_lr``
-    at ``t.steps``.  ``step`` counts from 1."""
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    frac = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
-
-
 def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
     """(rank, size) of this process among the data-parallel replicas: the mesh axes the
     layout splits the input batch over (ranks that differ only in tp/pp/ep share a rank)."""
@@ -130,9 +117,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     import meshlm
     from meshlm.comm import CommCounter
     from meshlm.data import ShardedLoader, TokenDataset
-    from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss
+    from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss, read_metrics
     from meshlm.model_build import build_sharded
-    from meshlm.model_config import loss_of, model_vocab
+    from meshlm.model_config import model_vocab
     from meshlm.optim import ShardedOptimizer
 
     t = cfg.train
@@ -174,20 +161,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     ds.check_vocab(model_vocab(model), cfg.model.label)
     loader = ShardedLoader(ds.train, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
 
-    def evaluate() -> float:
-        vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
-        n = min(t.val_batches, vl.steps_per_epoch)
-        total = 0.0
-        model.eval()  # no dropout
-        try:
-            with torch.no_grad():
-                for _ in range(n):
-                    x, y = vl.next()
-                    total += float(loss_of(model(x.to(device), y.to(device)), cfg.model))
-        finally:
-            model.train()
-        return total / n
-
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
     life = lifecycle.Lifecycle(
         cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name, mesh_label=str(cfg.mesh), device=device
@@ -223,25 +196,17 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(f"meshlm train: {msg}", flush=True)
         return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
-    bar = None
-    if is_main and t.progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-            life.say = bar.write
-        except ImportError:
-            bar = None
-
+    bar = _progress_bar(t, start, life) if is_main else None
     prof = None
     comm_bytes: Optional[int] = None
     tokens_per_step = t.batch_size * t.seq_len
     rates: list[float] = []
-    writer_rows = [0]
+    rows_written = 0
     first_loss = last_loss = val_loss = None
     skipped = 0
     measure_step = min(start + 2, t.steps)  # NOTE [run memory] in meshlm/metrics.py
     mem_kinds: dict[str, Any] = {}
+    passes = accumulate(model, loader.next, t, cfg.model, device, rank)
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
         compat.record_cuda_memory_history(True, max_entries=100_000)
@@ -259,64 +224,20 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         lr = lr_at(step, t)
         for g in opt.param_groups:
             g["lr"] = lr
-        if counter:
-            counter.__enter__()
+        with contextlib.ExitStack() as measuring:
+            for m in (counter, memory):
+                if m is not None:
+                    measuring.enter_context(m)
+            out = train_step(passes, opt, t, step, lr, scaler, memory.after_backward if memory else None)
         if memory:
-            memory.__enter__()
-        try:
-            loss_sum = 0.0
-            for _ in range(t.grad_accum):
-                x, y = loader.next()
-                loss = loss_of(model(x.to(device), y.to(device)), cfg.model)
-                if step == t.inject_nan_step:
-                    loss = loss * float("nan")
-                if t.inject_crash_step == step and rank == t.inject_crash_rank:
-                    raise RuntimeError(f"injected crash on rank {rank} at step {step} (train.inject_crash_step)")
-                micro_loss = loss / t.grad_accum
-                (scaler.scale_loss(micro_loss) if scaler else micro_loss).backward()
-                loss_sum += float(loss.detach())
-            if memory:
-                memory.after_backward()
-            loss_val = loss_sum / t.grad_accum
-            if not math.isfinite(loss_val):
-                if not t.skip_nonfinite:
-                    raise NonFiniteLossError(
-                        f"loss is {loss_val} at step {step} (lr {lr:.3g}); lower train.lr, keep train.grad_clip > 0, "
-                        "or set train.skip_nonfinite=true to skip such steps"
-                    )
-                opt.zero_grad()
-                skipped += 1
-                log.warning("step %d: loss %s, step skipped (train.skip_nonfinite)", step, loss_val)
-                if writer:
-                    writer.write({"step": step, "loss": None, "lr": lr, "skipped": True})
-                continue
-            if scaler is not None:  # unscale, one all-reduce for inf/nan, clip, step or skip
-                loss_scale = scaler.scale
-                gnorm, stepped = scaler.step(opt, t.grad_clip)
-                opt.zero_grad()
-                if not stepped:
-                    skipped += 1
-                    log.warning(
-                        "step %d: float16 gradients overflowed at loss scale %g, step skipped; scale now %g",
-                        step,
-                        loss_scale,
-                        scaler.scale,
-                    )
-                    if writer:
-                        writer.write(
-                            {"step": step, "loss": loss_val, "lr": lr, "skipped": True, "loss_scale": loss_scale}
-                        )
-                    continue
-            else:
-                gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
-                opt.step()
-                opt.zero_grad()
-        finally:
-            if memory:
-                memory.__exit__(None, None, None)
-                mem_kinds = memory.result
-            if counter:
-                counter.__exit__(None, None, None)
+            mem_kinds = memory.result
+        if out.skipped:
+            skipped += 1
+            if writer:
+                loss = None if out.skipped == "nonfinite" else out.loss
+                scale = {} if out.loss_scale is None else {"loss_scale": out.loss_scale}
+                writer.write({"step": step, "loss": loss, "lr": lr, "skipped": True, **scale})
+            continue
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -332,15 +253,15 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             rates.append(tps)  # the first step includes compilation and warm-up; the measured one, tracking
         if first_loss is None:
             clock.mark("first_step")
-            first_loss = loss_val
-        last_loss = loss_val
+            first_loss = out.loss
+        last_loss = out.loss
         mem = peak_memory_bytes(device)
         row: dict[str, Any] = {
             "step": step,
             "steps_run": step - start,
-            "loss": loss_val,
+            "loss": out.loss,
             "lr": lr,
-            "grad_norm": gnorm,
+            "grad_norm": out.grad_norm,
             "tokens_per_s": tps,
             "step_time_s": dt,
             "tokens": (step - start) * tokens_per_step,
@@ -349,15 +270,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         }
         if step == measure_step:
             row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
-        if not writer_rows[0]:
+        if not rows_written:
             row["layout_effective"] = eff.label()
-        writer_rows[0] += 1
+        rows_written += 1
         if comm_bytes is not None:
             row["comm_bytes"] = comm_bytes
         if scaler is not None:
             row["loss_scale"] = scaler.scale
         if step == t.steps or (t.val_every and step % t.val_every == 0):
-            val_loss = evaluate()
+            vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+            val_loss = evaluate(model, vl, t.val_batches, cfg.model, device)
             row["val_loss"] = val_loss
             log.info("step %d val_loss %.4f", step, val_loss)
             if bar is not None:
@@ -365,17 +287,12 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if step % t.log_every == 0 or "val_loss" in row:
             log.info(
                 "step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s",
-                step,
-                loss_val,
-                lr,
-                gnorm,
-                tps,
-                fmt_bytes(mem),
+                *(step, out.loss, lr, out.grad_norm, tps, fmt_bytes(mem)),
             )
             if writer:
                 writer.write(row)
         if bar is not None:
-            bar.set_postfix_str(f"loss {loss_val:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
+            bar.set_postfix_str(f"loss {out.loss:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
             bar.update(1)
         if life.after_step(step, functools.partial(_ckpt_state, step, loader, scaler)):
             break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
@@ -387,67 +304,52 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         compat.record_cuda_memory_history(False)
     wall = time.perf_counter() - t_start
 
-    # Memory of the fullest rank, by kind (NOTE [run memory]; -1: not measured), and the
-    # process's resident set (CPU) or allocator peak (CUDA) over the run.
-    kinds = ("params", "grads", "optimizer", "peak")
-    vals = [mem_kinds.get(k) for k in kinds] + [peak_memory_bytes(device)]
-    peak = torch.tensor([-1 if v is None else v for v in vals], dtype=torch.float64, device=device)
-    if world > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    measured = {f"mem_{k}_bytes": (int(v) if v >= 0 else None) for k, v in zip(kinds, peak.tolist()[:4])}
-    rates.sort()
-    summary = {
-        "layout": layout.name,
-        "mesh": str(cfg.mesh),
-        "model": cfg.model.label,
-        "world_size": world,
-        "steps": t.steps,
-        "start_step": start,
-        "steps_run": step - start,
-        "global_step": step,
-        "run_id": life.run_id,
-        "stopped_by": life.stop_name,
-        "skipped_steps": skipped,
-        "tokens_per_s": rates[len(rates) // 2] if rates else None,  # median: robust to noisy neighbours
-        "layout_effective": eff.label(),
-        "layout_warnings": eff.problems(),
-        "grad_accum": t.grad_accum,
-        "tokens_per_step": tokens_per_step,
-        **measured,
-        **{f"planned_{k}_bytes": v for k, v in (planned or {}).items()},
-        "rss_bytes_per_rank": int(peak[4].item()),
-        "comm_bytes_per_step": comm_bytes,
-        "first_train_loss": first_loss,
-        "final_train_loss": last_loss,
-        "final_val_loss": val_loss,
-        "wall_s": wall,
-        "startup_s": clock.result(),
-        "activation_checkpointed_blocks": n_ckpt,
-    }
+    summary = run_summary(
+        cfg,
+        layout_name=layout.name,
+        world=world,
+        start=start,
+        step=step,
+        life=life,
+        eff=eff,
+        skipped=skipped,
+        rates=rates,
+        memory=gather_memory(mem_kinds, device, world),
+        planned=planned,
+        comm_bytes=comm_bytes,
+        losses=(first_loss, last_loss, val_loss),
+        wall=wall,
+        startup=clock.result(),
+        checkpointed=n_ckpt,
+    )
     if is_main:
         assert writer is not None
         writer.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        from meshlm.metrics import read_metrics
-
         plot_loss(
             read_metrics(run_dir / "metrics.jsonl"),
             run_dir / "loss.png",
             title=f"{cfg.model.label} {layout.name} mesh {cfg.mesh}",
         )
-        tp = summary["tokens_per_s"]  # None: no step was timed (the first and the memory-measuring one are not)
-        rate = f"{tp:,.0f} tokens/s" if tp else "tokens/s not timed (too few steps)"
         if life.stop_signal:
             print(f"meshlm train: {life.stopped_line(step)}", flush=True)
         else:
-            print(
-                f"done: {life.steps_line(step, t.steps)} in {wall:.0f}s; loss {first_loss:.3f} -> {last_loss:.3f}, "
-                f"val_loss {val_loss:.3f}; {rate}; memory/rank {memory_line(summary)}; outputs in "
-                f"{run_dir}",
-                flush=True,
-            )
+            print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _progress_bar(t: TrainConfig, start: int, life):
+    """rank 0's tqdm bar (None without ``train.progress`` or tqdm); the lifecycle's lines go through it."""
+    if not t.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+    life.say = bar.write
+    return bar
 
 
 def _ckpt_state(step: int, loader, scaler) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""One optimizer step of ``meshlm train``: the micro-batches' forward and backward, the
+non-finite-loss check, float16 loss scaling, global-norm clipping and the update; the
+learning-rate schedule and the validation loss.
+
+``train_step`` is what the loop in meshlm/train.py calls once per step; what runs the
+micro-batches is a ``Passes`` (``accumulate``: one forward and backward per micro-batch,
+gradients summed in place), so that the step around them (scaling, clipping, the update,
+skipping) is the same whatever produces the gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from meshlm.errors import MeshlmError
+
+if TYPE_CHECKING:
+    from meshlm.config import TrainConfig
+
+log = logging.getLogger("meshlm.train")
+
+#: ``passes(step, scale) -> mean micro-batch loss``: runs forward and backward over the
+#: step's micro-batches (each loss divided by their number, then multiplied by ``scale``
+#: if given, before backward, so that the gradient is that of the mean loss) and leaves
+#: the summed gradients in place.
+Passes = Callable[[int, Optional[Callable[[Tensor], Tensor]]], float]
+
+
+class NonFiniteLossError(MeshlmError):
+    """The loss became NaN or Inf."""
+
+
+@dataclass
+class StepOutcome:
+    """What a step did: its mean loss, the gradient norm before clipping (None: not
+    computed), and why it did not update the weights (None: it did)."""
+
+    loss: float
+    grad_norm: Optional[float] = None
+    skipped: Optional[str] = None  # "nonfinite" (train.skip_nonfinite) or "overflow" (float16)
+    loss_scale: Optional[float] = None  # float16: the scale this step ran at
+
+
+def lr_at(step: int, t: "TrainConfig") -> float:
+    """Linear warmup to ``t.lr`` over ``t.warmup_steps`` steps, then cosine to ``t.min_lr``
+    at ``t.steps``.  ``step`` counts from 1."""
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def evaluate(model, loader, batches: int, mcfg, device) -> float:
+    """The mean loss over the first ``batches`` batches of ``loader`` (at most an epoch),
+    in eval mode (no dropout) and without gradients; the model is back in train mode after."""
+    from meshlm.model_config import loss_of
+
+    n = min(batches, loader.steps_per_epoch)
+    total = 0.0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                x, y = loader.next()
+                total += float(loss_of(model(x.to(device), y.to(device)), mcfg))
+    finally:
+        model.train()
+    return total / n
+
+
+def accumulate(model, next_batch, t, mcfg, device, rank: int) -> Passes:
+    """Plain gradient accumulation: ``t.grad_accum`` micro-batches of forward and backward,
+    each loss divided by ``t.grad_accum``.  ``next_batch()`` gives (tokens, targets);
+    ``scale`` (set by ``train_step``) multiplies each micro-batch loss before backward
+    (float16 loss scaling).  The injected faults of ``train.inject_nan_step`` and
+    ``train.inject_crash_step`` (tests) are raised here."""
+    from meshlm.model_config import loss_of
+
+    def passes(step: int, scale: Optional[Callable[[Tensor], Tensor]] = None) -> float:
+        total = 0.0
+        for _ in range(t.grad_accum):
+            x, y = next_batch()
+            loss = loss_of(model(x.to(device), y.to(device)), mcfg)
+            if step == t.inject_nan_step:
+                loss = loss * float("nan")
+            if t.inject_crash_step == step and rank == t.inject_crash_rank:
+                raise RuntimeError(f"injected crash on rank {rank} at step {step} (train.inject_crash_step)")
+            micro = loss / t.grad_accum
+            (scale(micro) if scale else micro).backward()
+            total += float(loss.detach())
+        return total / t.grad_accum
+
+    return passes
+
+
+def train_step(passes: Passes, opt, t, step: int, lr: float, scaler=None, after_backward=None) -> StepOutcome:
+    """Run ``passes`` for ``step``, then update: clip to ``t.grad_clip`` and step ``opt``,
+    or, with a float16 ``scaler``, unscale, check for overflow (one all-reduce), clip and
+    step or skip.  A non-finite mean loss raises :class:`NonFiniteLossError`, or, with
+    ``t.skip_nonfinite``, zeroes the gradients and skips the update.  ``after_backward()``
+    is called between the last backward and the update (memory measurement)."""
+    loss = passes(step, scaler.scale_loss if scaler is not None else None)
+    if after_backward is not None:
+        after_backward()
+    if not math.isfinite(loss):
+        if not t.skip_nonfinite:
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {step} (lr {lr:.3g}); lower train.lr, keep train.grad_clip > 0, "
+                "or set train.skip_nonfinite=true to skip such steps"
+            )
+        opt.zero_grad()
+        log.warning("step %d: loss %s, step skipped (train.skip_nonfinite)", step, loss)
+        return StepOutcome(loss, skipped="nonfinite")
+    if scaler is not None:  # unscale, one all-reduce for inf/nan, clip, step or skip
+        scale = scaler.scale
+        gnorm, stepped = scaler.step(opt, t.grad_clip)
+        opt.zero_grad()
+        if not stepped:
+            log.warning(
+                "step %d: float16 gradients overflowed at loss scale %g, step skipped; scale now %g",
+                step,
+                scale,
+                scaler.scale,
+            )
+            return StepOutcome(loss, skipped="overflow", loss_scale=scale)
+        return StepOutcome(loss, gnorm, loss_scale=scale)
+    gnorm = float(opt.clip_grad_norm_(t.grad_clip)) if t.grad_clip > 0 else None
+    opt.step()
+    opt.zero_grad()
+    return StepOutcome(loss, gnorm)
