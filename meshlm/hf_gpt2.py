@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 <-> meshlm GPT2: names, shapes and configs (the ``gpt2`` family of
-meshlm/hf.py; the reading and writing machinery lives there).
+meshlm/hf.py; the reading and writing machinery is meshlm/hf_load.py and meshlm/hf_save.py).
 
 NOTE [HF GPT-2 tensors]
     Names are the same on both sides (``transformer.h.0.attn.c_attn.weight``); a file saved

@@ -1,5 +1,5 @@
 """Hugging Face Llama <-> meshlm Llama: names, shapes and configs (the ``llama`` family of
-meshlm/hf.py; the reading and writing machinery lives there).
+meshlm/hf.py; the reading and writing machinery is meshlm/hf_load.py and meshlm/hf_save.py).
 
 NOTE [HF names]: meshlm stores attention weights per head, ``wq: (heads, head_dim, embed)``
 and ``wo: (embed, heads, head_dim)``; HF's ``q_proj: (heads*head_dim, embed)`` and

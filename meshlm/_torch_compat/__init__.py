@@ -4,10 +4,19 @@ Private names (``torch._dynamo``, ``torch._C``, ``torch.distributed._functional_
 ``torch.ops._c10d_functional``, ``torch.utils._python_dispatch``, autograd engine and node
 internals, a DTensor's ``_local_tensor``) move between releases; here each is looked up
 once, with the version differences spelled out, so that a new torch breaks this package
-only.  This module holds the small wrappers; ``dtensor_ops.py`` and ``dtensor_views.py`` the
-DTensor op rules meshlm adds through DTensor's dispatcher (NOTE [private torch] in
-dtensor_ops.py).  ``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside
-this package names a private torch API.
+only.  This module holds the small wrappers; the ``dtensor_*.py`` files the DTensor op rules
+meshlm adds through DTensor's dispatcher (NOTE [private torch] in dtensor_ops.py), each file
+importing only files below it:
+
+    dtensor_ops.py        installs the rules; DTensor dispatcher settings (implicit replication, waited)
+    dtensor_views.py      views of a local tensor laid out unlike its global strides, strided unflatten
+    dtensor_loss.py       cross entropy on class-sharded logits, the backward of mean-reduced losses
+    dtensor_embedding.py  vocab-parallel embedding
+    dtensor_sdpa.py       CPU flash attention
+    dtensor_base.py       what the rules share (wrap, default, contiguous_stride)
+
+``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside this package names
+a private torch API.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""DTensor helpers the op rules share (``dtensor_ops``, ``dtensor_views``): building a
-DTensor from its spec, and running an op through DTensor's own rule."""
+"""DTensor helpers the op rules share (``dtensor_ops``, ``dtensor_views``, ``dtensor_loss``,
+``dtensor_embedding``, ``dtensor_sdpa``): building a DTensor from its spec, and running an op
+through DTensor's own rule."""
 
 from __future__ import annotations
 

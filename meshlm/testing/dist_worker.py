@@ -1,6 +1,7 @@
 """The worker side of meshlm.testing.dist: what each spawned process runs (join a gloo
 process group, run jobs, send results and failures back), and the messages and failures
-the parent and workers share.  The parent side, and how to use the harness, is dist.py."""
+the parent and workers share.  The parent side, and how to use the harness, is dist.py (its
+handle on the worker processes: dist_procs.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DTensor rules meshlm fixes (meshlm/_torch_compat/dtensor_ops.py), checked against one device.
+"""DTensor rules meshlm fixes (the meshlm/_torch_compat/dtensor_*.py that dtensor_ops.py installs), against one device.
 
 NOTE [mean loss backward]: torch's DTensor gives the gradient of a mean-reduced
 elementwise loss on a batch-sharded input (number of shards) times too large.

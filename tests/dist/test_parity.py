@@ -156,7 +156,7 @@ def test_bf16_weights_of_a_seed_are_float32_rounded(pool2):
 def _check_training_1d_loss_handlers(layout, mesh):
     """check_training with the vocab-parallel loss run as on torch 2.11, whose loss-parallel
     handlers take 1-D meshes only: on the class dim's submesh (NOTE [loss on the class
-    submesh] in meshlm/_torch_compat/dtensor_ops.py), whatever torch runs this."""
+    submesh] in meshlm/_torch_compat/dtensor_loss.py), whatever torch runs this."""
     from torch.distributed.tensor.parallel import loss as torch_loss
 
     from meshlm._torch_compat import dtensor_ops as ops
@@ -229,7 +229,7 @@ class _Regressor(nn.Module):
     """A model meshlm did not shape: a two-layer MLP with an MSE loss, weights drawn by the
     caller.  An MSE is not an NLL, so the model says how it reduces over the batch
     (``meshlm.reduce_batch``; NOTE [local root] in meshlm/lowering/local_root.py); under DTensor its
-    backward goes through NOTE [mean loss backward] in meshlm/_torch_compat/dtensor_ops.py."""
+    backward goes through NOTE [mean loss backward] in meshlm/_torch_compat/dtensor_loss.py."""
 
     param_axes: ClassVar[dict] = {"w_in": ("mlp", "embed"), "w_out": ("embed", "mlp")}
 

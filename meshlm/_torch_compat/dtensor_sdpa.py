@@ -1,0 +1,37 @@
+"""Sharding rules for CPU flash attention (part of the adapter in
+``meshlm/_torch_compat/dtensor_ops.py``, installed by its ``install``; NOTE [private torch]
+there): ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward have none in
+torch 2.11-2.13.  Heads (dim 1) or batch (dim 0) sharded in, the same out, or all replicated."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+
+from meshlm._torch_compat.dtensor_base import aten
+
+
+# --------------------------------------------------------------------------- SDPA (CPU)
+def _register_sdpa_cpu() -> None:
+    from torch.distributed.tensor.experimental import register_sharding
+
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fwd is None:
+        return
+
+    @register_sharding(fwd.default)
+    def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+        out = []
+        for d in (0, 1):  # batch or heads
+            out.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]))
+        out.append(([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None]))
+        return out
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def _bwd(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+        res = []
+        for d in (0, 1):
+            s = Shard(d)
+            res.append(([s, s, s], [s, s, s, s, s, s, None, None]))
+        r = Replicate()
+        res.append(([r, r, r], [r, r, r, r, r, r, None, None]))
+        return res

@@ -1,0 +1,77 @@
+"""Which meshlm module knows each Hugging Face architecture, and a Hugging Face directory's
+config: ``model_type`` in ``config.json`` -> the family module (meshlm/hf_llama.py,
+meshlm/hf_gpt2.py) with that architecture's names, shapes and config, and the meshlm config
+(LlamaConfig or GPT2Config) that ``config.json`` describes.  Shared by loading
+(meshlm/hf_load.py), saving (meshlm/hf_save.py) and conversion (meshlm/hf_convert.py)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+from torch import nn
+
+from meshlm.errors import CheckpointError, ConfigError
+
+# model_type in config.json -> the module that knows that architecture's names, shapes and
+# config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).
+_FAMILIES = {"llama": "meshlm.hf_llama", "gpt2": "meshlm.hf_gpt2"}
+
+
+def _family(model_type: str, source: str):
+    if model_type not in _FAMILIES:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
+            f"{' and '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2)"
+        )
+    return importlib.import_module(_FAMILIES[model_type])
+
+
+def _family_of(model: nn.Module):
+    """The family of a meshlm model (by the class of its ``cfg``)."""
+    cfg = getattr(model, "cfg", None)
+    for mt in _FAMILIES:
+        fam = _family(mt, "")
+        if isinstance(cfg, fam.config_class()):
+            return fam
+    raise CheckpointError(
+        f"{type(model).__name__}: meshlm exports its Llama and GPT2 to Hugging Face form "
+        "(a model with a LlamaConfig or GPT2Config as .cfg), not this model"
+    )
+
+
+def _family_of_class(name: str):
+    """The family whose meshlm class is ``name`` (a checkpoint's meta.json ``model.class``)."""
+    for mt in _FAMILIES:
+        fam = _family(mt, "")
+        if fam.CLASS == name:
+            return fam
+    raise CheckpointError(f"the checkpoint holds a {name}; meshlm exports its Llama and GPT2 to Hugging Face form only")
+
+
+def _strip(path: str) -> str:
+    return path[3:] if path.startswith("hf:") else path
+
+
+def _read_config(path: str):
+    """(family, meshlm config) of the Hugging Face directory ``path``."""
+    path = _strip(path)
+    f = os.path.join(path, "config.json")
+    try:
+        with open(f) as fh:
+            hf = json.load(fh)
+        fam = _family(hf.get("model_type", "llama"), f)
+        return fam, fam.config_from_hf(hf, f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{f}: missing; a Hugging Face model directory holds config.json and "
+            "model.safetensors (or model.safetensors.index.json, or pytorch_model.bin)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: not a Hugging Face Llama or GPT-2 config ({type(e).__name__}: {e})") from None
+
+
+def read_hf_config(path: str):
+    """The meshlm config (LlamaConfig or GPT2Config) of a Hugging Face directory."""
+    return _read_config(path)[1]
