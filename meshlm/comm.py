@@ -11,9 +11,11 @@ process-group name, which it maps back to the mesh axis (or axes) the group span
 NOTE [logical bytes]
     ``Collective.bytes`` is the size of the *logical* tensor the collective is about, per
     rank: the gathered output of an all-gather, the (unscattered) input of a
-    reduce-scatter, the input of an all-reduce or all-to-all.  ``wire_bytes`` is what a
-    ring algorithm sends per rank for it: (N-1)/N of that for all-gather, reduce-scatter
-    and all-to-all, 2(N-1)/N for all-reduce (README, shipped layouts).  Gloo emulates reduce-scatter
+    reduce-scatter, the input of an all-reduce or all-to-all, the tensor a point-to-point
+    send or receive moves (pipeline stages).  ``wire_bytes`` is what a ring algorithm
+    sends per rank for it: (N-1)/N of that for all-gather, reduce-scatter and all-to-all,
+    2(N-1)/N for all-reduce (README, shipped layouts), all of it for a send and none for a
+    receive.  Gloo emulates reduce-scatter
     with an all-reduce, so its real traffic and time differ: count, never time, gloo.
 
 Phases: a collective issued while autograd runs a backward pass is ``"backward"``; any
@@ -67,11 +69,17 @@ _C10D = {
     "broadcast_": "broadcast",
 }
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+# point-to-point: c10d's send and recv (pipeline stages; what torch.distributed.isend, irecv
+# and batch_isend_irecv run), the tensor's bytes, group = the process group's
+_P2P = {"send": "send", "recv_": "recv"}
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send", "recv")
 
 
 def ring_factor(kind: str, n: int) -> float:
     """Bytes a ring algorithm sends per rank, as a fraction of the logical bytes."""
+    if kind in ("send", "recv"):  # what this rank puts on the wire: a send's bytes, a receive none
+        return 1.0 if kind == "send" else 0.0
     if n <= 1:
         return 0.0
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
@@ -141,6 +149,7 @@ class CommCounter(compat.TorchDispatchMode):
 
     # ------------------------------------------------------------------ recording
     def _axes(self, group) -> tuple[str, ...]:
+        group = compat.unbox_group(group)
         name = group if isinstance(group, str) else getattr(group, "group_name", None)
         if name is None:
             return ("?",)
@@ -153,6 +162,7 @@ class CommCounter(compat.TorchDispatchMode):
         return self._cache[name]
 
     def _group_size(self, group_name) -> int:
+        group_name = compat.unbox_group(group_name)
         try:
             if not isinstance(group_name, str):
                 return group_name.size()
@@ -190,6 +200,9 @@ class CommCounter(compat.TorchDispatchMode):
             n = self._group_size(group) if mul else 1
             for t in args[0]:
                 self._add(kind, _nbytes(t) * n, t, group)
+        elif ns == "c10d" and name in _P2P:
+            for t in args[0]:
+                self._add(_P2P[name], _nbytes(t), t, args[1])
         elif ns == "c10d" and name in _C10D:
             kind = _C10D[name]
             first = args[0]

@@ -137,6 +137,16 @@ class PlanConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """``pipeline``: how a layout with ``layers: pp`` runs (meshlm.pipeline); the
+    micro-batches are ``train.grad_accum``."""
+
+    schedule: str = "1f1b"  #: gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv (NOTE [schedules])
+    stages_per_rank: int = 1  #: stages (runs of blocks) per pp rank; 2+ for interleaved_1f1b, 2 for zbv
+    split: Optional[list] = None  #: blocks per stage, e.g. [3, 5]; None = balanced by parameter count
+
+
+@dataclass
 class RunConfig:
     """The whole run; each component receives only its own section."""
 
@@ -147,6 +157,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict :func:`from_dict` takes back (the model node in its YAML form)."""
@@ -239,6 +250,18 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def _check_pipeline(p: PipelineConfig) -> None:
+    from meshlm.pipeline.schedule import SCHEDULES
+
+    _choice("pipeline.schedule", p.schedule, list(SCHEDULES))
+    if p.stages_per_rank < 1:
+        raise ConfigError(f"pipeline.stages_per_rank={p.stages_per_rank} must be >= 1")
+    if p.split is not None and (
+        not isinstance(p.split, (list, tuple)) or not all(isinstance(c, int) and c >= 1 for c in p.split)
+    ):
+        raise ConfigError(f"pipeline.split={p.split!r}: a list of block counts per stage, each >= 1 (or null)")
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the key and its allowed values for the first bad value."""
     from meshlm.layout import shipped_layouts
@@ -281,6 +304,7 @@ def validate(cfg: RunConfig) -> None:
     if t.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _choice("plan.format", cfg.plan.format, ("text", "json"))
+    _check_pipeline(cfg.pipeline)
     _choice("data.format", cfg.data.format, FORMATS)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:

@@ -15,6 +15,8 @@ NOTE [effective sharding]
         sharded optimizer  an ``optimizer`` rule whose axis ``grads`` does not have (ZeRO-1)
         tensor parallel    a ``compute`` rule of any other logical axis (heads, mlp, vocab ...)
         sequence parallel  ``compute.seq`` / ``compute.kv_seq``
+        pipeline parallel  ``compute.layers`` (the stack of blocks cut into stages over pp,
+                           NOTE [pipelined step] in meshlm/pipeline/pipe.py)
 
     The layout *as written* is every kind its rules name; on a mesh, the *effective* kinds
     are those left with an axis of size > 1.  The layout **degenerates** on the mesh when
@@ -43,6 +45,7 @@ KINDS = (
     "sharded optimizer",
     "tensor parallel",
     "sequence parallel",
+    "pipeline parallel",
 )
 
 
@@ -56,7 +59,15 @@ def _kinds(layout: Layout, live) -> dict[str, set[str]]:
     compute, params = layout.compute, layout.params
     grads, opt = layout.grad_rules, layout.optimizer_rules
     for a in compute:
-        kind = "data parallel" if a == "batch" else "sequence parallel" if a in YIELDING_AXES else "tensor parallel"
+        kind = (
+            "data parallel"
+            if a == "batch"
+            else "sequence parallel"
+            if a in YIELDING_AXES
+            else "pipeline parallel"
+            if a == "layers"
+            else "tensor parallel"
+        )
         out[kind] |= axes(compute, a)
     for a in params:
         out["sharded params"] |= axes(params, a) - axes(compute, a)

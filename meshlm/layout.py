@@ -94,6 +94,12 @@ class Layout:
         return out
 
 
+def is_pipelined(layout: Layout) -> bool:
+    """Whether ``layout`` cuts the stack of blocks into pipeline stages over pp
+    (``layers: pp``; meshlm/pipeline/, NOTE [pipelined step] in meshlm/pipeline/pipe.py)."""
+    return "pp" in layout.params.get("layers", ()) or "pp" in layout.compute.get("layers", ())
+
+
 def layout_axes(layout: Layout) -> set[str]:
     """Every logical axis ``layout`` maps, in any section."""
     return {k for sec in SECTIONS for k in (layout.rules(sec) if isinstance(layout.rules(sec), Mapping) else ())}

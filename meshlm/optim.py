@@ -69,6 +69,9 @@ class ShardedOptimizer:
         st = shard_state(model)
         self.model = model
         self.mesh = st.mesh
+        # process groups beyond the mesh's that hold other parts of the model: a pipeline's
+        # stages (meshlm/pipeline/), whose squared norms grad_norm adds up too
+        self.norm_groups: list = []
         self._pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         masters = []
         for fqn, _m, _n, p in iter_params(model):
@@ -158,7 +161,8 @@ class ShardedOptimizer:
         """The global gradient norm (over all shards, every rank the same value)."""
         with torch.no_grad():
             self.reduce_grads()
-            return grad_norm([m.grad for _f, _p, m in self._pairs if m.grad is not None], self.mesh)
+            grads = [m.grad for _f, _p, m in self._pairs if m.grad is not None]
+            return grad_norm(grads, self.mesh, self.norm_groups)
 
     def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
         """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
@@ -340,7 +344,7 @@ _ELEMENTWISE = {
 }
 
 
-def grad_norm(grads: list[Tensor], mesh) -> Tensor:
+def grad_norm(grads: list[Tensor], mesh, extra_groups=()) -> Tensor:
     """Global L2 norm of DTensor gradients (no Partial placements): each rank's sum of
     squares, divided by how many ranks hold a replica of it, summed over the mesh.
 
@@ -348,7 +352,9 @@ def grad_norm(grads: list[Tensor], mesh) -> Tensor:
     one per mesh dim of size > 1: the default group may be of another backend (a CUDA job's
     is NCCL, which takes no CPU tensor) or span other ranks.  Accumulated in float64, which
     gloo and NCCL both reduce: the squares of float32 gradients stay finite there, so the
-    norm is Inf or NaN only when a gradient is (``LossScaler`` relies on it)."""
+    norm is Inf or NaN only when a gradient is (``LossScaler`` relies on it).
+    ``extra_groups``: process groups whose ranks hold the other parts of the model (a
+    pipeline's stages), over which the sum of squares is all-reduced as well."""
     parts = []
     for g in grads:
         if isinstance(g, DTensor):
@@ -365,6 +371,8 @@ def grad_norm(grads: list[Tensor], mesh) -> Tensor:
         for i in range(mesh.ndim):
             if mesh.size(i) > 1:
                 total = compat.all_reduce(total, "sum", mesh.get_group(i))
+        for g in extra_groups:
+            total = compat.all_reduce(total, "sum", g)
         if compat.in_flight(total):
             total = total.wait()
     return total.sqrt().float()

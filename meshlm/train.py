@@ -34,6 +34,8 @@ from meshlm import lifecycle
 from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError
+from meshlm.mesh import MeshSpec
+from meshlm.pipeline import is_pipelined
 from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
 from meshlm.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
 from meshlm.train_step import NonFiniteLossError, accumulate, evaluate, lr_at, train_step  # noqa: F401 (meshlm.train's API)
@@ -118,7 +120,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.comm import CommCounter
     from meshlm.data import ShardedLoader, TokenDataset
     from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss, read_metrics
-    from meshlm.model_build import build_sharded
+    from meshlm.model_build import build_pipelined, build_sharded
     from meshlm.model_config import model_vocab
     from meshlm.optim import ShardedOptimizer
 
@@ -130,7 +132,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     check_world(cfg, world)
     torch.manual_seed(t.seed)
-    mesh = meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
+    layout = meshlm.load_layout(cfg.layout.name)
+    pipelined = is_pipelined(layout) and cfg.mesh.pp > 1  # NOTE [pipelined step] in meshlm/pipeline/pipe.py
+    mesh = None if pipelined else meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
     rank = dist.get_rank()
     is_main = rank == 0
     clock.mark("process_group")
@@ -139,20 +143,25 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
-    layout = meshlm.load_layout(cfg.layout.name)
     mcfg = lifecycle.model_config(cfg, cfg.model)  # resumed: the checkpoint's model and shapes
-    from meshlm.mesh import mesh_spec
+    sizes = MeshSpec.parse(cfg.mesh.as_dict(), world).as_dict()
+    eff = effective_layout(cfg, layout, sizes)  # layout.strict=true: a degenerate layout stops here
 
-    eff = effective_layout(cfg, layout, mesh_spec(mesh).as_dict())  # layout.strict=true: a degenerate layout stops here
-
-    shard_kw = dict(shard_dtypes(t, layout, mesh_spec(mesh).as_dict()), overlap=t.overlap)
-    model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
+    shard_kw = dict(shard_dtypes(t, layout, sizes), overlap=t.overlap)
+    pipe = None
+    if pipelined:
+        pipe = build_pipelined(cfg, mcfg, layout, device.type, seed=t.seed, **shard_kw)
+        model, mesh = pipe.model, pipe.mesh
+    else:
+        model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/precision.py)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    if pipe is not None:
+        opt.norm_groups = [pipe.group]  # the other stages' gradients count in the norm
     scaler = LossScaler() if t.param_dtype == "float16" else None
 
     micro = t.batch_size // t.grad_accum
@@ -168,7 +177,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     start = life.resume(loader, scaler)
     clock.mark("build")
 
-    n_params = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
+    # global sizes (DTensor numel); a pipeline stage holds part of the model: the probe counted all of it
+    n_params = sum(pipe.probe.numel.values()) if pipe else sum(p.numel() for p in model.parameters())
     header = (
         f"meshlm train: {cfg.model.label} ({n_params / 1e6:.1f}M params), layout {eff.label()}, mesh {cfg.mesh} "
         f"({world} {dist.get_backend()} processes on {device.type}); {t.steps} steps of {t.batch_size}x{t.seq_len} "
@@ -178,7 +188,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     log.info("config: %s", json.dumps(cfg.to_dict()))
     for w in eff.problems():
         log.warning(w)
-    planned = planned_memory(cfg, layout.name, mesh_spec(mesh).as_dict())
+    planned = None if pipelined else planned_memory(cfg, layout.name, sizes)
     writer = None
     if is_main:
         print(header, flush=True)
@@ -206,7 +216,10 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     skipped = 0
     measure_step = min(start + 2, t.steps)  # NOTE [run memory] in meshlm/metrics.py
     mem_kinds: dict[str, Any] = {}
-    passes = accumulate(model, loader.next, t, cfg.model, device, rank)
+    if pipe is not None:
+        passes = pipe.passes(loader.next, device)
+    else:
+        passes = accumulate(model, loader.next, t, cfg.model, device, rank)
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
         compat.record_cuda_memory_history(True, max_entries=100_000)
@@ -279,7 +292,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             row["loss_scale"] = scaler.scale
         if step == t.steps or (t.val_every and step % t.val_every == 0):
             vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
-            val_loss = evaluate(model, vl, t.val_batches, cfg.model, device)
+            val_loss = evaluate(pipe or model, vl, t.val_batches, cfg.model, device)
             row["val_loss"] = val_loss
             log.info("step %d val_loss %.4f", step, val_loss)
             if bar is not None:

@@ -59,19 +59,26 @@ def lr_at(step: int, t: "TrainConfig") -> float:
 
 def evaluate(model, loader, batches: int, mcfg, device) -> float:
     """The mean loss over the first ``batches`` batches of ``loader`` (at most an epoch),
-    in eval mode (no dropout) and without gradients; the model is back in train mode after."""
+    in eval mode (no dropout) and without gradients; the model is back in train mode after.
+    ``model``: a sharded model, or a ``meshlm.pipeline.Pipeline``."""
     from meshlm.model_config import loss_of
+    from meshlm.pipeline import Pipeline
 
     n = min(batches, loader.steps_per_epoch)
     total = 0.0
-    model.eval()
+    net = model.model if isinstance(model, Pipeline) else model
+    net.eval()
     try:
         with torch.no_grad():
+            if isinstance(model, Pipeline):  # forward only, stage after stage
+                return model.evaluate(
+                    [((x.to(device), y.to(device)), {}) for x, y in (loader.next() for _ in range(n))]
+                )
             for _ in range(n):
                 x, y = loader.next()
                 total += float(loss_of(model(x.to(device), y.to(device)), mcfg))
     finally:
-        model.train()
+        net.train()
     return total / n
 
 

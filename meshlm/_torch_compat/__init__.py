@@ -174,6 +174,17 @@ def tree_leaves(tree) -> list:
     return torch.utils._pytree.tree_leaves(tree)
 
 
+def tree_map(fn, tree):
+    """``fn`` applied to every leaf of a pytree (``torch.utils._pytree``)."""
+    return torch.utils._pytree.tree_map(fn, tree)
+
+
+def no_torch_function_subclass():
+    """A context in which tensor subclasses' ``__torch_function__`` is not called
+    (``torch._C.DisableTorchFunctionSubclass``: what a subclass's own handler runs under)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def fake_store():
     """A ``FakeStore`` for the fake process group (``backend="fake"``); torch ships it only
     under ``torch.testing._internal`` (2.11 to 2.13)."""
@@ -201,3 +212,36 @@ def nll_node_fields(node) -> Optional[tuple[int, Tensor, Tensor]]:
     if node is None or type(node).__name__ != "NllLossBackward0":
         return None
     return node._saved_reduction, node._saved_total_weight, node._saved_target
+
+
+# --------------------------------------------------------------------------- module calls
+def wrap_module_call(m, outer: Callable) -> None:
+    """Make ``m(*args, **kwargs)`` call ``outer(inner, *args, **kwargs)``, where ``inner`` is
+    what ``m(...)`` called so far: its in-place compiled call (``Module.compile``) or
+    ``Module._call_impl``.  Through ``Module._compiled_call_impl``, so ``outer`` runs outside
+    any compiled region (torch 2.11 to 2.13); ``outer_call_wrapped`` tells whether it still
+    does (a later ``m.compile()`` replaces it)."""
+    inner = m._compiled_call_impl or m._call_impl
+
+    def call(*args, **kwargs):
+        return outer(inner, *args, **kwargs)
+
+    call.meshlm_outer = outer
+    m._compiled_call_impl = call
+
+
+def outer_call_wrapped(m, outer: Callable) -> bool:
+    return getattr(m._compiled_call_impl, "meshlm_outer", None) is outer
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``)."""
+    return t._is_view()
+
+
+def unbox_group(group):
+    """The ProcessGroup a c10d op (``torch.ops.c10d.*``) received as a TorchScript object
+    (what a TorchDispatchMode sees for ``torch.distributed.all_reduce``, ``send``, ...)."""
+    if isinstance(group, torch.ScriptObject):
+        return torch._C._distributed_c10d.ProcessGroup.unbox(group)
+    return group

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshlm import _torch_compat as compat
 from meshlm import annotate, bucket, rng, tree
+from meshlm.absent import Absent
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError
 from meshlm.lowering import atuse
@@ -196,7 +197,7 @@ def local_root_forward(self, st, orig, bound, inputs, rows_and_pl):
 def _lift(path: str, out: Tensor, st, handler: LocalHandler, rows_pl: tuple, rows: Optional[int]):
     """One output leaf of a local root as the DTensor root would return it (NOTE [local
     root]); ``rows`` is None on one device, where every tensor is whole."""
-    if isinstance(out, DTensor):
+    if isinstance(out, (DTensor, Absent)):  # Absent: on another pipeline stage (NOTE [absent values])
         return out
     name = f"output `{path}`" if path else "the output"
     sizes = tuple(st.sizes.values())

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshlm import annotate, main_grad
+from meshlm.absent import absent_like
 from meshlm.errors import AnnotationError, MeshlmError
 from meshlm.lowering.params import ParamPlan, iter_params, local_slice, placements
 from meshlm.mesh import mesh_spec
@@ -23,12 +24,17 @@ def materialize(
     seed: Optional[int],
     param_dtype: Optional[torch.dtype] = None,
     master_dtype: Optional[torch.dtype] = None,
+    keep: Optional[set[str]] = None,
 ) -> None:
     """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
     gradients, NOTE [main grads] in meshlm/main_grad.py), each parameter also gets this rank's
     optimizer-placement block of its initial weights in ``master_dtype``, before they are
     rounded to the storage dtype (``main_grad.INIT_MASTER``), which ``ShardedOptimizer``
-    takes as the master: a bf16-stored model keeps its float32 initialisation."""
+    takes as the master: a bf16-stored model keeps its float32 initialisation.
+
+    ``keep``: the FQNs this rank holds (a pipeline stage's, NOTE [absent values] in
+    meshlm/absent.py); every other parameter is still drawn, so that the init order is the
+    one-device one, then becomes an ``Absent`` attribute of its modules."""
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
@@ -37,6 +43,7 @@ def materialize(
     first: dict[int, tuple[nn.Module, str]] = {}  # NOTE [ties] in ties.py: each parameter's first slot
     any_meta = any(p.is_meta for p in model.parameters())
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    dropped: set[int] = set()  # ids of the parameters another stage holds (``keep``)
     for mname, m in model.named_modules():
         # every slot draws (the stream does not depend on ties); its first slot's draw is kept
         own = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in every]
@@ -45,6 +52,9 @@ def materialize(
         for n, p in direct:
             fqn = owner.pop(id(p))
             first[id(p)] = (m, n)
+            if keep is not None and fqn not in keep:
+                dropped.add(id(p))
+                continue
             if p.is_meta and seed is None:  # uninitialised: allocate this rank's shard only
                 pl = placements(plans[fqn].storage, mesh)
                 local = torch.empty(
@@ -89,6 +99,11 @@ def materialize(
                         init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape), stride=stride
                     ),
                 )
+    for m in model.modules(remove_duplicate=False):  # NOTE [absent values] in meshlm/absent.py
+        for n, p in list(m._parameters.items()):
+            if p is not None and id(p) in dropped:
+                del m._parameters[n]
+                setattr(m, n, absent_like(p))
     for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
         for n, p in m._parameters.items():
             if p is not None and id(p) in first and first[id(p)] != (m, n):

@@ -35,7 +35,9 @@ def root_forward(self, *args, **kwargs):
     if st.root is not None and torch.is_grad_enabled() and compat.eager():
         rows = local_rows(self, st, leaves)
         if rows is not None:
+            st.local_now = True
             return local_root_forward(self, st, orig, bound, inputs, rows)
+    st.local_now = False
     st.roots["dtensor"] += 1
 
     def wrap(path: str, t: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ def shard(
     grad_dtype: Optional[torch.dtype] = None,
     overlap: Optional[bool] = None,
     bucket: bool = True,
+    keep: Optional[set[str]] = None,
 ) -> nn.Module:
     """Lower ``model`` in place onto ``mesh`` under ``layout`` and return it.
 
@@ -61,7 +62,8 @@ def shard(
     flight while backward goes on (NOTE [overlapped reduction] in meshlm/bucket/op.py; default: on
     for a CUDA mesh, off on CPU).  ``bucket=False`` turns off per-block flat collectives
     (NOTE [block buckets]): every parameter then moves on its own, a reference for the
-    benchmarks.
+    benchmarks.  ``keep``: the FQNs of the parameters this rank holds, the others becoming
+    ``Absent`` attributes (a pipeline stage: NOTE [absent values] in meshlm/absent.py).
     """
     dtensor_ops.install()
     layout = load_layout(layout)
@@ -69,7 +71,9 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype)
+    materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep)
+    if keep is not None:
+        plans = {fqn: pp for fqn, pp in plans.items() if fqn in keep}
     if reduce_dtype is None:
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype, vocab=frozenset(vocabulary(model)))

@@ -44,6 +44,7 @@ class ShardState:
     prefetch: Prefetch = field(default_factory=Prefetch)
     # root forwards run on local tensors / under DTensor (NOTE [local root] in lowering/root.py)
     roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
+    local_now: bool = False  # the root forward running now runs on local tensors (a pipeline stage reads it)
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from meshlm.errors import ConfigError, MeshlmError
-from meshlm.layout import load_layout, shipped_layouts
+from meshlm.layout import is_pipelined, load_layout, shipped_layouts
 from meshlm.models import LlamaConfig
 from meshlm.plan.analytic import plan
 from meshlm.plan.hardware import Hardware, _hardware
@@ -123,6 +123,8 @@ def candidates(
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
     out, seen = [], set()
     for lay in names:
+        if is_pipelined(load_layout(lay)):  # the candidates' meshes have no pp axis
+            continue
         used = load_layout(lay).mesh_axes_used()
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
         # plain data-parallel one is kept

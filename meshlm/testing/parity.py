@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
+from meshlm.testing import parity_pp
 from meshlm.testing import tolerances as tol
 from meshlm.testing.parity_mp import BF16
 from meshlm.testing.recipes import FP32
@@ -123,6 +124,8 @@ def check_training(
     strict: bool = True,
     activation_checkpointing: str = "none",
     precision: str = "fp32",
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
 ) -> dict:
     """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
     side by side and check them (module docstring).
@@ -137,7 +140,10 @@ def check_training(
     ``torch.compile`` backend for ``meshlm.compile.compile_blocks``; ``comms``, ``overlap``
     and ``shard_kw`` go to it and to ``meshlm.shard``.  ``strict=False`` reports instead of
     raising.  ``precision``: "fp32", or "bf16" for mixed precision as ``meshlm train`` runs
-    it, against the same recipe in plain torch (``meshlm.testing.parity_mp``).
+    it, against the same recipe in plain torch (``meshlm.testing.parity_mp``).  A layout
+    with ``layers: pp`` on a mesh with ``pp`` > 1 runs as a pipeline (``schedule``,
+    ``stages_per_rank``: ``meshlm.pipeline``; ``meshlm.testing.parity_pp``), its
+    ``grad_accum`` micro-batches through the schedule.
 
     Returns per optimizer the worst error/tolerance ratio of each checked quantity
     (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
@@ -148,7 +154,13 @@ def check_training(
     from meshlm.lowering import shard_state
 
     compat.dynamo_reset()
-    mesh = meshlm.make_mesh(mesh_shape)
+    piped = parity_pp.wants_pipeline(layout, mesh_shape)
+    if piped:
+        from meshlm.pipeline import pipeline_mesh
+
+        full_mesh, mesh = pipeline_mesh(mesh_shape)
+    else:
+        mesh = meshlm.make_mesh(mesh_shape)
     recipe = _recipe(precision, mesh)
     job = _Job(
         layout,
@@ -159,6 +171,7 @@ def check_training(
         grad_accum,
         strict,
         recipe,
+        _OneByOne(),
     )
     dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
     roots = {"local": 0, "dtensor": 0}
@@ -166,14 +179,16 @@ def check_training(
     for name in optims:
         cls, hp = OPTIMS[name]
         hp = {**hp, **(hparams or {}).get(name, {})}
-        model = meshlm.shard(
-            job.build("meta" if from_seed else "cpu", seed),
-            layout,
-            mesh,
-            seed=seed,
-            overlap=overlap,
-            **{**dtypes, **(shard_kw or {})},
-        )
+        kw = {**dtypes, **(shard_kw or {})}
+        if piped:
+            pipe = parity_pp.build(
+                job, full_mesh, mesh, seed, from_seed, schedule, stages_per_rank, overlap=overlap, **kw
+            )
+            model, job.runner = pipe.model, parity_pp.Piped(pipe)
+        else:
+            model = meshlm.shard(
+                job.build("meta" if from_seed else "cpu", seed), layout, mesh, seed=seed, overlap=overlap, **kw
+            )
         ref = job.build("cpu", seed)
         refp = dict(ref.named_parameters())
         for n, p in model.named_parameters():  # a narrower storage holds the weights rounded to it
@@ -195,6 +210,19 @@ def check_training(
     return {"worst": worst, "loss": losses, "root": roots}
 
 
+class _OneByOne:
+    """The micro-batches of a step one after another, as meshlm.train runs them without pp."""
+
+    def passes(self, job: "_Job", model: nn.Module, micro: list, seed: int, step: int) -> list[Tensor]:
+        return job.one_by_one(model, micro, seed, step)
+
+    def everywhere(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        return weights
+
+    def setup(self, opt) -> None:
+        pass
+
+
 def _recipe(precision: str, mesh) -> FP32:
     if precision == "fp32":
         return FP32()
@@ -213,6 +241,7 @@ class _Job:
     grad_accum: int
     strict: bool
     recipe: FP32
+    runner: Any = None  # how a step's micro-batches run: _OneByOne, or parity_pp.Piped (pipeline layouts)
 
     def plain(self, weights: dict[str, Tensor], seed: int, slot: dict, key: str) -> nn.Module:
         """A plain torch copy of the model holding ``weights`` (built once per ``key`` in ``slot``)."""
@@ -253,6 +282,7 @@ class _Job:
         from meshlm.optim import ShardedOptimizer
 
         opt = ShardedOptimizer(model, cls, **hp)
+        self.runner.setup(opt)
         ref_opt = cls(ref.parameters(), **hp)
         refp = dict(ref.named_parameters())
         bounds = {n: tol.StepBounds() for n in refp}
@@ -266,7 +296,7 @@ class _Job:
             )
         for k in range(1, steps + 1):
             micro = [self.batches(k, j) for j in range(self.grad_accum)]
-            weights = rcp.probe_weights(model, opt)
+            weights = self.runner.everywhere(rcp.probe_weights(model, opt))
             ref_losses = rcp.accumulate(ref, micro, self.grad_accum, seed, k)
             if all(torch.equal(weights[n], p) for n, p in refp.items()):
                 probe_losses, probe_grads = ref_losses, {n: p.grad for n, p in refp.items()}
@@ -276,13 +306,7 @@ class _Job:
                 probe_grads = {n: p.grad for n, p in probe.named_parameters()}
             loss_tols, grad_tols = rcp.tolerances(self, weights, micro, probe_losses, probe_grads, seed, k)
             with rcp.watching(self.mesh, f"{self.layout} on {self.mesh.shape}, {name} step {k}") as at_step:
-                for j, (args, kwargs) in enumerate(micro):
-                    a, kw = self._shard(args, kwargs)
-                    torch.manual_seed(_forward_seed(seed, k, j))
-                    loss = model(*a, **kw)
-                    (loss / self.grad_accum).backward()
-                    self._check_placed(model)
-                    loss = _full(loss)
+                for j, loss in enumerate(self.runner.passes(self, model, micro, seed, k)):
                     losses.append(float(loss))
                     self._check(
                         f"{name} step {k} micro-batch {j}: loss",
@@ -309,6 +333,8 @@ class _Job:
             opt.step()
             mine_p = dict(model.named_parameters())
             for n, p in refp.items():
+                if n not in mine_p:  # held by another pipeline stage, which checks it
+                    continue
                 st = ref_opt.state[p]
                 bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
                 bound = bounds[n].bound
@@ -342,6 +368,18 @@ class _Job:
             ref_opt.zero_grad()
             opt.zero_grad()
         return worst, losses
+
+    def one_by_one(self, model: nn.Module, micro: list, seed: int, step: int) -> list[Tensor]:
+        """Forward and backward of each micro-batch (this rank's slice) in turn: the losses."""
+        out = []
+        for j, (args, kwargs) in enumerate(micro):
+            a, kw = self._shard(args, kwargs)
+            torch.manual_seed(_forward_seed(seed, step, j))
+            loss = model(*a, **kw)
+            (loss / self.grad_accum).backward()
+            self._check_placed(model)
+            out.append(_full(loss))
+        return out
 
     def _check_placed(self, model: nn.Module) -> None:
         """Every gradient where the layout's ``grads`` section puts it, settled."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from meshlm.layout import load_layout, shipped_layouts
+from meshlm.layout import is_pipelined, load_layout, shipped_layouts
 from meshlm.testing import WorkerError, dist_pool_fixture
 from meshlm.testing import tolerances as tol
 
@@ -37,7 +37,8 @@ def _two_rank_mesh(layout: str) -> str:
     return "fsdp=2" if any("fsdp" in v for v in lay.params.values()) else "dp=2"
 
 
-LAYOUTS_2 = [(lay, _two_rank_mesh(lay)) for lay in shipped_layouts()]
+# pipeline layouts (layers: pp) are tested on pp meshes in tests/dist/test_pipeline.py
+LAYOUTS_2 = [(lay, _two_rank_mesh(lay)) for lay in shipped_layouts() if not is_pipelined(load_layout(lay))]
 FORMS = ("single", "sharded", "bin", "headless")  # the file forms, spread over the layouts
 
 

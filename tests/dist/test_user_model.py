@@ -29,13 +29,16 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 STEPS = 3
 MESHES = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4}, "hsdp": {"dp": 2, "fsdp": 2},
           "tp": {"dp": 2, "tp": 2}, "tp_sp": {"tp": 4}, "fsdp_tp": {"fsdp": 2, "tp": 2},
-          "fsdp_tp_sp": {"fsdp": 2, "tp": 2}, "single": {"dp": 4}}
+          "fsdp_tp_sp": {"fsdp": 2, "tp": 2}, "single": {"dp": 4},
+          # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/pipeline/
+          "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2}}
 TINY = {"_target_": "mymodels.TinyLM", "width": 32, "depth": 2, "heads": 4, "mlp": 64}
 
 
 def _cfg(layout: str, mesh: dict, model: dict = TINY, data: dict | None = None) -> RunConfig:
     t = {"steps": STEPS, "batch_size": 8, "seq_len": 16, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 1,
-         "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False, "pg_timeout_s": 60}
+         "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False, "pg_timeout_s": 60,
+         "grad_accum": 2}
     return from_dict({"model": model, "layout": {"name": layout}, "mesh": mesh, "train": t, "data": data or {}})
 
 

@@ -23,6 +23,9 @@ MESHES = [
     {"dp": 2, "fsdp": 2},
     {"tp": 4},
     {"dp": 1},
+    {"pp": 2},
+    {"fsdp": 2, "pp": 2},
+    {"fsdp": 2, "tp": 2, "pp": 2},
 ]
 
 
@@ -51,6 +54,10 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
         if pp.grads is not None:
             add("sharded grads", axes_of(pp.grads) - storage)
         add("sharded optimizer", axes_of(pp.optimizer) - (storage if pp.grads is None else axes_of(pp.grads)))
+    from meshlm.pipeline import is_pipelined
+
+    if is_pipelined(lay) and mesh.get("pp", 1) > 1:  # cut into stages over pp (meshlm.pipeline)
+        add("pipeline parallel", {"pp"})
     act = resolve(("batch", "seq", "embed"), lay.compute, mesh)
     add("data parallel", set(act[0]))
     add("sequence parallel", set(act[1]))
@@ -66,7 +73,7 @@ def test_effective_kinds_are_what_the_lowering_does(name, mesh):
     live = {m for m, s in mesh.items() if s > 1}
     assert set(eff.unused) == live - {m for v in got.values() for m in v}
     # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
-    full = {m: 2 for m in ("dp", "fsdp", "tp")}
+    full = {m: 2 for m in ("dp", "fsdp", "tp", "pp")}
     assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
 
 

@@ -1,0 +1,202 @@
+"""Pipeline parallelism (meshlm/pipeline/): every pp layout and schedule against one device,
+its point-to-point bytes against the analytic activation sends, the gradient reduction
+once per step, and the traps torch's schedules set.
+
+Parity is ``check_training`` (meshlm/testing/parity.py, through meshlm/testing/parity_pp.py):
+three optimizer steps of SGD (momentum) and AdamW, each over ``grad_accum`` micro-batches
+that are the pipeline's, checked on each micro-batch loss, the gradient each optimizer
+steps with, the parameters and the optimizer state, on 2, 4 and 8 gloo processes (8 for
+pp=2 x fsdp=2 x tp=2), eager and aot_eager.  The model is the reference Llama with 4 blocks
+(so 2 stages per rank fit on pp=2); dropout and the user's model are checked too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.testing import dist_pool_fixture
+from meshlm.testing.parity import LlamaBuild, check_training
+
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
+pool8 = dist_pool_fixture(8, timeout_s=120)
+
+LLAMA4 = LlamaBuild("llama_tiny", (("layers", 4),))
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zbv", 2)]
+
+
+def _ok(res):
+    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
+    for r in res:
+        for name, worst in r["worst"].items():
+            assert set(worst) >= {"loss", "grad", "param", "state"}, (name, worst)
+            assert all(v <= 1.0 for v in worst.values()), (name, worst)
+
+
+def _parity(layout, mesh, schedule, v, grad_accum=2, **kw):
+    return check_training(layout, mesh, build=LLAMA4, grad_accum=grad_accum, schedule=schedule, stages_per_rank=v, **kw)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_pp_2(pool2, schedule, v):
+    _ok(pool2.run(_parity, "pp", "pp=2", schedule, v))
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_fsdp_pp_4(pool4, schedule, v):
+    """FSDP inside each stage: gathered at use, gradients reduced once at the step."""
+    _ok(pool4.run(_parity, "fsdp_pp", "fsdp=2,pp=2", schedule, v, optims=("sgd",)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_4_stages(pool4, schedule):
+    """Four stages of one block each; gpipe with fewer micro-batches than stages."""
+    _ok(pool4.run(_parity, "pp", "pp=4", schedule, 1, 2 if schedule == "gpipe" else 4, optims=("sgd",)))
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2)], ids=["1f1b", "interleaved_1f1b"])
+def test_fsdp_tp_pp_8(pool8, schedule, v):
+    """3-D: pp=2 x fsdp=2 x tp=2, tensor-parallel DTensor blocks inside the stages."""
+    _ok(pool8.run(_parity, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", schedule, v, optims=("sgd",)))
+
+
+@pytest.mark.parametrize("layout,mesh,schedule,v", [
+    ("pp", "pp=2", "1f1b", 1),
+    ("fsdp_pp", "fsdp=2,pp=2", "zbv", 2),  # zero bubble: weight gradients outside autograd.backward, compiled blocks
+])
+def test_pp_compiled_aot_eager(pool2, pool4, layout, mesh, schedule, v):
+    pool = pool2 if mesh == "pp=2" else pool4
+    _ok(pool.run(_parity, layout, mesh, schedule, v, compile="aot_eager", optims=("sgd",)))
+
+
+def test_fsdp_tp_pp_compiled_aot_eager(pool8):
+    _ok(pool8.run(_parity, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", "1f1b", 1, compile="aot_eager", optims=("sgd",)))
+
+
+def test_pp_dropout_is_the_one_device_mask(pool4):
+    """meshlm.dropout under pp: every stage draws the one-device keys for its blocks, in any
+    schedule's order (NOTE [stage forward]), with activation checkpointing per block too."""
+    build = LlamaBuild("llama_tiny", (("layers", 4), ("dropout", 0.2)))
+    for ac in ("none", "full"):
+        _ok(pool4.run(check_training, "fsdp_pp", "fsdp=2,pp=2", build=build, schedule="zbv", stages_per_rank=2,
+                      optims=("sgd",), activation_checkpointing=ac))
+
+
+def _scale_grads_twice(layout, mesh):
+    """torch's own 1/micro-batches (scale_grads=True) on top of meshlm's: check_training says."""
+    from meshlm.pipeline import pipe as pipe_mod
+
+    saved = pipe_mod.make_schedule
+
+    def make(spec, stages, microbatches, loss_fn):
+        import torch.distributed.pipelining as pipelining
+
+        cls = getattr(pipelining, spec.cls_name)
+        return cls(stages if spec.multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+    pipe_mod.make_schedule = make
+    try:
+        _parity(layout, mesh, "1f1b", 1, optims=("sgd",), steps=1)
+        return None
+    except AssertionError as e:
+        return str(e)
+    finally:
+        pipe_mod.make_schedule = saved
+
+
+def test_parity_catches_torchs_gradient_scaling_on_top(pool2):
+    """The trap: torch's schedules divide the gradients by the number of micro-batches by
+    default.  meshlm divides each loss once and turns torch's off; with it left on, the
+    gradient the optimizer steps with is half what it should be, far beyond its tolerance."""
+    for msg in pool2.run(_scale_grads_twice, "pp", "pp=2"):
+        assert msg is not None and "gradient of" in msg, msg
+        assert float(msg.split("exceeds its tolerance ")[1].split("x")[0]) > 1e3, msg
+
+
+# --------------------------------------------------------------------------- bytes
+def _one_step_counted(layout, mesh, schedule, v, microbatches):
+    import meshlm
+    from meshlm.comm import CommCounter
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.pipeline import build_pipeline, pipeline_mesh
+
+    B, S = 8, 16
+    full, sub = pipeline_mesh(mesh)
+    micro = B // microbatches
+    ex = torch.zeros(micro, S, dtype=torch.long)
+    pipe = build_pipeline(lambda d: LLAMA4(d, 0), layout, full, sub,
+                          example=((ex, ex), {}), microbatches=microbatches, schedule=schedule, stages_per_rank=v)
+    opt = ShardedOptimizer(pipe.model, torch.optim.SGD, lr=0.1)
+    opt.norm_groups = [pipe.group]
+    toks = torch.randint(0, 256, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    lay = meshlm.load_layout(layout)
+
+    def inputs():
+        out = []
+        for m in range(microbatches):
+            x, y = toks[m * micro:(m + 1) * micro, :-1], toks[m * micro:(m + 1) * micro, 1:]
+            out.append(((meshlm.shard_batch(x, lay, sub), meshlm.shard_batch(y, lay, sub)), {}))
+        return out
+
+    pipe.step(inputs())  # warm-up
+    opt.zero_grad()
+    cc = CommCounter(full)
+    with cc:
+        pipe.step(inputs())
+        with cc.phase("optimizer"):
+            opt.clip_grad_norm_(1e9)
+            opt.step()
+    summary = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary().items()}
+    boundary = {s: pipe.boundary_shape(pipe.cut.stages[s][0]) for s in range(1, len(pipe.cut.stages))}
+    nbytes = {s: torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for s, (shape, dt) in
+              boundary.items()}
+    return summary, list(pipe.cut.ranks), [sm.stage for sm in pipe.stage_modules], nbytes, pipe.pp_rank
+
+
+def _expected_p2p(ranks, mine, nbytes, microbatches):
+    """Sends and receives per step of a rank holding stages ``mine``: each micro-batch's
+    hidden state forward across every boundary to another rank, and its gradient back."""
+    sends = recvs = 0
+    n_send = n_recv = 0
+    for s in mine:
+        if s + 1 < len(ranks) and ranks[s + 1] != ranks[s]:  # forward out, gradient in
+            sends += microbatches * nbytes[s + 1]
+            recvs += microbatches * nbytes[s + 1]
+            n_send += microbatches
+            n_recv += microbatches
+        if s > 0 and ranks[s - 1] != ranks[s]:  # forward in, gradient out
+            recvs += microbatches * nbytes[s]
+            sends += microbatches * nbytes[s]
+            n_send += microbatches
+            n_recv += microbatches
+    return (n_send, sends), (n_recv, recvs)
+
+
+@pytest.mark.parametrize("layout,mesh,schedule,v,world", [
+    ("pp", "pp=4", "1f1b", 1, 4),
+    ("fsdp_pp", "fsdp=2,pp=2", "interleaved_1f1b", 2, 4),
+    ("fsdp_pp", "fsdp=2,pp=2", "zbv", 2, 4),
+])
+def test_p2p_bytes_are_the_activation_sends(pool4, layout, mesh, schedule, v, world):
+    """Point-to-point bytes per step per rank equal the analytic activation sends: per
+    micro-batch and stage boundary, the hidden state forward and its gradient back
+    (b·s·h·B each, b this rank's rows), nothing between stages on one rank (zbv's V)."""
+    M = 4
+    for summary, ranks, mine, nbytes, _r in pool4.run(_one_step_counted, layout, mesh, schedule, v, M):
+        sends, recvs = _expected_p2p(ranks, mine, nbytes, M)
+        assert summary.get(("send", ("pp",)), (0, 0)) == sends, (summary, ranks, mine)
+        assert summary.get(("recv", ("pp",)), (0, 0)) == recvs, (summary, ranks, mine)
+        # pp's collectives besides: the step's loss and the gradient norm, 8 bytes each
+        assert summary[("all_reduce", ("pp",))] == (2, 16), summary
+
+
+def test_fsdp_gradients_reduce_once_per_step(pool4):
+    """With 4 micro-batches as with 2, each stage reduce-scatters its gradients once a step:
+    the same count and bytes (not once per micro-batch, as a deferred FSDP must)."""
+    one = pool4.run(_one_step_counted, "fsdp_pp", "fsdp=2,pp=2", "1f1b", 1, 2)
+    four = pool4.run(_one_step_counted, "fsdp_pp", "fsdp=2,pp=2", "1f1b", 1, 4)
+    for a, b in zip(one, four):
+        rs_a = {k: v for k, v in a[0].items() if k[0] == "reduce_scatter"}
+        rs_b = {k: v for k, v in b[0].items() if k[0] == "reduce_scatter"}
+        assert rs_a and rs_a == rs_b, (rs_a, rs_b)
