@@ -30,6 +30,7 @@ from meshlm._ckpt_files import (
     resolve_path,
 )
 from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
+from meshlm.absent import absent_params
 from meshlm.errors import CheckpointError
 
 
@@ -119,8 +120,11 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 f"checkpoint {path}: the master of `{fqn}` has shape "
                 f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}"
             )
+    elsewhere = absent_params(model)  # another pipeline stage's: loaded there (NOTE [absent values])
     extra_keys = sorted(
-        k[len("model/") :] for k in saved if k.startswith("model/") and k[len("model/") :] not in params
+        k[len("model/") :]
+        for k in saved
+        if k.startswith("model/") and k[len("model/") :] not in params and k[len("model/") :] not in elsewhere
     )
     if extra_keys:
         raise CheckpointError(

@@ -80,3 +80,14 @@ def is_absent(x: Any) -> bool:
 def has_absent(tree: Any) -> bool:
     """Whether any leaf of ``tree`` (nested lists, tuples, dicts) is ``Absent``."""
     return any(isinstance(x, Absent) for x in compat.tree_leaves(tree))
+
+
+def absent_params(model) -> dict[str, Tensor]:
+    """FQN -> ``Absent`` of the parameters another pipeline stage holds (the ``Absent``
+    attributes ``meshlm.shard(..., keep=...)`` left in their modules' place)."""
+    out: dict[str, Tensor] = {}
+    for mname, m in model.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, Absent):
+                out.setdefault(f"{mname}.{k}" if mname else k, v)
+    return out

@@ -209,8 +209,8 @@ def cut(pr: Probe, n_stages: int, pp: int, style: str = "loop", split: Optional[
 
 def _balance(cost: Sequence[int], k: int, pre: int, post: int) -> list[int]:
     """Block counts of ``k`` contiguous stages minimising the largest stage's parameters
-    (the pre parameters on the first stage, the post ones on the last); ties go to the
-    earliest split."""
+    (the pre parameters on the first stage, the post ones on the last), then, among those,
+    the sum of the squares of the stages' parameters (the evenest), then the earliest split."""
     n = len(cost)
     prefix = [0]
     for c in cost:
@@ -219,14 +219,15 @@ def _balance(cost: Sequence[int], k: int, pre: int, post: int) -> list[int]:
     def stage_cost(i: int, j: int, s: int) -> int:  # blocks i..j-1 as stage s
         return prefix[j] - prefix[i] + (pre if s == 0 else 0) + (post if s == k - 1 else 0)
 
-    inf = float("inf")
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(k + 1)]  # best[s][j]: first j blocks in s stages
     arg = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for s in range(1, k + 1):
         for j in range(s, n - (k - s) + 1):
             for i in range(s - 1, j):
-                v = max(best[s - 1][i], stage_cost(i, j, s - 1))
+                c = stage_cost(i, j, s - 1)
+                v = (max(best[s - 1][i][0], c), best[s - 1][i][1] + c * c)
                 if v < best[s][j]:
                     best[s][j], arg[s][j] = v, i
     counts, j = [], n

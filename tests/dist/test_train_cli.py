@@ -68,6 +68,30 @@ def test_train_four_processes_2d_mesh(tmp_path):
     assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
 
 
+def test_train_pipeline_fsdp_pp(tmp_path):
+    """``meshlm train layout=fsdp_pp``: 4 processes, pp=2 stages of fsdp=2, 2 micro-batches a
+    step through the zero-bubble V schedule; the header gives the whole model's size (each
+    stage holds half)."""
+    r = meshlm("train", *TINY, "model.layers=4", "layout=fsdp_pp", "mesh=fsdp2_pp2", "train.grad_accum=2",
+               "pipeline.schedule=zbv", "pipeline.stages_per_rank=2", "train.steps=8", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_outputs(tmp_path, 8)
+    assert "llama_tiny (0.2M params), layout fsdp_pp" in r.stdout, r.stdout[:400]
+    assert "done: 8 steps" in r.stdout
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["world_size"] == 4 and s["layout"] == "fsdp_pp"
+
+
+def test_pipeline_bad_input_stops_before_the_workers_train(tmp_path):
+    """A schedule name typo is a config error naming the key (no process starts); fewer
+    micro-batches than pp ranks under 1f1b stops every worker with the fix."""
+    r = meshlm("train", *TINY, "layout=pp", "mesh=pp2", "pipeline.schedule=1f1", f"hydra.run.dir={tmp_path / 'a'}")
+    assert r.returncode != 0 and "pipeline.schedule='1f1' is not allowed" in r.stderr, r.stderr[-2000:]
+    r = meshlm("train", *TINY, "layout=pp", "mesh=pp2", "train.steps=2", f"hydra.run.dir={tmp_path / 'b'}")
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "train.grad_accum=1 < mesh.pp=2" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_train_user_model(tmp_path):
     """A model from a package outside meshlm (tests/usermodel/mymodels), named on the command
     line: ``model._target_`` starts from the empty node (conf/model/custom.yaml), so only the

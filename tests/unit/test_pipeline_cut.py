@@ -125,14 +125,17 @@ def test_stage_to_rank_mappings():
     assert c.stages_on(0) == [0, 3] and c.stages_on(1) == [1, 2]
 
 
-@pytest.mark.parametrize("name,v,pp,m,match", [
-    ("1f1", 1, 2, 4, r"pipeline.schedule='1f1' \(did you mean '1f1b'\?\)"),
-    ("zbv", 1, 2, 4, "runs 2 stages per rank"),
-    ("interleaved_1f1b", 1, 2, 4, "runs at least 2 stages per rank"),
-    ("1f1b", 2, 2, 4, "runs 1 stage per rank"),
-    ("1f1b", 1, 4, 2, r"train.grad_accum=2 < mesh.pp=4.*pipeline.schedule=gpipe"),
-    ("interleaved_1f1b", 2, 2, 5, "must be a multiple of 2"),
-])
+@pytest.mark.parametrize(
+    "name,v,pp,m,match",
+    [
+        ("1f1", 1, 2, 4, r"pipeline.schedule='1f1' \(did you mean '1f1b'\?\)"),
+        ("zbv", 1, 2, 4, "runs 2 stages per rank"),
+        ("interleaved_1f1b", 1, 2, 4, "runs at least 2 stages per rank"),
+        ("1f1b", 2, 2, 4, "runs 1 stage per rank"),
+        ("1f1b", 1, 4, 2, r"train.grad_accum=2 < mesh.pp=4.*pipeline.schedule=gpipe"),
+        ("interleaved_1f1b", 2, 2, 5, "must be a multiple of 2"),
+    ],
+)
 def test_schedule_errors_name_the_keys(name, v, pp, m, match):
     with pytest.raises(ConfigError, match=match):
         schedule_spec(name, v, pp, m)

@@ -1,0 +1,82 @@
+"""The multi-process checks ``mutation/fast.py`` runs against each mutant (docs/mutation.md):
+parity of training against one device (``check_training``: SGD, two steps of two
+accumulated micro-batches, the loss, the gradient the optimizer steps with, parameters and
+optimizer state) under the layouts that exercise each part of the core, mixed precision,
+the overlapped reduction, a pipeline, and the collective budgets of ``tests/dist/
+test_budget.py``.  Cheapest first; a mutant is killed by the first that fails.
+
+Each entry is (name, world size, function, args, kwargs); the functions run on every rank
+of a ``DistPool`` of that size and raise (or return a non-empty message) on a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "dist"
+
+
+def parity(layout: str, mesh: str, **kw):
+    from meshlm.testing.parity import check_training
+
+    kw.setdefault("optims", ("sgd",))
+    kw.setdefault("steps", 2)
+    check_training(layout, mesh, **kw)
+
+
+def pipeline_parity(layout: str, mesh: str, schedule: str, v: int):
+    from meshlm.testing.parity import LlamaBuild, check_training
+
+    check_training(
+        layout,
+        mesh,
+        build=LlamaBuild("llama_tiny", (("layers", 4),)),
+        optims=("sgd",),
+        steps=2,
+        schedule=schedule,
+        stages_per_rank=v,
+    )
+
+
+def budget(layout: str, mesh: dict):
+    """The step's collectives equal tests/dist/test_budget.py's budget."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import test_budget
+
+    diff = test_budget._diff(test_budget._count_step(layout, mesh), test_budget.budget(layout, mesh))
+    if diff:
+        raise AssertionError(f"budget of {layout} {mesh}: {diff}")
+
+
+BATTERY = [
+    ("parity ddp dp=2", 2, parity, ("ddp", "dp=2"), {}),
+    ("parity zero1 dp=2", 2, parity, ("zero1", "dp=2"), {}),
+    ("parity zero2 fsdp=2", 2, parity, ("zero2", "fsdp=2"), {}),
+    ("parity fsdp fsdp=2", 2, parity, ("fsdp", "fsdp=2"), {}),
+    ("parity tp tp=2", 2, parity, ("tp", "tp=2"), {}),
+    ("parity tp_sp tp=2", 2, parity, ("tp_sp", "tp=2"), {}),
+    ("parity single dp=2", 2, parity, ("single", "dp=2"), {}),
+    ("parity zero2 dp=2 overlapped", 2, parity, ("zero2", "dp=2"), {"overlap": True}),
+    ("parity zero1 dp=2 bf16", 2, parity, ("zero1", "dp=2"), {"precision": "bf16"}),
+    ("parity fsdp fsdp=2 bf16", 2, parity, ("fsdp", "fsdp=2"), {"precision": "bf16"}),
+    ("parity pp pp=2 1f1b", 2, pipeline_parity, ("pp", "pp=2", "1f1b", 1), {}),
+    ("parity hsdp dp=2,fsdp=2", 4, parity, ("hsdp", "dp=2,fsdp=2"), {}),
+    ("parity fsdp_tp_sp fsdp=2,tp=2", 4, parity, ("fsdp_tp_sp", "fsdp=2,tp=2"), {}),
+    ("parity fsdp_pp fsdp=2,pp=2 zbv", 4, pipeline_parity, ("fsdp_pp", "fsdp=2,pp=2", "zbv", 2), {}),
+    ("budget fsdp fsdp=4", 4, budget, ("fsdp", {"fsdp": 4}), {}),
+    ("budget zero1 dp=4", 4, budget, ("zero1", {"dp": 4}), {}),
+    ("budget fsdp_tp_sp fsdp=2,tp=2", 4, budget, ("fsdp_tp_sp", {"fsdp": 2, "tp": 2}), {}),
+]
+
+
+def run_with(mutant: str, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with ``mutant`` active (mutmut's trampolines read the
+    environment at every call), then none."""
+    os.environ["MUTANT_UNDER_TEST"] = mutant
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        os.environ["MUTANT_UNDER_TEST"] = ""
