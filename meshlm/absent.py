@@ -43,10 +43,12 @@ class Absent(Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if ON_USE[0] is not None:
             ON_USE[0](compat.tree_leaves((args, kwargs or {})))
-        a, k = compat.tree_map(_to_meta, (args, kwargs or {}))
-        with compat.no_torch_function_subclass():
-            out = func(*a, **k)
-        return compat.tree_map(_to_absent, out)
+        # shapes on the meta device, outside the planner's FakeTensorMode if one is active
+        with compat.outside_fake():
+            a, k = compat.tree_map(_to_meta, (args, kwargs or {}))
+            with compat.no_torch_function_subclass():
+                out = func(*a, **k)
+            return compat.tree_map(_to_absent, out)
 
     def __repr__(self) -> str:  # no data to print
         return f"Absent(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -68,9 +70,9 @@ def absent_like(t: Tensor) -> Absent:
     """An ``Absent`` of ``t``'s shape and dtype (a DTensor's global shape)."""
     if isinstance(t, Absent):
         return t
-    with compat.no_torch_function_subclass():
+    with compat.outside_fake(), compat.no_torch_function_subclass():
         m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return m.as_subclass(Absent)
+        return m.as_subclass(Absent)
 
 
 def is_absent(x: Any) -> bool:

@@ -51,6 +51,7 @@ def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[lis
     plans = plan_params(m, lay, spec)
     sizes = spec.as_dict()
     names = tuple(a for a, s in spec.active())
+    stage = _stages(model, lay, spec)
     rows = []
     for fqn, pp in plans.items():
         local = pp.local_shape(pp.storage, sizes)
@@ -70,7 +71,25 @@ def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[lis
                 "bytes": numel * torch.empty((), dtype=pp.dtype, device="meta").element_size(),
             }
         )
+        if stage:  # a pipeline: which pp rank holds it, in place of "replicated over pp"
+            for k in ("storage", "compute", "grads", "optimizer"):
+                rows[-1][k] = rows[-1][k].replace("pp:R", f"pp:rank {stage[fqn]}")
+            rows[-1]["pp_rank"] = stage[fqn]
     return rows, spec
+
+
+def _stages(model, lay, spec: MeshSpec) -> dict[str, int]:
+    """Parameter FQN -> the pp rank that holds it, for a pipeline layout on a mesh with
+    pp > 1 (the balanced cut, one stage per rank: meshlm train's default); else {}."""
+    from meshlm.layout import is_pipelined
+    from meshlm.pipeline import cut, probe
+
+    pp = spec.as_dict().get("pp", 1)
+    if not is_pipelined(lay) or pp < 2:
+        return {}
+    tok = torch.zeros(1, 8, dtype=torch.long)
+    c = cut(probe(build_model(model_node(model), "meta"), (tok, tok)), pp, pp)
+    return {fqn: c.ranks[s] for s, names in enumerate(c.params) for fqn in names}
 
 
 def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
@@ -109,5 +128,12 @@ def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
         line(["-" * w for w in widths]),
     ]
     out += [line(t) for t in table]
-    out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]
+    if any("pp_rank" in r for r in rows):
+        by = {}
+        for r in rows:
+            by[r["pp_rank"]] = by.get(r["pp_rank"], 0) + r["bytes"]
+        each = ", ".join(f"pp rank {k}: {_fmt_bytes(v)}" for k, v in sorted(by.items()))
+        out += ["", f"{len(rows)} parameters; parameters per rank (storage): {each} (stages balanced by size)"]
+    else:
+        out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]
     return "\n".join(out)

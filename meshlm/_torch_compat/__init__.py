@@ -245,3 +245,44 @@ def unbox_group(group):
     if isinstance(group, torch.ScriptObject):
         return torch._C._distributed_c10d.ProcessGroup.unbox(group)
     return group
+
+
+def outside_fake():
+    """A context in which no FakeTensorMode is active (``unset_fake_temporarily``): what
+    meta-device shape work (``meshlm.absent``) runs under inside the planner's fake step."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions, whose output specs name the mesh of the
+    op that filled them: after a fake process group is torn down and another started (the
+    planner, one per pp rank), a cached spec would hand a new DTensor the old mesh (equal by
+    value, its process groups gone)."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_fast = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ fast path (2.13)
+    if clear_fast is not None:
+        clear_fast()
+    from torch.distributed.tensor import _redistribute
+
+    clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_plans is not None:
+        clear_plans()
+
+
+def stage_backward_input(outputs, output_grads, inputs, weights):
+    """torch's zero-bubble input-gradient half of a stage's backward (what its ``I`` actions
+    run): (input gradients, the parameter groups ``stage_backward_weight`` takes)."""
+    from torch.distributed.pipelining._backward import stage_backward_input as f
+
+    return f(outputs, output_grads, inputs, weights)
+
+
+def stage_backward_weight(weights, param_groups) -> None:
+    """The weight-gradient half (``W`` actions), into the parameters' ``.grad``."""
+    from torch.distributed.pipelining._backward import stage_backward_weight as f
+
+    f(weights, param_groups)

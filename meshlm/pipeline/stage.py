@@ -143,7 +143,7 @@ class MicroBatches:
     the losses the last stage computed, and the generator state the step started from."""
 
     inputs: list = field(default_factory=list)  # (args, kwargs) per micro-batch
-    losses: list = field(default_factory=list)  # float per micro-batch (the last stage's rank)
+    losses: list = field(default_factory=list)  # loss per micro-batch, detached (the last stage's rank)
     rng: Optional[Tensor] = None
     # the generator state each micro-batch's forward starts from, where the caller sets one
     # per micro-batch (the parity harness reseeds before each); None: chained (meshlm train)
@@ -190,7 +190,7 @@ class StageModule(nn.Module):
             raise MeshlmError(f"pipeline stage {self.stage}: forward of micro-batch {m} of {len(self.mbs.inputs)}")
         self._mb += 1
         args, kwargs = self.mbs.inputs[m]
-        if self.stage == 0 and received and not torch.equal(received[0], args[0]):
+        if self.stage == 0 and received and received[0] is not args[0] and not torch.equal(received[0], args[0]):
             raise MeshlmError(f"pipeline stage 0: the schedule's micro-batch {m} is not the step's micro-batch {m}")
         stages = self.cut.stages
         run = StageRun(
@@ -203,15 +203,17 @@ class StageModule(nn.Module):
             self._axes,
         )
         self._install()
-        state = torch.get_rng_state()
-        torch.set_rng_state(self._rng if self.mbs.starts is None else self.mbs.starts[m])
+        with compat.outside_fake():  # generator states are real tensors, also in the planner's fake step
+            state = torch.get_rng_state()
+            torch.set_rng_state(self._rng if self.mbs.starts is None else self.mbs.starts[m])
         token = _RUN.set(run)
         try:
             out = self._model(*args, **kwargs)
         finally:
             _RUN.reset(token)
-            self._rng = torch.get_rng_state()
-            torch.set_rng_state(state)
+            with compat.outside_fake():
+                self._rng = torch.get_rng_state()
+                torch.set_rng_state(state)
         if not self.last:
             if run.output is None:
                 raise ConfigError(
@@ -226,7 +228,7 @@ class StageModule(nn.Module):
                 "embedding, or a skip connection around the blocks); the last stage computes the loss from the "
                 "hidden state it receives and its own parameters"
             )
-        self.mbs.losses[m] = float(loss.detach())
+        self.mbs.losses[m] = loss.detach()  # read after the step (a planner's fake step has no values)
         return loss.reshape(1)  # torch's schedules concatenate the last stage's outputs
 
     def _install(self) -> None:

@@ -4,6 +4,7 @@ command that runs the winner (:func:`train_command`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -104,6 +105,7 @@ def _measured(cfg) -> Any:
             activation_checkpointing=t.activation_checkpointing,
             shard_kw=kw,
             name=cfg.model.label,
+            pipeline=dataclasses.asdict(cfg.pipeline),
         )
 
     return plan_one

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping
 
-from meshlm.errors import ConfigError
 from meshlm.layout import is_pipelined, load_layout
 from meshlm.mesh import MeshSpec
 from meshlm.plan.measure import Build, measure
@@ -26,21 +25,34 @@ def plan_model(
     grad_accum: int = 1,
     shard_kw: "Mapping | None" = None,
     name: str = "model",
+    pipeline: "Mapping | None" = None,
 ) -> Plan:
     """Measure ``build`` under ``layout`` on ``mesh`` (:func:`meshlm.plan.measure.measure`)
     and report it as a :class:`Plan`: ``memory`` holds ``params``, ``grads``,
     ``optimizer``, ``activations`` (held from forward to backward, at-use parameter copies
     included) and ``peak`` (the most storage alive at once in the step); ``total`` is the
-    peak, the figure ``layout=auto`` compares with the limit."""
+    peak, the figure ``layout=auto`` compares with the limit.  A pipeline layout on a mesh
+    with pp > 1 is planned per pp rank (:func:`meshlm.plan.pipeline.plan_pipeline`, with
+    ``pipeline``: the ``schedule``, ``stages_per_rank`` and ``split`` of the run)."""
     import torch
 
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
     sizes = {a: n for a, n in spec.axes if n > 1} or {"dp": 1}  # the mesh meshlm train builds
     if is_pipelined(lay) and sizes.get("pp", 1) > 1:
-        raise ConfigError(
-            f"meshlm plan: layout {lay.name} on mesh {spec} is a pipeline (layers: pp), whose stages the measured "
-            "planner does not model yet; plan it without pp (the stage mesh) or run it and read its memory report"
+        from meshlm.plan.pipeline import plan_pipeline
+
+        return plan_pipeline(
+            build,
+            lay,
+            spec,
+            global_batch=global_batch,
+            seq=seq,
+            grad_accum=grad_accum,
+            activation_checkpointing=activation_checkpointing,
+            shard_kw=shard_kw,
+            name=name,
+            **dict(pipeline or {}),
         )
     kw = dict(shard_kw or {})
     m = measure(

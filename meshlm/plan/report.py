@@ -91,6 +91,8 @@ def _gib(x: float) -> str:
 
 def format_plan(p: Plan) -> str:
     """The human-readable report (docs/plan.md, "Reading the report")."""
+    if "stages" in p.formulas:
+        return _format_pipeline(p)
     if "peak" in p.memory:
         return _format_measured(p)
     z, a = p.formulas["zero"], p.formulas["activations"]
@@ -163,6 +165,40 @@ def _format_measured(p: Plan) -> str:
         "",
         "",
         "communication per rank per step (counted)",
+        f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}",
+    ]
+    for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):
+        lines.append(
+            f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}{_gib(c.wire_bytes):>14}"
+        )
+    lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
+    return "\n".join(lines)
+
+
+def _format_pipeline(p: Plan) -> str:
+    """The report of a pipeline plan (NOTE [planning stages] in pipeline.py): every pp rank."""
+    f = p.formulas
+    lines = [
+        f"meshlm plan: {p.model}, layout {p.layout}, mesh {_mesh_str(p.mesh)} ({p.world_size} ranks), "
+        f"global batch {p.global_batch} x seq {p.seq}, {p.compute_dtype} compute, {p.param_dtype} storage, "
+        f"activation checkpointing {p.activation_checkpointing}; pipeline schedule {f['schedule']}, bubble "
+        f"{f['bubble']:.3f} of a step by its formula; measured on fake tensors per pp rank ({f['psi'] / 1e6:.1f}M "
+        f"params, {f['flops'] / 1e12:.3f} TFLOP on the fullest rank per step)",
+        "",
+        f"{'pp rank':<8}{'stages':<10}{'blocks':<10}{'params':>14}{'grads':>14}{'optimizer':>14}"
+        f"{'in flight':>14}{'peak':>14}{'sent':>14}",
+    ]
+    for st in f["stages"]:
+        lines.append(
+            f"{st['pp_rank']:<8}{','.join(map(str, st['stages'])):<10}{','.join(map(str, st['blocks'])):<10}"
+            f"{_gib(st['params']):>14}{_gib(st['grads']):>14}{_gib(st['optimizer']):>14}"
+            f"{_gib(st['activations']):>14}{_gib(st['peak']):>14}{_gib(st['send_bytes']):>14}"
+        )
+    lines += [
+        "  (in flight: what the step adds at its peak: the activations the schedule holds at once, gathered",
+        "  parameters, receive buffers; sent: hidden states forward and their gradients back, per step)",
+        "",
+        "communication of the fullest rank per step (counted; point-to-point from the cut)",
         f"{'collective':<16}{'axes':<6}{'phase':<10}{'count':>7}{'logical':>14}{'on wire':>14}",
     ]
     for c in sorted(p.comm, key=lambda c: (c.axes, ("forward", "backward", "optimizer").index(c.phase), c.kind)):

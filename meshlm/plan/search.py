@@ -36,7 +36,8 @@ def step_time(p: Plan, cfg: "LlamaConfig | None", hw: Hardware, overlap: bool = 
     share at peak·MFU; communication = each collective's ring wire bytes over the
     bandwidth of the link its axis crosses (the innermost axes that fit in a node use the
     intra-node link, the rest the inter-node one); step = max of the two when they overlap,
-    else their sum."""
+    else their sum.  A pipeline's compute is its fullest rank's over (1 - the schedule's
+    bubble), point-to-point sends included in the communication."""
     tokens = p.global_batch * p.seq
     if "flops" in p.formulas:  # measured (NOTE [fake measurement]): this rank's, recompute included
         flops = p.formulas["flops"]
@@ -46,6 +47,8 @@ def step_time(p: Plan, cfg: "LlamaConfig | None", hw: Hardware, overlap: bool = 
             block *= 4 / 3
         flops = (block + 6 * cfg.embed) * tokens / p.world_size
     t_comp = flops / (hw.peak_flops * hw.mfu)
+    if "bubble" in p.formulas:  # a pipeline: this rank's compute spread over the schedule's step
+        t_comp /= 1.0 - p.formulas["bubble"]
     inner, acc = set(), 1
     for ax in reversed(list(p.mesh)):
         if acc * p.mesh[ax] > hw.node_size:
@@ -61,7 +64,21 @@ def step_time(p: Plan, cfg: "LlamaConfig | None", hw: Hardware, overlap: bool = 
 
 # The order candidates are tried in: of two that plan identically (hsdp with dp=1 is fsdp,
 # fsdp_tp with tp=1 is fsdp), the earlier name is kept.
-PREFERENCE = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
+PREFERENCE = (
+    "single",
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "hsdp",
+    "tp",
+    "tp_sp",
+    "fsdp_tp",
+    "fsdp_tp_sp",
+    "pp",
+    "fsdp_pp",
+    "fsdp_tp_pp",
+)
 
 
 class NothingFits(ConfigError):
@@ -113,7 +130,8 @@ def candidates(
     reduce_dtype: str | None = None,
     planner: Optional[Callable[[str, dict], Plan]] = None,
 ) -> list[Candidate]:
-    """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp) that
+    """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp), and
+    (dp, fsdp, tp, pp > 1) for a pipeline layout with the measured planner, that
     applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
     planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order.
     ``planner(layout, mesh) -> Plan`` plans each (``meshlm plan``: the measured planner);
@@ -123,12 +141,16 @@ def candidates(
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
     out, seen = [], set()
     for lay in names:
-        if is_pipelined(load_layout(lay)):  # the candidates' meshes have no pp axis
+        piped = is_pipelined(load_layout(lay))
+        if piped and planner is None:  # the analytic planner does not model pipeline stages
             continue
         used = load_layout(lay).mesh_axes_used()
+        axes = ("dp", "fsdp", "tp", "pp") if piped else ("dp", "fsdp", "tp")
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
         # plain data-parallel one is kept
-        for m in sorted(factorisations(devices, ("dp", "fsdp", "tp")), key=lambda m: -m["dp"]):
+        for m in sorted(factorisations(devices, axes), key=lambda m: -m["dp"]):
+            if piped and m["pp"] < 2:
+                continue  # the layout without pp is another candidate
             if any(sz > 1 and a not in used for a, sz in m.items()):
                 continue  # every rank would repeat the same work on that axis
             if devices > 1 and not any(sz > 1 for sz in m.values()):

@@ -65,7 +65,8 @@ class Piped:
         self.pipe.step([(tuple(a), kw) for a, kw in inputs])
         job._check_placed(model)
         got: list = [None] * self.pipe.pp
-        dist.all_gather_object(got, self.pipe.mbs.losses, group=self.pipe.group)
+        mine = [None if x is None else float(x) for x in self.pipe.mbs.losses]
+        dist.all_gather_object(got, mine, group=self.pipe.group)
         losses = [next(x[j] for x in got if x[j] is not None) for j in range(len(micro))]
         return [torch.tensor(x, dtype=torch.float64) for x in losses]
 

@@ -210,3 +210,55 @@ def test_plan_a_users_model_from_its_node(capsys, monkeypatch):
     ), out[-300:]
     with pytest.raises(ConfigError, match="plan.method=formula plans the shipped Llama only"):
         plan_main(load_config(over + ["plan.method=formula"]), over)
+
+
+def test_pipeline_plan_prints_every_pp_rank(capsys):
+    """`meshlm plan` of a pipeline layout: a row per pp rank (its stages, blocks, state, what
+    is in flight at its peak, what it sends), the schedule's bubble, the train command."""
+    from meshlm.config import load_config
+    from meshlm.plan import plan_main
+
+    argv = [
+        "model=llama_tiny",
+        "model.layers=4",
+        "layout=pp",
+        "mesh=pp2",
+        "train.grad_accum=4",
+        "train.batch_size=8",
+        "train.seq_len=16",
+        "pipeline.schedule=1f1b",
+    ]
+    assert plan_main(load_config(argv), argv) == 0
+    out = capsys.readouterr().out
+    assert "layout pp, mesh pp=2 (2 ranks)" in out and "pipeline schedule 1f1b, bubble 0.200" in out, out[:600]
+    rows = [ln.split() for ln in out.splitlines() if ln[:1] in ("0", "1") and "GiB" in ln]
+    assert [r[:3] for r in rows] == [["0", "0", "2"], ["1", "1", "2"]], rows
+    assert "send            pp" in out and "recv            pp" in out
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .endswith("pipeline.schedule=1f1b layout=pp mesh.dp=1 mesh.fsdp=1 mesh.tp=1 mesh.pp=2")
+    ), out.strip().splitlines()[-1]
+
+
+def test_layout_auto_considers_pipelines():
+    """layout=auto plans the pipeline layouts on every mesh with a pp axis of size > 1 (and
+    never on one without, where each is another layout's candidate already)."""
+    from meshlm.errors import ConfigError
+    from meshlm.plan import search
+
+    asked = []
+
+    def planner(layout, mesh):
+        asked.append((layout, dict(mesh)))
+        raise ConfigError("not planned here")  # the candidate is dropped, as one that does not apply
+
+    search.candidates("llama_tiny", 4, global_batch=8, seq=16, grad_accum=4, planner=planner)
+    piped = [(lay, m) for lay, m in asked if lay in ("pp", "fsdp_pp", "fsdp_tp_pp")]
+    assert ("pp", {"dp": 1, "fsdp": 1, "tp": 1, "pp": 4}) in piped and (
+        "pp",
+        {"dp": 2, "fsdp": 1, "tp": 1, "pp": 2},
+    ) in piped
+    assert ("fsdp_pp", {"dp": 1, "fsdp": 2, "tp": 1, "pp": 2}) in piped
+    assert all(m["pp"] > 1 for _lay, m in piped) and all("pp" not in m for lay, m in asked if (lay, m) not in piped)
+    assert search.candidates("llama_tiny", 4, global_batch=8, seq=16, grad_accum=4) is not None  # formula: no pp

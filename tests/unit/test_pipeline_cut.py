@@ -166,3 +166,12 @@ def test_absent_values_propagate_shapes_and_refuse_data():
     assert isinstance(torch.cat([y, y]), Absent) and not has_absent([torch.ones(1)])
     with pytest.raises(RuntimeError, match="meta"):
         y.sum().item()
+
+
+def test_layout_show_names_the_pp_rank_of_each_parameter():
+    from meshlm.show import layout_table
+
+    out = layout_table("llama_tiny", "fsdp_pp", "fsdp=2,pp=2")
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("tok_emb", "lm_head", "layers.1."))}
+    assert "pp:rank 0" in rows["tok_emb"] and "pp:rank 1" in rows["lm_head"] and "pp:R" not in out
+    assert "parameters per rank (storage): pp rank 0:" in out and "pp rank 1:" in out

@@ -1,0 +1,330 @@
+"""``plan_pipeline``: the plan of a pipeline layout (``layers: pp``), measured per pp rank
+on fake tensors: each rank's stages' model state, the activations its schedule keeps in
+flight at once, every collective inside the stages, the point-to-point bytes between them
+and the schedule's bubble.
+
+NOTE [planning stages]
+    For every pp rank r, this process joins a fake process group as the rank at pp
+    coordinate r (the others 0), builds that rank's part of the pipeline exactly as
+    ``meshlm train`` does (``meshlm.pipeline.build_pipeline``: the same cut, the same
+    sharded stage model, on fake tensors), and runs the step its schedule runs on it, in the
+    schedule's own order: torch's ``pipeline_order`` for the rank (the forward, backward,
+    input- and weight-gradient actions of each of its stages and micro-batches), each
+    forward on a fake received hidden state, each backward from a fake received gradient,
+    then the optimizer step; twice, measuring the second (NOTE [fake measurement] in
+    measure.py).  The receive buffers torch allocates once, one per micro-batch and
+    boundary for the hidden states and one for their gradients, are held through the step
+    as they are in a real one.  So the peak includes exactly the activations the schedule
+    keeps in flight on that rank (1F1B: at most p micro-batches on the first stage; GPipe:
+    all m), zero-bubble schedules' input- and weight-gradient halves with torch's own
+    functions (the intermediates an ``I`` leaves for its ``W`` held until it runs).  What
+    the emulation cannot see is how torch keeps its buffers (received gradients until
+    they are sent on, and the like): measured against real steps, the peak is within the
+    rank's receive-buffer bytes (tests/dist/test_pipeline.py).
+
+    Point-to-point bytes come from the cut: per micro-batch, each boundary between ranks
+    sends the hidden state forward and its gradient back (NOTE [pipeline cut]); the step's
+    loss all-reduce over pp is added.  The plan's memory is the fullest rank's, its
+    collectives that rank's, and ``formulas["stages"]`` holds every rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Mapping, Optional
+
+import torch
+
+from meshlm import _torch_compat as compat
+from meshlm.errors import ConfigError
+from meshlm.layout import load_layout
+from meshlm.mesh import MeshSpec
+from meshlm.plan.measure import Build, _WaitIsIdentity
+from meshlm.plan.report import CommEntry, Plan, _name
+
+
+def actions(pipe, spec, microbatches: int, stages: list) -> list[tuple[str, int, int]]:
+    """(kind, stage, micro-batch) of every compute action of this rank's step, in its
+    schedule's order: torch's ``pipeline_order`` for the schedules that run from one, else GPipe's
+    (every forward, then every backward) or 1F1B's (warm-up forwards, then one backward
+    and one forward each, then the remaining backwards)."""
+    from meshlm.pipeline.schedule import make_schedule
+
+    if spec.multi:  # torch runs these from their pipeline_order (its single-stage schedules do not)
+        order = make_schedule(spec, stages, microbatches, lambda out, _t: out).pipeline_order
+        acts = [a for a in order.get(pipe.pp_rank, []) if a is not None]
+        kinds = [(getattr(a.computation_type, "value", str(a.computation_type)), a) for a in acts]
+        return [(k, a.stage_index, a.microbatch_index) for k, a in kinds if k in ("F", "B", "I", "W")]
+    (s,) = [sm.stage for sm in pipe.stage_modules]
+    n = len(pipe.cut.stages)
+    if spec.name == "gpipe":
+        return [("F", s, m) for m in range(microbatches)] + [("B", s, m) for m in range(microbatches)]
+    warm = min(microbatches, n - s)
+    out = [("F", s, m) for m in range(warm)]
+    f, b = warm, 0
+    while b < microbatches:
+        out.append(("B", s, b))
+        b += 1
+        if f < microbatches:
+            out.append(("F", s, f))
+            f += 1
+    return out
+
+
+def _emulate(pipe, order, inputs, recv: dict) -> None:
+    """One step of this rank's actions on fake tensors (NOTE [planning stages]).  A stage
+    fed by a stage of this rank takes that stage's output itself, and hands its gradient
+    back the same way (zbv's V); across ranks, torch's receive buffers (``recv``)."""
+    here = {sm.stage: sm for sm in pipe.stage_modules}
+    n = len(pipe.cut.stages)
+    live: dict = {}  # (stage, micro-batch) -> (input, output) until its backward
+    handed: dict = {}  # (stage, micro-batch) -> the gradient of its output, from the next stage on this rank
+    groups: dict = {}  # (stage, micro-batch) -> what its W needs (zero-bubble schedules)
+    pipe.begin(inputs)
+    # what Pipeline.step and torch's schedule keep through a step besides: the step's tokens
+    # (concatenated, and their chunks), the targets torch splits, and on the last stage
+    # each micro-batch's output and scaled loss
+    kept = [torch.cat([a[0] for a, _k in inputs]), torch.arange(pipe.microbatches)]
+    if (n - 1) in here:
+        kept += [torch.empty(1) for _ in range(2 * pipe.microbatches)]
+    for kind, s, m in order:
+        sm = here[s]
+        if kind == "F":
+            if s == 0:
+                inp = inputs[m][0][0]
+            elif (s - 1) in here:
+                inp = live[(s - 1, m)][1].detach().requires_grad_(True)
+            else:
+                inp = recv[("fwd", s)][m].detach().requires_grad_(True)
+            live[(s, m)] = (inp, sm(inp))
+        elif kind in ("B", "I"):
+            inp, out = live.pop((s, m))
+            if s == n - 1:
+                outs, grads = [out.sum() / pipe.microbatches], None
+            else:
+                outs, grads = [out], [handed.pop((s, m)) if (s + 1) in here else recv[("bwd", s)][m]]
+            if kind == "B":
+                torch.autograd.backward(outs, grads)
+                g = inp.grad if inp.requires_grad else None
+            elif s == 0:  # torch's first stage has no input gradient: all of its backward runs at W
+                groups[(s, m)], g = ("full", outs, grads), None
+            else:  # input gradients now, weight gradients at this micro-batch's W (torch's zero bubble)
+                (g,), pg = compat.stage_backward_input(outs, grads, [inp], sm.parameters())
+                groups[(s, m)] = ("weight", pg)
+            if s > 0 and (s - 1) in here:
+                handed[(s - 1, m)] = g
+        elif kind == "W":
+            what, *rest = groups.pop((s, m))
+            if what == "full":
+                torch.autograd.backward(*rest)
+            else:
+                compat.stage_backward_weight(sm.parameters(), rest[0])
+    assert not live, f"pipeline plan: actions left {sorted(live)} without a backward"
+    del kept
+
+
+def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int, ac: str, kw: dict, pcfg: dict):
+    """(memory, collectives, flops, stage indices) of pp rank ``r``."""
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meshlm._torch_compat import FAKE_IS_EAGER
+    from meshlm.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.comm import CommCounter
+    from meshlm.memory import PeakStorage, model_state_bytes
+    from meshlm.mesh import init_fake
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.pipeline import build_pipeline, pipeline_mesh, schedule_spec
+
+    world = math.prod(sizes.values())
+    init_fake(world, rank=r)  # pp is the innermost mesh axis: rank r has pp coordinate r, the others 0
+    token = FAKE_IS_EAGER.set(True)
+    try:
+        mesh, sub = pipeline_mesh(sizes)
+        with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
+            tok = torch.zeros(micro, seq, dtype=torch.long)
+            pipe = build_pipeline(
+                build, lay, mesh, sub, example=((tok, tok), {}), microbatches=m, init=False, **pcfg, **kw
+            )
+            apply_activation_checkpointing(pipe.model, ac)
+            opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=1e-3)
+            import meshlm
+
+            x = meshlm.shard_batch(torch.zeros(micro, seq, dtype=torch.long), lay, sub)
+            inputs = [((x, x), {}) for _ in range(m)]
+            spec = schedule_spec(pcfg["schedule"], pcfg["stages_per_rank"], pipe.pp, m)
+            order = actions(pipe, spec, m, pipe._stages(x))
+            recv = {}
+            ranks = pipe.cut.ranks
+            for sm in pipe.stage_modules:  # torch's receive buffers: one per micro-batch and boundary between ranks
+                s = sm.stage
+                if s > 0 and ranks[s - 1] != ranks[s]:
+                    shape, dt = pipe.boundary_shape(pipe.cut.stages[s][0])
+                    recv[("fwd", s)] = [torch.empty(shape, dtype=dt) for _ in range(m)]
+                if s < len(ranks) - 1 and ranks[s + 1] != ranks[s]:
+                    shape, dt = pipe.boundary_shape(pipe.cut.stages[s + 1][0])
+                    recv[("bwd", s)] = [torch.empty(shape, dtype=dt) for _ in range(m)]
+
+            def step(actions=order, cc=None):
+                _emulate(pipe, actions, inputs, recv)
+                grads = model_state_bytes(pipe.model, opt)["grads"]
+                with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
+                    opt.step()
+                grads = max(grads, model_state_bytes(pipe.model, opt)["grads"])
+                opt.zero_grad()
+                return grads
+
+            # FLOPs in the first step, each input-gradient half run as a whole backward and
+            # its weight half dropped (the same FLOPs): FlopCounterMode's module hooks cannot
+            # see the autograd.grad of torch's split backward
+            flops = FlopCounterMode(display=False)
+            with flops:
+                step([("B", s, m) if k == "I" else (k, s, m) for k, s, m in order if k != "W"])
+            seed = (
+                list(pipe.model.parameters())
+                + list(opt.masters().values())
+                + [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+                + [t for ts in recv.values() for t in ts]
+            )
+            cc, peak = CommCounter(mesh), PeakStorage(seed)
+            with cc, peak:
+                grads = step(cc=cc)
+            state = model_state_bytes(pipe.model, opt)
+            memory = {"params": state["params"], "grads": grads, "optimizer": state["optimizer"], "peak": peak.peak}
+            memory["activations"] = peak.peak - sum(memory[k] for k in ("params", "grads", "optimizer"))
+            p2p = _p2p(pipe, m)
+            return memory, cc, int(flops.get_total_flops()), [sm.stage for sm in pipe.stage_modules], p2p, pipe
+    finally:
+        FAKE_IS_EAGER.reset(token)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        compat.clear_dtensor_caches()
+
+
+def _p2p(pipe, m: int) -> dict[str, tuple[int, int]]:
+    """This rank's sends and receives per step (count, bytes): per micro-batch and stage
+    boundary between ranks, the hidden state forward and its gradient back."""
+    out = {"send": [0, 0], "recv": [0, 0]}
+    ranks = pipe.cut.ranks
+    for sm in pipe.stage_modules:
+        s = sm.stage
+        for nb, cross in (
+            (s + 1, s + 1 < len(ranks) and ranks[s + 1] != ranks[s]),
+            (s, s > 0 and ranks[s - 1] != ranks[s]),
+        ):
+            if cross:
+                shape, dt = pipe.boundary_shape(pipe.cut.stages[nb][0])
+                b = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                for k in ("send", "recv"):
+                    out[k][0] += m
+                    out[k][1] += m * b
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def plan_pipeline(
+    build: Build,
+    layout,
+    mesh: "Mapping[str, int] | str | MeshSpec",
+    *,
+    global_batch: int,
+    seq: int,
+    grad_accum: int,
+    activation_checkpointing: str = "none",
+    shard_kw: "Mapping | None" = None,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    split: Optional[list] = None,
+    name: str = "model",
+) -> Plan:
+    """The plan of ``build`` under pipeline ``layout`` on ``mesh`` (NOTE [planning stages])."""
+    import torch.distributed as dist
+
+    from meshlm.pipeline.schedule import bubble
+
+    lay = load_layout(layout)
+    spec = MeshSpec.parse(mesh)
+    sizes = {a: n for a, n in spec.axes if n > 1}
+    if sizes.get("ep", 1) > 1:
+        raise ConfigError("meshlm plan: pipeline layouts with an ep axis are not supported")
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        raise ConfigError("meshlm plan measures on a fake process group; plan before the process group starts")
+    kw = dict(shard_kw or {})
+    pcfg = {"schedule": schedule, "stages_per_rank": stages_per_rank, "split": split}
+    micro = global_batch // grad_accum
+    ranks = []
+    for r in range(sizes["pp"]):
+        try:
+            ranks.append(
+                _measure_rank(build, lay, sizes, r, micro, seq, grad_accum, activation_checkpointing, kw, pcfg)
+            )
+        except compat.fake_unsupported_errors() as e:
+            raise ConfigError(
+                f"meshlm plan could not measure pipeline layout {lay.name} on mesh {sizes}: the fake step hit an op "
+                f"that needs real data ({type(e).__name__}: {e})"
+            ) from None
+    worst = max(range(len(ranks)), key=lambda i: ranks[i][0]["peak"])
+    memory, cc, flops, _stages, p2p, pipe = ranks[worst]
+    comm: dict[tuple, CommEntry] = {}
+    for rec in cc.records:
+        e = comm.setdefault(
+            (rec.kind, rec.axes, rec.phase), CommEntry(rec.kind, rec.axes, rec.phase, 0, 0, 0.0, "counted")
+        )
+        e.count += 1
+        e.bytes += rec.bytes
+        e.wire_bytes += rec.wire_bytes
+    for kind, (n, b) in p2p.items():
+        if n:
+            comm[(kind, ("pp",), "forward")] = CommEntry(
+                kind,
+                ("pp",),
+                "forward",
+                n,
+                b,
+                float(b if kind == "send" else 0),
+                "activations and their gradients between stages",
+            )
+    comm[("all_reduce", ("pp",), "optimizer")] = CommEntry(
+        "all_reduce", ("pp",), "optimizer", 1, 8, 2 * 8 * (sizes["pp"] - 1) / sizes["pp"], "the step's loss"
+    )
+    sd = kw.get("param_dtype") or torch.float32
+    cd = kw.get("compute_dtype") or sd
+    rd = kw.get("reduce_dtype") or (torch.float32 if cd != torch.float32 or sd != torch.float32 else sd)
+    stages = [
+        {
+            "pp_rank": i,
+            "stages": st,
+            "blocks": [len(pipe.cut.stages[s]) for s in st],
+            **mem,
+            "send_bytes": pp2["send"][1],
+            "recv_bytes": pp2["recv"][1],
+        }
+        for i, (mem, _cc, _f, st, pp2, _p) in enumerate(ranks)
+    ]
+    formulas = {
+        "psi": sum(pipe.probe.numel.values()),
+        "flops": flops,
+        "bubble": bubble(schedule, sizes["pp"], grad_accum, stages_per_rank),
+        "schedule": schedule,
+        "stages": stages,
+        "zero": None,
+    }
+    return Plan(
+        name,
+        lay.name,
+        sizes,
+        spec.size,
+        global_batch,
+        seq,
+        _name(sd),
+        _name(sd),
+        activation_checkpointing,
+        dict(memory, total=memory["peak"]),
+        formulas,
+        list(comm.values()),
+        _name(cd),
+        _name(rd),
+    )
+
+
+__all__ = ["actions", "plan_pipeline"]
