@@ -218,7 +218,7 @@ def build(cfg, layout: str, mesh_sizes: dict, seq: int, compile_backend: str | N
     return p["model"], opt, step, p["shard"]
 
 
-def load_meshlm_weights(model, ref) -> None:
+def load_meshlm_weights(model, ref, partial: bool = False) -> None:
     """Copy a one-device ``meshlm.models.Llama``'s weights into torchtitan's ``model`` (its
     parameters plain or DTensors, as ``parallelize_llama`` left them), so that both compute
     the same function:
@@ -227,6 +227,7 @@ def load_meshlm_weights(model, ref) -> None:
       adjacent pairs ``(2i, 2i + 1)``, with the same frequency for pair ``i``: each head's
       rows of wq and wk are reordered to ``[0, hd/2, 1, hd/2 + 1, ...]`` (the q.k products, and
       so the attention, are unchanged; v and wo keep their order);
+    ``partial``: ``model`` is a pipeline stage's part, holding some of the parameters;
     - torchtitan's fused ``wqkv`` holds, per kv head ``g``, its ``heads/kv_heads`` query heads
       (``g * rep ...``, the query heads meshlm's grouping gives kv head ``g``), then k ``g``,
       then v ``g``."""
@@ -256,6 +257,8 @@ def load_meshlm_weights(model, ref) -> None:
             }
         )
     params = dict(model.named_parameters())
+    if partial:  # a pipeline stage's part: the names it kept
+        full = {k: v for k, v in full.items() if k in params}
     if set(params) != set(full):
         raise ValueError(f"torchtitan parameters {sorted(set(params) ^ set(full))} have no meshlm counterpart")
     with torch.no_grad():
@@ -266,3 +269,101 @@ def load_meshlm_weights(model, ref) -> None:
             if isinstance(p, DTensor):
                 w = distribute_tensor(w, p.device_mesh, p.placements)
             p.copy_(w)
+
+
+TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble"}
+
+
+def build_pipeline(
+    cfg,
+    mesh_sizes: dict,
+    seq: int,
+    global_batch: int,
+    microbatches: int,
+    schedule: str,
+    compile_backend: str | None,
+    lr: float,
+    weights=None,
+) -> dict:
+    """torchtitan's pipeline parallelism for ``mesh_sizes`` (``pp``, and ``fsdp`` inside each
+    stage), as its trainer sets it up: ``pipeline_llm`` (its module split: copies of the
+    model with the other stages' layers deleted, its ``parallelize_llama`` per stage, its
+    schedule builder), stages of equal block counts (``pipeline_parallel_first_stage_less_
+    layers`` and ``last_stage_less_layers`` 0, as meshlm's ``pipeline.split`` in the
+    benchmark), ``microbatches`` micro-batches of this rank's rows.
+
+    Returns ``dict(parts, opt, step)``: ``step(x, y)`` runs one schedule step (forward,
+    backward) and AdamW over every part on this rank's rows ``x, y``, and returns the step's
+    summed loss where this rank holds the last stage (else None)."""
+    import torch.distributed as dist
+
+    _import()
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    pp, fsdp = mesh_sizes.get("pp", 1), mesh_sizes.get("fsdp", 1)
+    mc, par = _model_config(cfg, False, 1, fsdp, 1, seq)
+    par.pipeline_parallel_degree = pp
+    par.pipeline_parallel_schedule = TITAN_SCHEDULES[schedule]
+    local = global_batch // fsdp
+    par.pipeline_parallel_microbatch_size = local // microbatches
+    par.pipeline_parallel_first_stage_less_layers = 0
+    par.pipeline_parallel_last_stage_less_layers = 0
+    dist_utils.set_spmd_backend("partial_dtensor")
+    dims = ParallelDims.from_config(par, dist.get_world_size())
+    dims.build_mesh()
+    with torch.device("meta"):
+        model = mc.build()
+    tokens = global_batch * seq
+
+    def loss_fn(pred, labels):  # its trainer's: the sum over the global token count, and its metrics
+        return cross_entropy_loss(pred, labels) / tokens, {}
+
+    comp = CompileConfig(
+        enable=compile_backend is not None, components=["model"], backend=compile_backend or "inductor"
+    )
+    sched, parts, first, last = pipeline_llm(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(local_batch_size=local),
+        parallelism=par,
+        compile_config=comp,
+        ac_config=None,
+        dump_folder="/tmp/meshlm_bench_titan",
+        device=torch.device("cpu"),
+        model_config=mc,
+        parallelize_fn=parallelize_llama,
+        loss_fn=loss_fn,
+    )
+    for m in parts:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            m.init_weights(buffer_device=None)
+        if weights is not None:
+            load_meshlm_weights(m, weights, partial=True)
+        m.train()
+        for sub in m.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+    opt = torch.optim.AdamW([p for m in parts for p in m.parameters()], lr=lr)
+
+    def step(x, y):
+        losses = []
+        if first and last:
+            sched.step(x, target=y, losses=losses)
+        elif first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+        return sum(float(v) for v in losses) if last else None
+
+    return dict(parts=parts, opt=opt, step=step, dims=dims)

@@ -50,6 +50,9 @@ def test_every_shipped_layout_has_a_conf_entry():
         ("data.format=csv", ["data.format", "text", "tokens"]),
         ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
         ("mesh.tp=0", ["mesh.tp"]),
+        ("pipeline.schedule=1f1", ["pipeline.schedule", "gpipe", "1f1b", "zbv"]),
+        ("pipeline.stages_per_rank=0", ["pipeline.stages_per_rank=0", ">= 1"]),
+        ("pipeline.split=[2,0]", ["pipeline.split", "each >= 1"]),
     ],
 )
 def test_bad_value_names_key_and_choices(override, words):
