@@ -70,7 +70,7 @@ def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend):
     if backend is not None:
         from meshlm.compile import compile_blocks
 
-        compile_blocks(pipe.model, backend)
+        compile_blocks(pipe.model, backend, comms="eager")  # as meshlm train compiles a pipeline
     opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=LR)
     opt.norm_groups = [pipe.group]
     lay = meshlm.load_layout(layout)

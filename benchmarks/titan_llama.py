@@ -330,7 +330,10 @@ def build_pipeline(
     sched, parts, first, last = pipeline_llm(
         model,
         parallel_dims=dims,
-        training=TrainingConfig(local_batch_size=local),
+        # fp32 as meshlm's run (its default mixed_precision_param is bfloat16)
+        training=TrainingConfig(
+            local_batch_size=local, mixed_precision_param="float32", mixed_precision_reduce="float32"
+        ),
         parallelism=par,
         compile_config=comp,
         ac_config=None,

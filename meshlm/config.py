@@ -144,6 +144,8 @@ class PipelineConfig:
     schedule: str = "1f1b"  #: gpipe | 1f1b | interleaved_1f1b | zero_bubble | zbv (NOTE [schedules])
     stages_per_rank: int = 1  #: stages (runs of blocks) per pp rank; 2+ for interleaved_1f1b, 2 for zbv
     split: Optional[list] = None  #: blocks per stage, e.g. [3, 5]; None = balanced by parameter count
+    #: ZeRO-3 inside a stage: gather parameters at every use (less memory), not once per step
+    regather: bool = False
 
 
 @dataclass

@@ -54,6 +54,7 @@ def build_pipelined(cfg, mcfg: ModelConfig, layout: Any, device_type: str, *, se
         schedule=p.schedule,
         stages_per_rank=p.stages_per_rank,
         split=p.split,
+        regather=p.regather,
         pick_loss=lambda out: loss_of(out, cfg.model),
         seed=seed,
         **shard_kwargs,

@@ -156,7 +156,10 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
-        meshlm.compile.compile_blocks(model, t.compile, comms=t.compile_comms)
+        # a pipeline keeping its parameters gathered through the step compiles the blocks' math
+        # only, its gathers eager (NOTE [gathered once per step] in meshlm/pipeline/pipe.py)
+        comms = "eager" if pipe is not None and pipe.keep_gathered else t.compile_comms
+        meshlm.compile.compile_blocks(model, t.compile, comms=comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/precision.py)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)

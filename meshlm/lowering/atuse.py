@@ -116,9 +116,16 @@ def make_getter(name: str):
             return now[name]
         p = self._parameters[name]
         use = self._meshlm_use[name]
+        kept = self._meshlm_state.gathered if compat.eager() else None  # NOTE [gathered once per step]
+        if kept is not None and (id(self), name, LOCAL_ROOT[0] > 0) in kept:
+            return kept[(id(self), name, LOCAL_ROOT[0] > 0)]
         if LOCAL_ROOT[0] and use.local_key is not None:  # NOTE [local root]
-            return bucket.gather(use.local_key, True, p)[0]
-        return at_use(p, use.key)
+            x = bucket.gather(use.local_key, True, p)[0]
+        else:
+            x = at_use(p, use.key)
+        if kept is not None:
+            kept[(id(self), name, LOCAL_ROOT[0] > 0)] = x
+        return x
 
     return property(get)
 

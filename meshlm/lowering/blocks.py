@@ -42,6 +42,15 @@ class BlockSpec:
     rows: tuple[int, int] | None = None  # local: this rank's (index, count) of batch rows (NOTE [dropout keys])
 
 
+def kept_gathers(m: nn.Module) -> Optional[dict]:
+    """Where ``m``'s gathered parameters are kept through a pipeline step (NOTE [gathered
+    once per step] in meshlm/pipeline/pipe.py; eager code only), else None."""
+    if not compat.eager():
+        return None
+    st = m.__dict__.get("_meshlm_state")
+    return None if st is None else st.gathered
+
+
 def _frees(spec: BlockSpec) -> bool:
     """Whether this forward of a re-gathering block frees and re-gathers its parameters
     (NOTE [free and re-gather] in meshlm/bucket/regather.py) instead of checkpointing: eager, recording
@@ -67,6 +76,9 @@ def block_forward(self, *args, **kwargs):
     # the block, its gathers included, in backward: the block neither frees nor nests a
     # checkpoint of its own.
     outer = getattr(self, "_meshlm_outer_checkpoint", False) and compat.eager()
+    # Parameters kept gathered through a pipeline step (NOTE [gathered once per step] in
+    # meshlm/pipeline/pipe.py): no freeing and no re-gathering checkpoint either.
+    outer = outer or kept_gathers(self) is not None
     frees = not outer and _frees(spec)
     if not local:
         if not spec.regather or outer:
@@ -123,13 +135,19 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     mods = [submodule(self, path) for path, _n in spec.entries]
     params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
     site = None
-    if compat.eager():  # NOTE [prefetch]: which model's block this is (eager code only)
+    kept = kept_gathers(self)
+    gathered = None if kept is None else kept.get(id(self))
+    if gathered is not None:
+        pass  # NOTE [gathered once per step] in meshlm/pipeline/pipe.py: an earlier micro-batch's
+    elif compat.eager():  # NOTE [prefetch]: which model's block this is (eager code only)
         pos = self.__dict__.get("_meshlm_pos")
         site = None if pos is None else (self._meshlm_state.prefetch, pos)
         with bucket.at_site(site):
             gathered = bucket.gather(spec.key, local, *params)
     else:
         gathered = bucket.gather(spec.key, local, *params)
+    if kept is not None:
+        kept[id(self)] = gathered
     if _keep is not None:
         freed = bucket.Freed(
             spec.key, params, [compat.local_tensor(t) if isinstance(t, DTensor) else t for t in gathered], local, site

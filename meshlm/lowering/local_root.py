@@ -180,7 +180,13 @@ def local_root_forward(self, st, orig, bound, inputs, rows_and_pl):
         with annotate.handling(handler):
             if spec.key is not None:
                 params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
-                for m, (_p, n), t in zip(mods, spec.entries, bucket.gather(spec.key, True, *params)):
+                kept = st.gathered if compat.eager() else None  # NOTE [gathered once per step]
+                ts = kept.get("root") if kept is not None else None
+                if ts is None:
+                    ts = bucket.gather(spec.key, True, *params)
+                    if kept is not None:
+                        kept["root"] = ts
+                for m, (_p, n), t in zip(mods, spec.entries, ts):
                     m._meshlm_now[n] = t
             out = orig(*bound.args, **bound.kwargs)
             st.roots["local"] += 1

@@ -45,6 +45,9 @@ class ShardState:
     # root forwards run on local tensors / under DTensor (NOTE [local root] in lowering/root.py)
     roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
     local_now: bool = False  # the root forward running now runs on local tensors (a pipeline stage reads it)
+    # parameters gathered in this pipeline step, kept for its next micro-batches (NOTE
+    # [gathered once per step] in meshlm/pipeline/pipe.py); None: gather at every use
+    gathered: Optional[dict] = None
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()

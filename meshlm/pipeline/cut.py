@@ -50,6 +50,8 @@ class Probe:
     same_shape: dict[str, bool]  # block FQN -> returns one tensor shaped like its first argument
     shapes: dict[str, tuple] = field(default_factory=dict)  # block FQN -> global shape of its first argument
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # block FQN -> dtype of its first argument
+    # block FQN -> whether the forward draws from torch's generator from that block's entry on
+    tail_draws: dict[str, bool] = field(default_factory=dict)
     inside: dict[str, str] = field(default_factory=dict)  # parameter FQN -> its outer block's FQN
 
 
@@ -87,6 +89,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
     same: dict[str, bool] = {}
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}
+    at_entry: dict[str, torch.Tensor] = {}
     seg = [PRE]
 
     def on_use(ts) -> None:
@@ -105,6 +108,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
         order.append(fqn)
         seg[0] = len(order) - 1
         draws[fqn] = False
+        at_entry[fqn] = torch.get_rng_state()
         if args and isinstance(args[0], torch.Tensor):
             shapes[fqn], dtypes[fqn] = tuple(args[0].shape), args[0].dtype
         blk._meshlm_probe_rng = torch.get_rng_state()
@@ -124,6 +128,8 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
             shadow(
                 *[absent.absent_like(a) for a in args], **{k: absent.absent_like(v) for k, v in (kwargs or {}).items()}
             )
+        end = torch.get_rng_state()
+        tail = {b: not torch.equal(s, end) for b, s in at_entry.items()}
     finally:
         absent.ON_USE[0] = None
         torch.set_rng_state(state)
@@ -134,7 +140,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
             f"pipeline parallelism: {type(shadow).__name__} calls no @meshlm.block module in its forward; stages are "
             "cut at blocks, so mark the unit that repeats (a transformer layer) with @meshlm.block"
         )
-    return Probe(order, numel, uses, draws, same, shapes, dtypes, inside)
+    return Probe(order, numel, uses, draws, same, shapes, dtypes, tail, inside)
 
 
 @dataclass(frozen=True)

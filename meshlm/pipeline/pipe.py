@@ -18,6 +18,18 @@ NOTE [pipelined step]
     FSDP's reduce-scatter to the last micro-batch.  meshlm's gathered-at-use parameters
     are not FSDP modules, so torch's schedules could not defer that themselves.
 
+    NOTE [gathered once per step]
+    Under ZeRO-3 inside a stage, a parameter gathered by a micro-batch's forward is kept
+    until the end of the step and used by every later micro-batch, its forward and its
+    backward (``ShardState.gathered``: the block runtime, the parameter getters and the
+    local root look there first; eager code only), so a stage all-gathers its parameters
+    once per step, not twice per micro-batch, and reduces their gradients once (above):
+    what FSDP2 does with ``reshard_after_forward=False`` under torchtitan's pipelines.  The
+    gathered parameters of the rank's stages are then held through the step.
+    ``pipeline.regather=true`` gathers at every use instead (ZeRO-3's memory, 2m gathers a
+    step).  The gather ops keep no saved tensors, so one gathered tensor can be
+    back-propagated through by every micro-batch that used it.
+
     The global gradient norm adds every stage's squares over the ``pp`` group as well
     (``ShardedOptimizer.norm_groups``), so clipping, and float16's overflow check, see the
     whole model.  The step's loss, which only the last stage computes, is all-reduced over
@@ -26,6 +38,7 @@ NOTE [pipelined step]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Optional, Sequence
@@ -105,7 +118,9 @@ class Pipeline:
     sharded model, its own stages' parameters), ``stages`` (their StageModules),
     ``cut``, the meshes and the pp group; ``passes`` runs a step's micro-batches."""
 
-    def __init__(self, model, stages, cut_: Cut, probe_: Probe, mesh, sub, spec, microbatches, axes, mbs):
+    def __init__(
+        self, model, stages, cut_: Cut, probe_: Probe, mesh, sub, spec, microbatches, axes, mbs, regather: bool = False
+    ):
         self.model, self.stage_modules, self.cut, self.probe = model, stages, cut_, probe_
         self.mesh, self.sub, self.spec, self.microbatches, self.axes, self.mbs = (
             mesh,
@@ -121,6 +136,17 @@ class Pipeline:
         self.device = torch.device(mesh.device_type)
         self._schedule = None
         self._scale: Optional[Callable] = None
+        self.keep_gathered = microbatches > 1 and not regather  # NOTE [gathered once per step]
+
+    @contextlib.contextmanager
+    def gathering(self):
+        """Within: parameters gathered once and kept (NOTE [gathered once per step])."""
+        st = self.model._meshlm_state
+        st.gathered = {} if self.keep_gathered else None
+        try:
+            yield
+        finally:
+            st.gathered = None
 
     # ------------------------------------------------------------------ shapes
     def boundary_shape(self, block: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -190,7 +216,8 @@ class Pipeline:
         self._scale = scale
         x = torch.cat([a[0] for a, _k in inputs])
         target = torch.arange(self.microbatches, device=self.device)
-        self._schedule.step(x, target=target)
+        with self.gathering():
+            self._schedule.step(x, target=target)
         return self.finish()
 
     def passes(self, next_batch: Callable[[], tuple], device, scale_hook=None):
@@ -255,12 +282,14 @@ def build_pipeline(
     split: Optional[Sequence[int]] = None,
     pick_loss: Callable[[Any], torch.Tensor] = lambda out: out,
     seed: int = 0,
+    regather: bool = False,
     **shard_kw,
 ) -> Pipeline:
     """This rank's part of ``build``'s model as a pipeline over ``mesh``'s pp axis (NOTE
     [pipelined step]).  ``example``: (args, kwargs) of one global micro-batch (shapes only;
     the cut's probe, NOTE [pipeline cut]); ``pick_loss(output)``: the scalar loss in what
-    the model returns."""
+    the model returns; ``regather``: gather ZeRO-3 parameters at every use, not once per
+    step (NOTE [gathered once per step])."""
     import meshlm
 
     layout = load_layout(layout)
@@ -283,8 +312,8 @@ def build_pipeline(
     for blk in outer_blocks(model):
         fqn = names[id(blk)]
         skip = not pr.draws[fqn] and pr.same_shape[fqn]
-        calls[fqn] = (blk, block_call(fqn, blk, shadow.get_submodule(fqn), skip))
+        calls[fqn] = (blk, block_call(fqn, blk, shadow.get_submodule(fqn), skip, not pr.tail_draws[fqn]))
         compat.wrap_module_call(blk, calls[fqn][1])
     mbs = MicroBatches()
     stages = [StageModule(model, s, c, calls, None, pick_loss, axes, mbs) for s in mine]
-    return Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs)
+    return Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs, regather)

@@ -16,7 +16,8 @@ NOTE [stage forward]
       stage, NOTE [pipeline cut]);
     - any other block returns an ``Absent``: without running, where the probe saw it draw
       no dropout key and return a tensor shaped like its first argument, else run on its
-      shadow twin (the probe's model, all ``Absent``), so that it draws its keys.
+      shadow twin (the probe's model, all ``Absent``), so that it draws its keys; and where
+      nothing from the next stage's first block on draws a key, the forward stops there.
 
     A block of this stage given an ``Absent`` argument, a boundary tensor that is
     ``Absent`` and an ``Absent`` loss on the last stage are errors that name what depends on
@@ -71,9 +72,17 @@ def _absent_args(args, kwargs) -> list[str]:
     return out + [f"argument {k!r}" for k, v in kwargs.items() if has_absent(v)]
 
 
-def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool) -> Callable:
+class _StageDone(BaseException):
+    """Unwinds a stage's forward at the next stage's first block when nothing after it draws
+    from torch's generator (what follows would only compute shapes).  A BaseException, so
+    that a model's own ``except Exception`` does not catch it."""
+
+
+def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool, stop: bool = False) -> Callable:
     """The call of outer block ``fqn`` (module ``blk``) under pipeline parallelism (NOTE
-    [stage forward]); ``twin``: its shadow, run in its place where it must draw keys."""
+    [stage forward]); ``twin``: its shadow, run in its place where it must draw keys;
+    ``stop``: where it begins a stage, the forward of the stage before may end there (no
+    generator draw from there on)."""
 
     def call(inner, *args, **kwargs):
         run = _RUN.get()
@@ -88,6 +97,8 @@ def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool) -> Callabl
                     f"; stage {run.stage} sends the hidden state a block takes as its first argument"
                 )
             run.output = h
+            if stop:
+                raise _StageDone
         if fqn in run.blocks:
             if fqn == run.first and run.received is not None:
                 if not args or not is_absent(args[0]):
@@ -207,8 +218,11 @@ class StageModule(nn.Module):
             state = torch.get_rng_state()
             torch.set_rng_state(self._rng if self.mbs.starts is None else self.mbs.starts[m])
         token = _RUN.set(run)
+        out = None
         try:
             out = self._model(*args, **kwargs)
+        except _StageDone:
+            pass  # this stage's output is captured; nothing after it draws a key
         finally:
             _RUN.reset(token)
             with compat.outside_fake():

@@ -167,7 +167,8 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
                     recv[("bwd", s)] = [torch.empty(shape, dtype=dt) for _ in range(m)]
 
             def step(actions=order, cc=None):
-                _emulate(pipe, actions, inputs, recv)
+                with pipe.gathering():
+                    _emulate(pipe, actions, inputs, recv)
                 grads = model_state_bytes(pipe.model, opt)["grads"]
                 with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                     opt.step()
@@ -235,6 +236,7 @@ def plan_pipeline(
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
     split: Optional[list] = None,
+    regather: bool = False,
     name: str = "model",
 ) -> Plan:
     """The plan of ``build`` under pipeline ``layout`` on ``mesh`` (NOTE [planning stages])."""
@@ -250,7 +252,7 @@ def plan_pipeline(
     if dist.is_initialized() and dist.get_backend() != "fake":
         raise ConfigError("meshlm plan measures on a fake process group; plan before the process group starts")
     kw = dict(shard_kw or {})
-    pcfg = {"schedule": schedule, "stages_per_rank": stages_per_rank, "split": split}
+    pcfg = {"schedule": schedule, "stages_per_rank": stages_per_rank, "split": split, "regather": regather}
     micro = global_batch // grad_accum
     ranks = []
     for r in range(sizes["pp"]):

@@ -187,15 +187,24 @@ def test_p2p_bytes_are_the_activation_sends(pool4, layout, mesh, schedule, v, wo
         assert summary[("all_reduce", ("pp",))] == (2, 16), summary
 
 
-def test_fsdp_gradients_reduce_once_per_step(pool4):
-    """With 4 micro-batches as with 2, each stage reduce-scatters its gradients once a step:
-    the same count and bytes (not once per micro-batch, as a deferred FSDP must)."""
+def test_fsdp_gathers_and_reduces_once_per_step(pool4):
+    """With 4 micro-batches as with 2, each stage all-gathers its parameters and
+    reduce-scatters their gradients once a step: the same counts and bytes (NOTE [gathered
+    once per step]; not once, or twice, per micro-batch, as FSDP2 under torchtitan's
+    pipelines)."""
     one = pool4.run(_one_step_counted, "fsdp_pp", "fsdp=2,pp=2", "1f1b", 1, 2)
     four = pool4.run(_one_step_counted, "fsdp_pp", "fsdp=2,pp=2", "1f1b", 1, 4)
     for a, b in zip(one, four):
-        rs_a = {k: v for k, v in a[0].items() if k[0] == "reduce_scatter"}
-        rs_b = {k: v for k, v in b[0].items() if k[0] == "reduce_scatter"}
-        assert rs_a and rs_a == rs_b, (rs_a, rs_b)
+        for kind in ("reduce_scatter", "all_gather"):
+            ka = {k: v for k, v in a[0].items() if k[0] == kind}
+            kb = {k: v for k, v in b[0].items() if k[0] == kind}
+            assert ka and ka == kb, (kind, ka, kb)
+
+
+def test_fsdp_pp_regathering_at_every_use(pool4):
+    """pipeline.regather: ZeRO-3's gather at every use (forward, and again in backward)
+    inside the stages, same numbers."""
+    _ok(pool4.run(_parity, "fsdp_pp", "fsdp=2,pp=2", "1f1b", 1, 4, optims=("sgd",), shard_kw={"regather": True}))
 
 
 # --------------------------------------------------------------------------- the planner

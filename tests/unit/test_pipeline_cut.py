@@ -35,6 +35,7 @@ def test_probe_sees_blocks_in_order_and_where_each_parameter_is_used():
     assert pr.inside["layers.2.mlp.w_up"] == "layers.2"
     assert pr.shapes["layers.1"] == (2, 8, 64) and pr.dtypes["layers.1"] == torch.float32
     assert not any(pr.draws.values()) and all(pr.same_shape.values())
+    assert not any(pr.tail_draws.values())  # a stage's forward may stop at the next stage's first block
 
 
 def test_probe_leaves_the_generator_and_sees_dropout_draws():
@@ -42,7 +43,7 @@ def test_probe_leaves_the_generator_and_sees_dropout_draws():
     before = torch.get_rng_state()
     pr = probe(_llama(dropout=0.1), (TOK, TOK))
     assert torch.equal(before, torch.get_rng_state())
-    assert all(pr.draws.values())
+    assert all(pr.draws.values()) and all(pr.tail_draws.values())
 
 
 def test_balanced_by_parameter_count_with_pre_and_post_on_the_ends():
