@@ -211,10 +211,16 @@ class Pipeline:
         if len(inputs) != self.microbatches:
             raise ConfigError(f"pipeline: {len(inputs)} micro-batches for a schedule of {self.microbatches}")
         self.begin(inputs)
-        if self._schedule is None:
-            self._schedule = make_schedule(self.spec, self._stages(inputs[0][0][0]), self.microbatches, self._loss_fn)
-        self._scale = scale
         x = torch.cat([a[0] for a, _k in inputs])
+        if self._schedule is None:
+            # the example of the first stage's input: a chunk of x as the schedule splits it
+            # (torch 2.11 checks each micro-batch's strides against it)
+            first = x.tensor_split(self.microbatches)[0]
+            self._schedule = make_schedule(self.spec, self._stages(first), self.microbatches, self._loss_fn)
+            # every pair of the pp group connected before the first point-to-point message
+            # (torch 2.11's gloo otherwise can send before a pair is: "Pair is not connected")
+            dist.barrier(group=self.group)
+        self._scale = scale
         target = torch.arange(self.microbatches, device=self.device)
         with self.gathering():
             self._schedule.step(x, target=target)

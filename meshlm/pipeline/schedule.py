@@ -49,6 +49,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 }
 
 
+ZERO_BUBBLE = ("zero_bubble", "zbv")
+
+
+def zero_bubble_supported() -> bool:
+    """Whether this torch's zero-bubble schedules train meshlm's stages right (2.13 on)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
 def schedule_spec(name: str, stages_per_rank: int, pp: int, microbatches: int) -> ScheduleSpec:
     """The schedule called ``name``, checked against the run (clear errors, never a hang)."""
     from meshlm.axes import closest
@@ -77,6 +88,14 @@ def schedule_spec(name: str, stages_per_rank: int, pp: int, microbatches: int) -
                 f"pipeline.schedule={name} runs micro-batches in rounds of mesh.pp={pp}: train.grad_accum="
                 f"{microbatches} must be a multiple of {rounds}"
             )
+    if spec.name in ZERO_BUBBLE and not zero_bubble_supported():
+        import torch
+
+        raise ConfigError(
+            f"pipeline.schedule={name} needs torch 2.13 or newer (this is {torch.__version__}): torch 2.11's "
+            "zero-bubble schedules compute wrong weight gradients for meshlm's stages (the parity tests show it) "
+            "and its V schedule sends to its own rank; use interleaved_1f1b or 1f1b"
+        )
     return spec
 
 

@@ -130,8 +130,11 @@ def boundary_placements(run: StageRun, shape) -> tuple:
 
 
 def receive(run: StageRun, recv: Tensor, like: Tensor) -> Tensor:
-    """The hidden state received from the previous stage, as the forward holds it there."""
+    """The hidden state received from the previous stage, as the forward holds it there: a
+    copy, since torch may receive the next micro-batch into the same buffer while this one's
+    autograd graph still holds it (torch 2.11 does)."""
     st = run.state
+    recv = recv.clone()  # differentiable: the gradient still reaches the received tensor
     if st.local_now:
         return recv
     pl = boundary_placements(run, like.shape)

@@ -176,3 +176,15 @@ def test_layout_show_names_the_pp_rank_of_each_parameter():
     rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("tok_emb", "lm_head", "layers.1."))}
     assert "pp:rank 0" in rows["tok_emb"] and "pp:rank 1" in rows["lm_head"] and "pp:R" not in out
     assert "parameters per rank (storage): pp rank 0:" in out and "pp rank 1:" in out
+
+
+def test_zero_bubble_schedules_are_refused_on_torch_2_11(monkeypatch):
+    """torch 2.11's zero-bubble schedules compute wrong weight gradients for meshlm's stages
+    (its parity tests fail): they are refused there, naming the version and what to use."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    for name, v in (("zero_bubble", 1), ("zbv", 2)):
+        with pytest.raises(ConfigError, match=r"needs torch 2.13 or newer \(this is 2.11.0\+cu130\).*interleaved_1f1b"):
+            schedule_spec(name, v, 2, 4)
+    assert schedule_spec("interleaved_1f1b", 2, 2, 4).name == "interleaved_1f1b"
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert schedule_spec("zbv", 2, 2, 4).name == "zbv"
