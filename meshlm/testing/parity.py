@@ -397,8 +397,23 @@ class _Job:
             if plan.grads is not None:
                 want = placements(plan.grads, self.mesh)
                 assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
-            else:  # ZeRO-1: unreduced over the data axes until the step
-                assert any(pl.is_partial() for pl in g.placements) or self.mesh.size() == 1, (
-                    f"grad of {n}: {g.placements}"
-                )
+            else:  # ZeRO-1, pipelines: unreduced over the data axes until the step, as computed elsewhere
+                want = _local_grad_placements(placements(plan.compute, g.device_mesh), g.device_mesh, st.layout)
+                assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, expected {want}"
             assert not compat.in_flight(compat.local_tensor(g)), f"grad of {n} is still in flight after backward"
+
+
+def _local_grad_placements(compute, mesh, layout) -> tuple:
+    """A gradient kept local until the step: Partial over each mesh axis the batch or the
+    sequence is split on (size > 1, the parameter replicated there: each rank saw part of
+    the tokens), the compute placement on every other."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    split = set()
+    for key in ("batch", "seq"):
+        rule = layout.compute.get(key) or ()
+        split |= {rule} if isinstance(rule, str) else set(rule)
+    names = mesh.mesh_dim_names
+    return tuple(
+        Partial() if names[i] in split and mesh.size(i) > 1 and c == Replicate() else c for i, c in enumerate(compute)
+    )

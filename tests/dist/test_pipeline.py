@@ -56,6 +56,13 @@ def test_fsdp_pp_4(pool4, schedule, v):
     _ok(pool4.run(_parity, "fsdp_pp", "fsdp=2,pp=2", schedule, v, optims=("sgd",)))
 
 
+@pytest.mark.parametrize("schedule,v", SCHEDULES, ids=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
+def test_fsdp_tp_pp_4(pool4, schedule, v):
+    """Tensor parallelism inside each stage (tp=2, pp=2; fsdp drops out): DTensor blocks,
+    the hidden state sent as local tensors (NOTE [stage forward]), every schedule."""
+    _ok(pool4.run(_parity, "fsdp_tp_pp", "tp=2,pp=2", schedule, v, optims=("sgd",)))
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pp_4_stages(pool4, schedule):
     """Four stages of one block each; gpipe with fewer micro-batches than stages."""
