@@ -64,6 +64,7 @@ A pool is not thread-safe: one `run` at a time.
 from __future__ import annotations
 
 import multiprocessing.util as mp_util
+import os
 import pickle
 import time
 import traceback
@@ -308,12 +309,63 @@ def run_distributed(
 
 
 def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Any:
-    """A module-scoped pytest fixture that yields a `DistPool`: `pool4 = dist_pool_fixture(4)`."""
+    """A module-scoped pytest fixture that yields a `DistPool`: `pool4 = dist_pool_fixture(4)`.
+
+    Modules that ask for the same pool (world size, timeout, env) share its workers: starting
+    gloo workers costs seconds each time (NOTE [shared pools])."""
     import pytest
 
     @pytest.fixture(scope="module")
     def pool() -> Any:
-        with DistPool(world_size, timeout_s=timeout_s, env=env) as p:
-            yield p
+        if world_size > 4 or os.environ.get("MESHLM_TEST_SHARED_POOLS", "1") == "0":
+            with DistPool(world_size, timeout_s=timeout_s, env=env) as p:
+                yield p
+            return
+        p = _shared_pool(world_size, timeout_s, env)
+        yield p
+        _between_modules(p)
 
     return pool
+
+
+# NOTE [shared pools]: a test module's pool of up to 4 workers outlives the module, for the
+# next module that asks for the same one: one pool per world size is kept (a request with
+# another timeout or env closes the old one), so at most 1 + 2 + 4 idle workers stay up (8
+# workers are started per module). Between modules the workers drop what the module left
+# (`_reset_worker`: Dynamo's caches, DTensor's sharding caches, garbage) and join a new
+# process group: destroying the old one ends every subgroup the module's meshes made (each
+# keeps gloo threads; hundreds pile up otherwise). A module whose job broke the pool leaves
+# it broken, and its next run respawns the workers as always. Every pool is closed at
+# interpreter exit (its finalizer). MESHLM_TEST_SHARED_POOLS=0 gives each module its own.
+_SHARED: dict[int, tuple[tuple, DistPool]] = {}
+
+
+def _shared_pool(world_size: int, timeout_s: float, env: dict[str, str] | None) -> DistPool:
+    key = (float(timeout_s), tuple(sorted((env or {}).items())))
+    held = _SHARED.get(world_size)
+    if held is not None and (held[0] != key or held[1]._closed):
+        held[1].close()
+        held = None
+    if held is None:
+        held = _SHARED[world_size] = (key, DistPool(world_size, timeout_s=timeout_s, env=env))
+    return held[1]
+
+
+def _between_modules(pool: DistPool) -> None:
+    if pool._closed or pool.broken:
+        return
+    try:
+        pool.run(_reset_worker)
+        pool._holder[0].join_group(pool.timeout_s)
+    except Exception:  # a pool that cannot even reset is not handed on
+        pool.close()
+
+
+def _reset_worker() -> None:
+    import gc
+
+    from meshlm import _torch_compat as compat
+
+    compat.dynamo_reset()
+    compat.clear_dtensor_caches()
+    gc.collect()
