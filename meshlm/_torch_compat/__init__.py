@@ -34,6 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 # Version differences are detected by feature (``hasattr``, ``getattr`` with a fallback),
 # never by comparing version numbers, so a patch release that backports a name just works.
 
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """Whether the running torch is ``major.minor`` or newer (local builds' ``+cpu`` ignored)."""
+    have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return have >= (major, minor)
+
+
 # --------------------------------------------------------------------------- Dynamo
 #: mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
 allow_in_graph = torch._dynamo.allow_in_graph

@@ -54,10 +54,9 @@ ZERO_BUBBLE = ("zero_bubble", "zbv")
 
 def zero_bubble_supported() -> bool:
     """Whether this torch's zero-bubble schedules train meshlm's stages right (2.13 on)."""
-    import torch
+    from meshlm import _torch_compat as compat
 
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) >= (2, 13)
+    return compat.torch_at_least(2, 13)
 
 
 def schedule_spec(name: str, stages_per_rank: int, pp: int, microbatches: int) -> ScheduleSpec:

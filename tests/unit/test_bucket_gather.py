@@ -14,12 +14,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshlm import bucket
+from meshlm._torch_compat import torch_at_least
 from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
 
 # These run DTensor ops on the threads of a SimWorld; torch 2.11's DTensor shape propagation
 # (its FakeTensorMode) crashes off the main thread.  The library runs one rank per process.
 pytestmark = pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    not torch_at_least(2, 13),
     reason="torch < 2.13: DTensor ops on SimWorld's threads crash in its fake-tensor shape propagation",
 )
 
