@@ -12,8 +12,18 @@ NOTE [local step]
     that shard alone, so ``step`` runs the torch optimizer on each master's *local* tensor
     and state (aliases of the DTensors' storage), not through DTensor dispatch, which costs
     more than the arithmetic.  ``inner.state`` stays keyed by the DTensor masters with
-    DTensor values (checkpoints see no difference).  Optimizers not known to be elementwise
-    (factored or matrix ones, such as Adafactor) step on the DTensors.
+    DTensor values (checkpoints see no difference).
+
+NOTE [whole-tensor step]
+    An optimizer not known to be elementwise (a factored or matrix one: Adafactor's row and
+    column statistics, Muon's orthogonalisation, Shampoo) needs each parameter whole: a
+    shard's update depends on the other shards, and DTensor dispatch of such a step fails
+    (an in-place op on a norm's partial result) or would be wrong on shards.  Its masters are
+    therefore replicated over the whole mesh, whatever the layout's ``optimizer`` section
+    says: the gradient is reduced to a whole tensor (an all-reduce, or an all-gather of
+    shards), every rank steps the whole parameter with whole state, and the parameter is
+    refreshed from it as stored (a local slice).  The same numbers as one device; the memory
+    and optimizer work of DDP (a full master and its state on every rank).
 
 NOTE [optimizer chunks]
     ZeRO-1/2 move the whole model at each step: the gradients' reduce-scatter (ZeRO-1) and
@@ -40,7 +50,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshlm import _torch_compat as compat
 from meshlm import main_grad
@@ -67,6 +77,7 @@ class ShardedOptimizer:
                 "for one chunk per block"
             )
         st = shard_state(model)
+        whole = optim_cls not in _ELEMENTWISE  # NOTE [whole-tensor step]
         self.model = model
         self.mesh = st.mesh
         # process groups beyond the mesh's that hold other parts of the model: a pipeline's
@@ -78,7 +89,7 @@ class ShardedOptimizer:
             if not p.requires_grad:
                 continue
             plan = st.plans[fqn]
-            opt_pl = placements(plan.optimizer, st.mesh)
+            opt_pl = (Replicate(),) * st.mesh.ndim if whole else placements(plan.optimizer, st.mesh)
             # a parameter with main gradients (NOTE [main grads]) gets a master in their dtype
             mdt = master_dtype or (st.grad_dtype if st.grad_dtype is not None else p.dtype)
             direct = (
@@ -90,8 +101,8 @@ class ShardedOptimizer:
             init = main_grad.take_init_master(p)  # the unrounded initial weights (NOTE [main grads])
             if direct:
                 master = p
-            elif init is not None and init.dtype == mdt and tuple(init.placements) == opt_pl:
-                master = nn.Parameter(init)
+            elif init is not None and init.dtype == mdt:
+                master = nn.Parameter(init if tuple(init.placements) == opt_pl else init.redistribute(st.mesh, opt_pl))
             else:
                 view = _shard_view(p, opt_pl) if mdt == p.dtype else None
                 with torch.no_grad():
@@ -105,7 +116,7 @@ class ShardedOptimizer:
         )
         self.inner = optim_cls(masters, **kwargs)
         self._ready = False
-        self._local_step = type(self.inner) in _ELEMENTWISE
+        self._local_step = not whole
         self._locals: dict[int, nn.Parameter] = {}
         self._wrapped: dict[tuple[int, str], Tensor] = {}  # (id(master), state key) -> DTensor state
 

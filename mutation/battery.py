@@ -51,6 +51,35 @@ def budget(layout: str, mesh: dict):
         raise AssertionError(f"budget of {layout} {mesh}: {diff}")
 
 
+def _tests_module(name: str):
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    return __import__(name)
+
+
+def grad_norm_and_clip():
+    """tests/dist/test_mixed_precision.py's norm and clip checks: the global norm is the
+    one-device norm, reduced over the mesh's groups; clipping scales to max_norm."""
+    import torch
+
+    from meshlm.testing.tolerances import NORM_RTOL
+
+    t = _tests_module("test_mixed_precision")
+
+    records, device, norm, ref_norm = t._norm_job()
+    assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
+    assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
+    n_collectives, dtype, norm, total, clipped, again = t._clip_job()
+    assert n_collectives == 0 and dtype == torch.float32 and total == norm
+    assert abs(clipped - norm / 2) <= NORM_RTOL * norm and abs(again - clipped / 3) <= NORM_RTOL * clipped
+
+
+def whole_tensor_step(layout: str, mesh: str):
+    """tests/dist/test_optim_whole.py: Adafactor steps as on one device."""
+    bad = _tests_module("test_optim_whole")._job(layout, mesh, "adafactor")
+    assert not bad, bad
+
+
 BATTERY = [
     ("parity ddp dp=2", 2, parity, ("ddp", "dp=2"), {}),
     ("parity zero1 dp=2", 2, parity, ("zero1", "dp=2"), {}),
@@ -66,6 +95,8 @@ BATTERY = [
     ("parity hsdp dp=2,fsdp=2", 4, parity, ("hsdp", "dp=2,fsdp=2"), {}),
     ("parity fsdp_tp_sp fsdp=2,tp=2", 4, parity, ("fsdp_tp_sp", "fsdp=2,tp=2"), {}),
     ("parity fsdp_pp fsdp=2,pp=2 zbv", 4, pipeline_parity, ("fsdp_pp", "fsdp=2,pp=2", "zbv", 2), {}),
+    ("whole-tensor step fsdp fsdp=2", 2, whole_tensor_step, ("fsdp", "fsdp=2"), {}),
+    ("grad norm and clip fsdp_tp fsdp=2,tp=2", 4, grad_norm_and_clip, (), {}),
     ("budget fsdp fsdp=4", 4, budget, ("fsdp", {"fsdp": 4}), {}),
     ("budget zero1 dp=4", 4, budget, ("zero1", {"dp": 4}), {}),
     ("budget fsdp_tp_sp fsdp=2,tp=2", 4, budget, ("fsdp_tp_sp", {"fsdp": 2, "tp": 2}), {}),
