@@ -1,8 +1,7 @@
 """Make ``mutants-unit/``: a copy of the working tree whose ``[tool.mutmut]`` selects
-``tests/unit`` and ``tests/fake`` (single-process) only, for
-``MUTATION_TESTS=unit mutation/run.sh`` (docs/mutation.md).
+``tests/unit`` only, for ``MUTATION_TESTS=unit mutation/run.sh`` (docs/mutation.md).
 
-A mutant there runs only the single-process tests that reach it (seconds each), so
+A mutant there runs only the single-process unit tests that reach it (seconds each), so
 what survives is what the unit tests cannot see: a multi-process test may still kill it
 (the full configuration's run says).  mutmut's own state lives in ``mutants-unit/mutants/``
 and is kept between runs; the copy's sources are refreshed each time (files gone from the
@@ -41,7 +40,7 @@ def main() -> None:
     py = DEST / "pyproject.toml"
     text, n = re.subn(
         r"pytest_add_cli_args_test_selection = \[[^\]]*\]",
-        'pytest_add_cli_args_test_selection = ["tests/unit", "tests/fake"]',
+        'pytest_add_cli_args_test_selection = ["tests/unit"]',
         py.read_text(),
     )
     if n != 1:
