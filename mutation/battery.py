@@ -81,6 +81,8 @@ def whole_tensor_step(layout: str, mesh: str):
 
 
 BATTERY = [
+    ("whole-tensor step fsdp fsdp=2", 2, whole_tensor_step, ("fsdp", "fsdp=2"), {}),
+    ("grad norm and clip fsdp_tp fsdp=2,tp=2", 4, grad_norm_and_clip, (), {}),
     ("parity ddp dp=2", 2, parity, ("ddp", "dp=2"), {}),
     ("parity zero1 dp=2", 2, parity, ("zero1", "dp=2"), {}),
     ("parity zero2 fsdp=2", 2, parity, ("zero2", "fsdp=2"), {}),
@@ -95,8 +97,6 @@ BATTERY = [
     ("parity hsdp dp=2,fsdp=2", 4, parity, ("hsdp", "dp=2,fsdp=2"), {}),
     ("parity fsdp_tp_sp fsdp=2,tp=2", 4, parity, ("fsdp_tp_sp", "fsdp=2,tp=2"), {}),
     ("parity fsdp_pp fsdp=2,pp=2 zbv", 4, pipeline_parity, ("fsdp_pp", "fsdp=2,pp=2", "zbv", 2), {}),
-    ("whole-tensor step fsdp fsdp=2", 2, whole_tensor_step, ("fsdp", "fsdp=2"), {}),
-    ("grad norm and clip fsdp_tp fsdp=2,tp=2", 4, grad_norm_and_clip, (), {}),
     ("budget fsdp fsdp=4", 4, budget, ("fsdp", {"fsdp": 4}), {}),
     ("budget zero1 dp=4", 4, budget, ("zero1", {"dp": 4}), {}),
     ("budget fsdp_tp_sp fsdp=2,tp=2", 4, budget, ("fsdp_tp_sp", {"fsdp": 2, "tp": 2}), {}),

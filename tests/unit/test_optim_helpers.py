@@ -88,6 +88,14 @@ def test_chunk_keys_merged_to_bucket_bytes():
     assert optim._chunk_keys(net, params, 10**6) == [("bucket", 0)] * 8
 
 
+def test_chunk_keys_of_a_model_without_blocks_one_chunk_per_parameter():
+    """No blocks (a user's model that annotates none): nothing bounds a shared chunk, so
+    each parameter is a chunk of its own, and there is no largest block to measure."""
+    net = nn.Module()
+    net.a, net.b, net.c = (nn.Parameter(torch.zeros(n)) for n in (4, 1, 9))
+    assert optim._chunk_keys(net, [net.a, net.b, net.c]) == [("outside", 0), ("outside", 1), ("outside", 2)]
+
+
 # --------------------------------------------------------------------------- _shard_view
 @pytest.fixture
 def fake_world():

@@ -159,3 +159,41 @@ def test_bucket_mb_is_mebibytes(fake_world):
     layer = [{k for f, k in key.items() if f.startswith(f"layers.{i}.")} for i in range(4)]
     assert all(len(ks) == 1 for ks in layer), layer
     assert layer[0] == layer[1] != layer[2] == layer[3], layer
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero2", "fsdp"])
+def test_whole_tensor_masters_under_bf16_are_replicated_float32(fake_world, layout):
+    """A whole-tensor optimizer (NOTE [whole-tensor step]) under bf16 training: its masters
+    are replicated float32, from the unrounded initial weights where the layout keeps them
+    (ZeRO-1/2: main_grad.take_init_master, placed as the layout's optimizer section says)."""
+    model, mesh = _model(layout, "seed", torch.bfloat16)
+    st = shard_state(model)
+    opt = ShardedOptimizer(model, torch.optim.Adafactor, lr=0.1)
+    params = dict(model.named_parameters())
+    for name, m in opt.masters().items():
+        p = params[name]
+        assert tuple(m.placements) == (Replicate(),) and m.dtype == torch.float32 and m.shape == p.shape, name
+        # this rank's block under the layout's optimizer placements: the only part of a
+        # gathered master that a fake process group fills in
+        pl = placements(st.plans[name].optimizer, mesh)
+        mine, stored = _block(m, mesh, pl), _block(p, mesh, pl)
+        assert torch.equal(mine.to(p.dtype), stored), name
+        if layout != "fsdp" and p.ndim > 1:  # bf16 storage: the master is finer than it
+            assert not torch.equal(mine, stored.float()), name
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero1", "fsdp"])
+def test_master_dtype_of_bf16_storage_is_a_float32_copy(fake_world, layout):
+    """``ShardedOptimizer(master_dtype=torch.float32)`` over bf16 storage (``param_dtype``
+    alone, no main gradients): float32 masters in the optimizer placements, this rank's
+    block of the stored weights."""
+    init_fake(2, rank=1)
+    mesh = meshlm.make_mesh(MESH[layout], fake=True)
+    model = meshlm.shard(Llama(CFG, device="meta"), layout, mesh, param_dtype=torch.bfloat16)
+    st = shard_state(model)
+    opt = ShardedOptimizer(model, torch.optim.SGD, torch.float32, lr=0.1)
+    params = dict(model.named_parameters())
+    for name, m in opt.masters().items():
+        p, opt_pl = params[name], placements(st.plans[name].optimizer, mesh)
+        assert tuple(m.placements) == opt_pl and m.dtype == torch.float32 and m.shape == p.shape, name
+        assert torch.equal(m._local_tensor, _block(p, mesh, opt_pl).float()), name

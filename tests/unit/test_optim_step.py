@@ -101,3 +101,30 @@ def test_state_dtensors_are_built_once_and_share_the_local_state(mesh):
     opt._step_local()
     assert opt._locals[id(m)].data.data_ptr() == m._local_tensor.data_ptr()
     assert not torch.equal(m._local_tensor, torch.zeros(3, 4))
+
+
+def test_a_loaded_state_is_the_one_stepped_and_kept(mesh):
+    """``load_state_dict`` after some steps (a rollback within the process): the next steps
+    start from the loaded state, and the state DTensors kept afterwards are the loaded
+    state's updated values (their wrappers built anew around the loaded tensors, not the
+    ones built around the state that was replaced)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(3)
+    m = nn.Parameter(_sharded(mesh, torch.randn(3, 4, generator=gen), (Shard(0), Replicate()), (6, 4)))
+    r = nn.Parameter(m._local_tensor.detach().clone())
+    opt, ref_opt = _opt(torch.optim.AdamW([m], lr=0.1)), torch.optim.AdamW([r], lr=0.1)
+    saved = None
+    for step in range(5):
+        g = torch.randn(3, 4, generator=gen)
+        m.grad, r.grad = _sharded(mesh, g.clone(), m.placements, m.shape), g.clone()
+        opt._step_local()
+        ref_opt.step()
+        if step == 0:
+            saved = copy.deepcopy(opt.inner.state_dict()), copy.deepcopy(ref_opt.state_dict())
+        if step == 2:  # roll both back to the state after step 0 (the weights go on)
+            opt.inner.load_state_dict(saved[0])
+            ref_opt.load_state_dict(saved[1])
+        assert torch.equal(m._local_tensor, r.detach()), step
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.inner.state[m][k]._local_tensor, ref_opt.state[r][k]), (step, k)
