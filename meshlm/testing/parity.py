@@ -19,7 +19,8 @@ model gets this rank's slice of each).  It asserts (tolerances and their derivat
   with (``opt.reduce_grads()``, then ``opt.masters()[fqn].grad``: after the ZeRO-1/2
   reduction at the step, masters included), equal those of a plain torch copy of the model
   holding the sharded model's current weights (the *probe*; at step 1 the reference itself),
-  within the one-step tolerances;
+  within the one-step tolerances; and so does the global gradient norm clipping uses
+  (``opt.grad_norm()``, over every pipeline stage), within the norm of those tolerances;
 * after every step, every parameter, every master and every optimizer state tensor
   (``opt.inner.state[master]``: SGD's momentum buffer, AdamW's exp_avg, exp_avg_sq and step)
   equal the reference's within bounds propagated through the optimizer's update rule.
@@ -328,6 +329,11 @@ class _Job:
                     worst,
                     "grad",
                 )
+            # the global norm clipping uses (every stage's parameters under a pipeline)
+            ref_norm, norm_bound = tol.norm_and_bound(probe_grads, grad_tols)
+            self._check(
+                f"{name} step {k}: gradient norm", opt.grad_norm().double() - ref_norm, norm_bound, worst, "grad"
+            )
             old = {n: p.detach().clone() for n, p in refp.items()}
             ref_opt.step()
             opt.step()

@@ -356,6 +356,17 @@ class StepBounds:
             raise ValueError(f"StepBounds: no bounds derived for optimizer {kind!r}")
 
 
+def norm_and_bound(grads: dict[str, Tensor], tols: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """The global L2 norm of the reference ``grads`` (float64) and the bound on the sharded
+    norm's distance from it: | ||a|| - ||b|| | <= ||a - b|| <= ||tols|| whenever every
+    gradient is within its element-wise tolerance, plus the sharded norm's own rounding
+    (float64 sums of squares, rounded once to float32: U relative)."""
+    have = [n for n, g in grads.items() if g is not None]  # a parameter no loss reaches has none
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n].double()) for n in have]))
+    slack = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(tols[n].double()) for n in have]))
+    return norm, slack + 2 * U * norm
+
+
 def stored_bound(bound: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
     """Bound on |stored - w| of a parameter stored in ``dtype`` whose float32 master is
     within ``bound`` of the reference's ``w``: the master rounded to nearest in a narrower
