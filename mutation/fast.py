@@ -70,7 +70,7 @@ def check(pools: Pools, mutant: str, battery) -> tuple[str, str | None]:
     for name, n, fn, args, kw in battery:
         try:
             pools.get(n).run(run_with, mutant, fn, args, kw)
-        except WorkerError as e:
+        except (WorkerError, RuntimeError) as e:  # RuntimeError: a worker died (a crash counts as a kill)
             pools.close()
             return "killed", f"{name}: {str(e).splitlines()[1][:200] if len(str(e).splitlines()) > 1 else e}"
     return "survived", None

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from meshlm import block, optim
 from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
@@ -163,3 +163,17 @@ def test_grad_norm_counts_every_element_once(fake_world, monkeypatch, sizes):
     want = torch.linalg.vector_norm(torch.cat([f.flatten() for f in fulls] + [plain]), dtype=torch.float64)
     for got in world.run(rank):
         assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_grad_norm_of_gradients_whose_squares_overflow_float32_is_finite(fake_world):
+    """Squares summed in float64: gradients of 1e20 (squares past float32's 3.4e38) have a
+    finite norm, so only a non-finite gradient makes it Inf (what LossScaler and clipping
+    rely on), and a Partial gradient is refused, naming the fix."""
+    mesh = fake_mesh((1,), 0)
+    g = torch.tensor([3e20, 4e20])
+    d = DTensor.from_local(g, mesh, (Replicate(),), run_check=False, shape=g.shape, stride=g.stride())
+    got = optim.grad_norm([d], mesh)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(5e20, rel=1e-6)
+    partial = DTensor.from_local(g, mesh, (Partial(),), run_check=False, shape=g.shape, stride=g.stride())
+    with pytest.raises(RuntimeError, match=r"^grad_norm needs reduced gradients; call reduce_grads\(\) first$"):
+        optim.grad_norm([partial], mesh)
