@@ -92,6 +92,7 @@ BATTERY = [
     ("parity single dp=2", 2, parity, ("single", "dp=2"), {}),
     ("parity zero2 dp=2 overlapped", 2, parity, ("zero2", "dp=2"), {"overlap": True}),
     ("parity zero1 dp=2 bf16", 2, parity, ("zero1", "dp=2"), {"precision": "bf16"}),
+    ("parity zero2 dp=2 bf16", 2, parity, ("zero2", "dp=2"), {"precision": "bf16"}),
     ("parity fsdp fsdp=2 bf16", 2, parity, ("fsdp", "fsdp=2"), {"precision": "bf16"}),
     ("parity pp pp=2 1f1b", 2, pipeline_parity, ("pp", "pp=2", "1f1b", 1), {}),
     ("parity hsdp dp=2,fsdp=2", 4, parity, ("hsdp", "dp=2,fsdp=2"), {}),

@@ -121,9 +121,9 @@ def test_a_loaded_state_is_the_one_stepped_and_kept(mesh):
         opt._step_local()
         ref_opt.step()
         if step == 0:
-            saved = copy.deepcopy(opt.inner.state_dict()), copy.deepcopy(ref_opt.state_dict())
+            saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref_opt.state_dict())
         if step == 2:  # roll both back to the state after step 0 (the weights go on)
-            opt.inner.load_state_dict(saved[0])
+            opt.load_state_dict(saved[0])
             ref_opt.load_state_dict(saved[1])
         assert torch.equal(m._local_tensor, r.detach()), step
         for k in ("exp_avg", "exp_avg_sq"):
