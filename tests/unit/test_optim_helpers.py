@@ -177,3 +177,27 @@ def test_grad_norm_of_gradients_whose_squares_overflow_float32_is_finite(fake_wo
     partial = DTensor.from_local(g, mesh, (Partial(),), run_check=False, shape=g.shape, stride=g.stride())
     with pytest.raises(RuntimeError, match=r"^grad_norm needs reduced gradients; call reduce_grads\(\) first$"):
         optim.grad_norm([partial], mesh)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_grad_norm_of_few_or_no_gradients_joins_the_reduction_in_float64(fake_world, monkeypatch, n):
+    """A rank may hold no gradient at all (a pipeline stage of frozen parameters): its norm
+    is 0 and it still joins each mesh dim's all-reduce, with the same float64 scalar as the
+    ranks that have some (gloo and NCCL need one dtype and shape on every rank)."""
+    from meshlm import _torch_compat as compat
+
+    mesh = fake_mesh((2,), 0)
+    seen = []
+
+    def all_reduce(t, op, group):
+        seen.append((t.dtype, tuple(t.shape)))
+        return t
+
+    monkeypatch.setattr(compat, "all_reduce", all_reduce)
+    gs = [torch.full((2,), 3.0 * (i + 1)) for i in range(n)]
+    ds = [DTensor.from_local(g, mesh, (Replicate(),), run_check=False, shape=g.shape, stride=g.stride()) for g in gs]
+    got = optim.grad_norm(ds, mesh)
+    assert seen == [(torch.float64, ())]
+    want = torch.linalg.vector_norm(torch.cat(gs)) if gs else torch.tensor(0.0)
+    # the recorded all-reduce adds nothing: this rank's share, half the replicated squares
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item() / 2**0.5, rel=1e-6)
