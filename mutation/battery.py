@@ -40,38 +40,27 @@ def pipeline_parity(layout: str, mesh: str, schedule: str, v: int):
     )
 
 
-def budget(layout: str, mesh: dict):
-    """The step's collectives equal tests/dist/test_budget.py's budget."""
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    import test_budget
-
-    diff = test_budget._diff(test_budget._count_step(layout, mesh), test_budget.budget(layout, mesh))
-    if diff:
-        raise AssertionError(f"budget of {layout} {mesh}: {diff}")
-
-
 def _tests_module(name: str):
+    """A module of tests/dist, imported by name."""
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     return __import__(name)
 
 
+def budget(layout: str, mesh: dict):
+    """The step's collectives equal tests/dist/test_budget.py's budget."""
+    test_budget = _tests_module("test_budget")
+    diff = test_budget._diff(test_budget._count_step(layout, mesh), test_budget.budget(layout, mesh))
+    if diff:
+        raise AssertionError(f"budget of {layout} {mesh}: {diff}")
+
+
 def grad_norm_and_clip():
     """tests/dist/test_mixed_precision.py's norm and clip checks: the global norm is the
     one-device norm, reduced over the mesh's groups; clipping scales to max_norm."""
-    import torch
-
-    from meshlm.testing.tolerances import NORM_RTOL
-
     t = _tests_module("test_mixed_precision")
-
-    records, device, norm, ref_norm = t._norm_job()
-    assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
-    assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
-    n_collectives, dtype, norm, total, clipped, again = t._clip_job()
-    assert n_collectives == 0 and dtype == torch.float32 and total == norm
-    assert abs(clipped - norm / 2) <= NORM_RTOL * norm and abs(again - clipped / 3) <= NORM_RTOL * clipped
+    t._check_norm(*t._norm_job())
+    t._check_clip(*t._clip_job())
 
 
 def whole_tensor_step(layout: str, mesh: str):

@@ -59,8 +59,15 @@ def _collectives_job(layout: str, mesh_shape: dict, how: str):
     return [(c.kind, c.axes, c.phase, str(c.dtype), c.device) for c in cc.records], grads
 
 
-CASES = [("ddp", {"dp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}), ("fsdp", {"fsdp": 4}),
-         ("hsdp", {"dp": 2, "fsdp": 2}), ("tp", {"dp": 2, "tp": 2}), ("fsdp_tp", {"fsdp": 2, "tp": 2})]
+CASES = [
+    ("ddp", {"dp": 4}),
+    ("zero1", {"dp": 4}),
+    ("zero2", {"dp": 4}),
+    ("fsdp", {"fsdp": 4}),
+    ("hsdp", {"dp": 2, "fsdp": 2}),
+    ("tp", {"dp": 2, "tp": 2}),
+    ("fsdp_tp", {"fsdp": 2, "tp": 2}),
+]
 
 
 @pytest.mark.parametrize("layout,mesh", CASES, ids=[c[0] for c in CASES])
@@ -71,13 +78,17 @@ def test_bf16_gradients_reduce_in_fp32(pool4, layout, mesh):
     (the cast comes before the gather) and the gradients the optimizer sees are float32."""
     for how in ("train", "library"):
         records, grads = pool4.run(_collectives_job, layout, mesh, how)[0]
-        reductions = [r for r in records if r[0] in ("all_reduce", "reduce_scatter") and r[2] != "forward"
-                      and any(a in DATA_AXES for a in r[1])]
+        reductions = [
+            r
+            for r in records
+            if r[0] in ("all_reduce", "reduce_scatter") and r[2] != "forward" and any(a in DATA_AXES for a in r[1])
+        ]
         assert reductions, f"{layout} {how}: no gradient reduction over a data axis was counted: {records}"
         bad = [r for r in reductions if r[3] != "torch.float32"]
         assert not bad, f"{layout} {how}: gradient reductions not in float32: {bad}"
-        gathers = [r for r in records if r[0] == "all_gather" and r[2] != "optimizer"
-                   and any(a in DATA_AXES for a in r[1])]
+        gathers = [
+            r for r in records if r[0] == "all_gather" and r[2] != "optimizer" and any(a in DATA_AXES for a in r[1])
+        ]
         assert all(r[3] == "torch.bfloat16" for r in gathers), f"{layout} {how}: gathers {gathers}"
         if how == "train":
             assert grads == ["torch.float32"], f"{layout}: optimizer gradients in {grads}"
@@ -118,8 +129,9 @@ def _probe_data(ranks: int, accum: int, small: float):
     return xs, ys
 
 
-def _accumulate_job(layout: str, mesh_shape: str, accum: int, kw: dict, small: float = 2.0**-10,
-                    loss_scale: float = 1.0):
+def _accumulate_job(
+    layout: str, mesh_shape: str, accum: int, kw: dict, small: float = 2.0**-10, loss_scale: float = 1.0
+):
     """The probe's gradient accumulated over ``accum`` micro-batches, sharded with ``kw``;
     the fp32 one-device gradient; and Σ_k |G_k| over the (rank, micro-batch) terms."""
     import meshlm
@@ -145,7 +157,7 @@ def _accumulate_job(layout: str, mesh_shape: str, accum: int, kw: dict, small: f
         for r in range(ranks):
             one = Probe()
             one.w.data.zero_()
-            (one(x[r:r + 1], y[r:r + 1]) / (accum * ranks)).backward()
+            (one(x[r : r + 1], y[r : r + 1]) / (accum * ranks)).backward()
             abs_sum += one.w.grad.double().abs()
     return dtype, got, ref.w.grad.double(), abs_sum
 
@@ -209,8 +221,14 @@ def _overflow_job(inject_rank: int):
         norm, stepped = scaler.step(opt, 1.0)
         opt.zero_grad()
         same = all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
-        return {"scale_before": s0, "scale_after": scaler.scale, "stepped": stepped, "finite_norm": math.isfinite(norm),
-                "params_unchanged": same, "opt_state": len(opt.inner.state)}
+        return {
+            "scale_before": s0,
+            "scale_after": scaler.scale,
+            "stepped": stepped,
+            "finite_norm": math.isfinite(norm),
+            "params_unchanged": same,
+            "opt_state": len(opt.inner.state),
+        }
 
     out["injected"] = step(LossScaler(init_scale=2.0**8), inject=True)
     out["natural"] = step(LossScaler(init_scale=2.0**40))
@@ -274,11 +292,16 @@ def test_grad_norm_reduces_over_the_mesh_groups(pool4):
     """The global norm is all-reduced over the mesh's own process groups (one per mesh dim),
     on the mesh's device: not on the default group with a CPU tensor, which a CUDA job's
     NCCL group would refuse.  Its value is the one-device norm."""
+    for res in pool4.run(_norm_job):
+        _check_norm(*res)
+
+
+def _check_norm(records, device, norm, ref_norm) -> None:
+    """``_norm_job``'s result as it must be (also mutation/battery.py's check)."""
     from meshlm.testing.tolerances import NORM_RTOL
 
-    for records, device, norm, ref_norm in pool4.run(_norm_job):
-        assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
-        assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
+    assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
+    assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
 
 
 # --------------------------------------------------------------------------- (d) ZeRO-1/2 at the floor
@@ -314,8 +337,12 @@ def _zero_bf16_job(layouts, steps: int = 3, accum: int = 2):
             opt.zero_grad()
             losses.append(total)
         params = {n: p.full_tensor().float() for n, p in model.named_parameters()}
-        out[layout] = {"losses": losses, "grads": grads, "params": params,
-                       "dtype": str(next(iter(model.parameters())).dtype)}
+        out[layout] = {
+            "losses": losses,
+            "grads": grads,
+            "params": params,
+            "dtype": str(next(iter(model.parameters())).dtype),
+        }
     return out
 
 
@@ -374,11 +401,15 @@ def test_clip_with_a_given_norm_scales_without_collectives(pool4):
     """``clip_grad_norm_(max_norm, norm=grad_norm())`` reuses the norm (no all-reduce),
     returns it as float32, and leaves gradients whose global norm is ``max_norm``; a given
     norm near the epsilon scales by ``max_norm / (norm + 1e-6)``."""
+    for res in pool4.run(_clip_job):
+        _check_clip(*res)
+
+
+def _check_clip(n_collectives, dtype, norm, total, clipped, clipped_again) -> None:
+    """``_clip_job``'s result as it must be (also mutation/battery.py's check)."""
     from meshlm.testing.tolerances import NORM_RTOL
 
-    for n_collectives, dtype, norm, total, clipped, clipped_again in pool4.run(_clip_job):
-        assert n_collectives == 0
-        assert dtype == torch.float32 and total == norm
-        assert abs(clipped - norm / 2) <= NORM_RTOL * norm, (clipped, norm)
-        assert abs(clipped_again - clipped / 3) <= NORM_RTOL * clipped, (clipped_again, clipped)
-
+    assert n_collectives == 0
+    assert dtype == torch.float32 and total == norm
+    assert abs(clipped - norm / 2) <= NORM_RTOL * norm, (clipped, norm)
+    assert abs(clipped_again - clipped / 3) <= NORM_RTOL * clipped, (clipped_again, clipped)

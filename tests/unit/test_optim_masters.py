@@ -36,15 +36,18 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _model(layout: str, source: str = "seed", dtype=None, rank: int = 1):
+def _model(layout: str, source: str = "seed", dtype=None, rank: int = 1, shard_kw: dict | None = None):
     """``source``: "seed" (built on meta, drawn shard by shard), "weights" (float32 weights
-    given), "bf16 weights" (weights given in bf16, as a bf16 checkpoint loads)."""
+    given), "bf16 weights" (weights given in bf16, as a bf16 checkpoint loads).  ``dtype``:
+    shard as ``meshlm train`` does for that ``train.param_dtype``; ``shard_kw``: these
+    ``meshlm.shard`` arguments instead."""
     init_fake(2, rank=rank)  # rank 1: its blocks start past 0
     mesh = meshlm.make_mesh(MESH[layout], fake=True)
     model = Llama(CFG, device="meta") if source == "seed" else Llama(CFG, seed=0)
     if source == "bf16 weights":
         model = model.to(torch.bfloat16)
     kw = train_dtypes(dtype, None, meshlm.load_layout(layout), MESH[layout]) if dtype else {}
+    kw = kw if shard_kw is None else shard_kw
     return meshlm.shard(model, layout, mesh, **kw), mesh
 
 
@@ -187,9 +190,7 @@ def test_master_dtype_of_bf16_storage_is_a_float32_copy(fake_world, layout):
     """``ShardedOptimizer(master_dtype=torch.float32)`` over bf16 storage (``param_dtype``
     alone, no main gradients): float32 masters in the optimizer placements, this rank's
     block of the stored weights."""
-    init_fake(2, rank=1)
-    mesh = meshlm.make_mesh(MESH[layout], fake=True)
-    model = meshlm.shard(Llama(CFG, device="meta"), layout, mesh, param_dtype=torch.bfloat16)
+    model, mesh = _model(layout, shard_kw={"param_dtype": torch.bfloat16})
     st = shard_state(model)
     opt = ShardedOptimizer(model, torch.optim.SGD, torch.float32, lr=0.1)
     params = dict(model.named_parameters())
