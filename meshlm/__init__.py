@@ -1,13 +1,50 @@
-"""meshlm: write a model once against logical axes; shard it by swapping a YAML layout."""
+"""meshlm: write a model once against logical axes; shard it by swapping a YAML layout.
 
-from meshlm import nn  # (meshlm.nn: annotated Linear, Embedding, LayerNorm, RMSNorm, Dropout)
-from meshlm.annotate import block, constrain, declare_axes, dropout, init_params, reduce_batch, set_axes
-from meshlm.axes import LOGICAL_AXES, MESH_AXES, Axes
-from meshlm.errors import AnnotationError, AxisError, CheckpointError, ConfigError, LayoutError, MeshError, MeshlmError
-from meshlm.layout import Layout, load_layout, resolve
-from meshlm.lower import full_state_dict, plan_params, shard
-from meshlm.mesh import MeshSpec, make_mesh
-from meshlm.root import shard_batch
+The names below load on first use (PEP 562): ``import meshlm`` alone imports neither torch
+nor DTensor, so the ``meshlm`` command can start a run's worker processes while it is still
+importing them itself (NOTE [start-up] in docs/train.md, "Start-up time").
+"""
+
+import importlib
+
+# public name -> the module that defines it
+_HOME = {
+    "nn": "meshlm.nn",  # annotated Linear, Embedding, LayerNorm, RMSNorm, Dropout
+    **dict.fromkeys(
+        ("block", "constrain", "declare_axes", "dropout", "init_params", "reduce_batch", "set_axes"), "meshlm.annotate"
+    ),
+    **dict.fromkeys(("LOGICAL_AXES", "MESH_AXES", "Axes"), "meshlm.axes"),
+    **dict.fromkeys(
+        (
+            "AnnotationError",
+            "AxisError",
+            "CheckpointError",
+            "ConfigError",
+            "LayoutError",
+            "MeshError",
+            "MeshlmError",
+        ),
+        "meshlm.errors",
+    ),
+    **dict.fromkeys(("Layout", "load_layout", "resolve"), "meshlm.layout"),
+    **dict.fromkeys(("full_state_dict", "plan_params", "shard"), "meshlm.lower"),
+    **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.mesh"),
+    "shard_batch": "meshlm.root",
+}
+
+
+def __getattr__(name):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'meshlm' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module if home == f"meshlm.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_HOME})
 
 
 def load_hf(path, layout, mesh, **shard_kwargs):

@@ -54,7 +54,7 @@ def _train_task(dc) -> None:
     from omegaconf import OmegaConf
 
     from meshlm.config import from_dict
-    from meshlm.launch import launch
+    from meshlm.launch import launch, prestart
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -67,7 +67,10 @@ def _train_task(dc) -> None:
     over = [o.removeprefix("++") if o.startswith("++model.") else o for o in hc.overrides.task]
     job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": over}
     try:
-        cfg = resolve_auto(from_dict(OmegaConf.to_container(dc, resolve=True)))
+        raw = OmegaConf.to_container(dc, resolve=True)
+        if isinstance(raw.get("mesh"), dict):
+            prestart(raw["mesh"])  # the workers' imports overlap this process's (NOTE [start-up])
+        cfg = resolve_auto(from_dict(raw))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
         if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -37,10 +37,7 @@ from torch import nn
 
 from meshlm import _torch_compat as compat
 from meshlm.annotate import is_block
-
-# compile_blocks(comms=...): NOTE [compiled body]; the training config (train.compile_comms) takes
-# its choices from here.
-COMPILE_COMMS = ("graph", "eager")
+from meshlm.config import COMPILE_COMMS  # compile_blocks(comms=...): NOTE [compiled body]; train.compile_comms
 
 
 def compile_blocks(

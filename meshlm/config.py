@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from meshlm.axes import MESH_AXES
-from meshlm.compile import COMPILE_COMMS
-from meshlm.data import FORMATS, DataConfig
+from meshlm.data_config import FORMATS, DataConfig
 from meshlm.errors import ConfigError
 from meshlm.model_config import ModelConfig, build_model, model_overrides  # noqa: F401 (build_model: API)
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
+COMPILE_COMMS = ("graph", "eager")  # meshlm.compile.compile_blocks(comms=...): NOTE [compiled body]
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("auto", "cpu", "cuda")
 

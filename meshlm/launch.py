@@ -11,14 +11,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from meshlm.config import RunConfig
 from meshlm.errors import MeshlmError
@@ -135,6 +137,40 @@ def _start_method() -> str:
     return method
 
 
+@contextlib.contextmanager
+def _worker_threads(n: int):
+    """OMP_NUM_THREADS for ``n`` workers on this node, as torchrun sets it, unless it is set."""
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    if env_threads is None:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    try:
+        yield
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def prestart(mesh: Mapping[str, Any]) -> None:
+    """Start the forkserver of a job of ``mesh`` (the composed ``mesh`` section) now, so that
+    it imports torch and meshlm while this process checks the config, which imports them
+    too (NOTE [start-up]); ``launch`` then finds it running.  Nothing for a one-device mesh,
+    a mesh with a ``-1`` axis (its size is the world's, known under torchrun only), under
+    torchrun, or with another start method.  Idempotent: a sweep's jobs share the server."""
+    import multiprocessing.forkserver
+
+    if in_torchrun():
+        return
+    try:
+        sizes = [int(v) for v in mesh.values()]
+    except (TypeError, ValueError):
+        return  # not sizes: the config check says so
+    n = math.prod(sizes)
+    if n <= 1 or min(sizes) < 1 or _start_method() != "forkserver":
+        return
+    with _worker_threads(n):
+        multiprocessing.forkserver.ensure_running()
+
+
 def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | None:
     """Run training under ``cfg`` with its output in ``run_dir``; return rank 0's summary
     (None when this process is not rank 0 of a launch it started)."""
@@ -180,11 +216,9 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
         monitor_interval=0.1,
         start_method=_start_method(),
     )
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    if env_threads is None:  # what torchrun does for more than one process per node
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     try:
-        elastic_launch(lc, worker)(cfg, str(run_dir), t0)
+        with _worker_threads(n):
+            elastic_launch(lc, worker)(cfg, str(run_dir), t0)
     except ChildFailedError as e:
         raise JobFailedError(_root_cause(e)) from None
     except SignalException as e:
@@ -194,8 +228,5 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
         out = json.loads(p.read_text()) if p.exists() else {}
         out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
         return out
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
     p = run_dir / "summary.json"
     return json.loads(p.read_text()) if p.exists() else None

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import torch
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from meshlm.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads where a model is built (meshlm.config imports this module, and stays light)
+    import torch
+    from torch import Tensor, nn
 
 OWN_KEYS = ("_target_", "name", "init_from")  # meshlm's keys of the node, never passed to the target
 LLAMA_TARGET = "meshlm.models.llama_model"
@@ -179,8 +180,10 @@ def check_args(cfg: ModelConfig) -> None:
 def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.Module:
     """Instantiate the model node on ``device`` (NOTE [model node]) and check that it is an
     ``nn.Module``.  What ``meshlm train``, ``meshlm plan`` and ``meshlm layout show`` build."""
+    import torch
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+    from torch import nn
 
     check_args(cfg)
     fn = locate(cfg)
@@ -205,6 +208,9 @@ def loss_of(out: Any, cfg: ModelConfig) -> Tensor:
     """The scalar loss in what ``model(tokens, targets)`` returned: the output itself, or its
     ``"loss"`` entry (a dict) or ``.loss`` attribute (Hugging Face's outputs).  Anything else
     is a ConfigError that says what the trainer needs."""
+    import torch
+    from torch import Tensor
+
     loss = out
     if isinstance(out, dict):
         loss = out.get("loss")
