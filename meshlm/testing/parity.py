@@ -56,7 +56,7 @@ from meshlm import _torch_compat as compat
 from meshlm.testing import parity_pp
 from meshlm.testing import tolerances as tol
 from meshlm.testing.parity_mp import BF16
-from meshlm.testing.recipes import FP32
+from meshlm.testing.recipes import FP32, full_many
 from meshlm.testing.recipes import forward_seed as _forward_seed
 from meshlm.testing.recipes import full as _full
 
@@ -192,9 +192,10 @@ def check_training(
             )
         ref = job.build("cpu", seed)
         refp = dict(ref.named_parameters())
+        mine = full_many(dict(model.named_parameters()))
         for n, p in model.named_parameters():  # a narrower storage holds the weights rounded to it
             torch.testing.assert_close(
-                _full(p),
+                mine[n],
                 refp[n].detach().to(p.dtype),
                 rtol=0,
                 atol=tol.INIT_ATOL,
@@ -291,9 +292,9 @@ class _Job:
         worst: dict = {}
         losses = []
         rcp = self.recipe
-        for n, m in opt.masters().items():  # the master starts from the float32 initial weights
+        for n, m in full_many(opt.masters()).items():  # the master starts from the float32 initial weights
             torch.testing.assert_close(
-                _full(m), refp[n].detach(), rtol=0, atol=tol.INIT_ATOL, msg=lambda s, n=n: f"initial master of {n}: {s}"
+                m, refp[n].detach(), rtol=0, atol=tol.INIT_ATOL, msg=lambda s, n=n: f"initial master of {n}: {s}"
             )
         for k in range(1, steps + 1):
             micro = [self.batches(k, j) for j in range(self.grad_accum)]
@@ -320,11 +321,11 @@ class _Job:
                 with at_step():
                     opt.reduce_grads()
             masters = opt.masters()
-            for n, m in masters.items():
+            for n, g in full_many({n: m.grad for n, m in masters.items()}).items():
                 gp = probe_grads[n]
                 self._check(
                     f"{name} step {k}: gradient of {n} the optimizer steps with",
-                    _full(m.grad) - gp,
+                    g - gp,
                     grad_tols[n],
                     worst,
                     "grad",
@@ -338,13 +339,18 @@ class _Job:
             ref_opt.step()
             opt.step()
             mine_p = dict(model.named_parameters())
+            after = full_many(
+                {("param", n): p for n, p in mine_p.items()}
+                | {("master", n): m for n, m in masters.items()}
+                | {("state", n, key): v for n, m in masters.items() for key, v in opt.inner.state[m].items()}
+            )
             for n, p in refp.items():
                 if n not in mine_p:  # held by another pipeline stage, which checks it
                     continue
                 st = ref_opt.state[p]
                 bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
                 bound = bounds[n].bound
-                stored = _full(mine_p[n])
+                stored = after[("param", n)]
                 self._check(
                     f"{name} step {k}: parameter {n}",
                     stored.float() - p.detach(),
@@ -354,19 +360,19 @@ class _Job:
                 )
                 self._check(
                     f"{name} step {k}: master of {n}",
-                    _full(masters[n]).to(p.dtype) - p.detach(),
+                    after[("master", n)].to(p.dtype) - p.detach(),
                     bound["param"],
                     worst,
                     "param",
                 )
-                mine = opt.inner.state[masters[n]]
                 for key, val in st.items():
+                    got = after[("state", n, key)]
                     if key == "step":
-                        assert float(_full(mine[key])) == float(val), f"{name} step {k}: step count of {n}"
+                        assert float(got) == float(val), f"{name} step {k}: step count of {n}"
                         continue
                     self._check(
                         f"{name} step {k}: optimizer state {key} of {n}",
-                        _full(mine[key]) - val,
+                        got - val,
                         bound[key],
                         worst,
                         "state",

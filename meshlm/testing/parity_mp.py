@@ -37,10 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.testing import tolerances as tol
-from meshlm.testing.recipes import FP32
+from meshlm.testing.recipes import FP32, full_many
 from meshlm.testing.recipes import accumulate as _accumulate
 from meshlm.testing.recipes import forward_seed as _forward_seed
-from meshlm.testing.recipes import full as _full
 
 
 class BF16(FP32):
@@ -119,7 +118,7 @@ class BF16(FP32):
         )
 
     def probe_weights(self, model: nn.Module, opt) -> dict[str, Tensor]:
-        return {n: _full(m).float() for n, m in opt.masters().items()}
+        return {n: m.float() for n, m in full_many(opt.masters()).items()}
 
     def tolerances(
         self, job, weights: dict, micro: list, losses: list, grads: dict, seed: int, step: int

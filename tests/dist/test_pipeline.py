@@ -72,7 +72,7 @@ def test_pp_4_stages(pool4, schedule):
 def test_fsdp_tp_pp_8(pool8):
     """3-D: pp=2 x fsdp=2 x tp=2, tensor-parallel DTensor blocks inside the stages (their
     hidden state sent as local tensors, NOTE [stage forward]), compiled per block."""
-    _ok(pool8.run(_parity, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", "1f1b", 1, compile="aot_eager", optims=("sgd",)))
+    _ok(pool8.run(_parity, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", "1f1b", 1, compile="aot_eager", optims=("sgd",), steps=2))
 
 
 @pytest.mark.parametrize("layout,mesh,schedule,v", [
