@@ -330,25 +330,36 @@ def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, s
 
 # NOTE [shared pools]: a test module's pool of up to 4 workers outlives the module, for the
 # next module that asks for the same one: one pool per world size is kept (a request with
-# another timeout or env closes the old one), so at most 1 + 2 + 4 idle workers stay up (8
-# workers are started per module). Between modules the workers drop what the module left
+# another env closes the old one), so at most 1 + 2 + 4 idle workers stay up (8 workers are
+# started per module). Between modules the workers drop what the module left
 # (`_reset_worker`: Dynamo's caches, DTensor's sharding caches, garbage) and join a new
 # process group: destroying the old one ends every subgroup the module's meshes made (each
-# keeps gloo threads; hundreds pile up otherwise). A module whose job broke the pool leaves
-# it broken, and its next run respawns the workers as always. Every pool is closed at
-# interpreter exit (its finalizer). MESHLM_TEST_SHARED_POOLS=0 gives each module its own.
+# keeps gloo threads; hundreds pile up otherwise). A request with another `timeout_s` keeps
+# the workers and only forms their group again with the new gloo timeout (it is the group's,
+# given at `init_process_group`; respawning costs seconds a time). A module whose job broke
+# the pool leaves it broken, and its next run respawns the workers as always. Every pool is
+# closed at interpreter exit (its finalizer). MESHLM_TEST_SHARED_POOLS=0 gives each module
+# its own.
 _SHARED: dict[int, tuple[tuple, DistPool]] = {}
 
 
 def _shared_pool(world_size: int, timeout_s: float, env: dict[str, str] | None) -> DistPool:
-    key = (float(timeout_s), tuple(sorted((env or {}).items())))
+    key = tuple(sorted((env or {}).items()))
     held = _SHARED.get(world_size)
     if held is not None and (held[0] != key or held[1]._closed):
         held[1].close()
         held = None
     if held is None:
         held = _SHARED[world_size] = (key, DistPool(world_size, timeout_s=timeout_s, env=env))
-    return held[1]
+    pool = held[1]
+    if pool.timeout_s != float(timeout_s):
+        pool.timeout_s = float(timeout_s)  # a broken pool respawns with it; a live one joins anew
+        if not pool.broken:
+            try:
+                pool._holder[0].join_group(pool.timeout_s)
+            except Exception:  # workers that cannot join are not handed on: new ones start
+                pool._kill()
+    return pool
 
 
 def _between_modules(pool: DistPool) -> None:

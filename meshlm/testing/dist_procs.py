@@ -75,7 +75,7 @@ class _Workers:
             "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
         )
         for conn in self.conns:
-            conn.send_bytes(_JOIN + str(self.store.port).encode())
+            conn.send_bytes(_JOIN + f"{self.store.port} {float(timeout_s)!r}".encode())
         self.collect(_JOINED, timeout_s + 30.0, "init_process_group")
 
     def collect(self, expected: bytes, timeout_s: float, what: str) -> None:

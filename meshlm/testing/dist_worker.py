@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _WORKER_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 # Control messages from the parent. Jobs are pickles, which start with b"\x80", never these.
-_JOIN = b"join:"  # + the store's port: (re)join a process group
+_JOIN = b"join:"  # + "<store port> <gloo timeout s>": (re)join a process group
 _STOP = b"stop"
 _READY = b"ready"
 _JOINED = b"joined"
@@ -170,8 +170,9 @@ def _worker_main(rank: int, world_size: int, conn: Connection, timeout_s: float,
         # time on a busy machine does not count against a short `timeout_s`.
         conn.send_bytes(_READY)
         while (msg := conn.recv_bytes()) != _STOP:
-            if msg.startswith(_JOIN):
-                _join_group(rank, world_size, int(msg.removeprefix(_JOIN)), timeout_s)
+            if msg.startswith(_JOIN):  # b"join <port> <gloo timeout in seconds>"
+                port, timeout = msg.removeprefix(_JOIN).split()
+                _join_group(rank, world_size, int(port), float(timeout))
                 conn.send_bytes(_JOINED)
             else:
                 conn.send_bytes(_run_job(rank, msg))

@@ -277,6 +277,27 @@ def test_forgotten_pool_is_killed_when_collected():
         os.kill(pid, 0)  # killed and reaped, not left as an orphan
 
 
+def test_a_shared_pool_asked_with_another_timeout_keeps_its_workers():
+    """NOTE [shared pools]: a module asking for the shared pool with another gloo timeout
+    gets the same workers, in a group formed again with its timeout (a deadlock then fails
+    after it, not after the first module's)."""
+    from meshlm.testing.dist import _shared_pool
+
+    env = {"MESHLM_HARNESS_PROBE": "shared"}  # a pool of this test's own (the env is in the key)
+    pool = _shared_pool(2, 60.0, env)
+    try:
+        pids = pool.run(os.getpid)
+        assert _shared_pool(2, TIMEOUT_S, env) is pool and pool.timeout_s == TIMEOUT_S
+        assert pool.run(os.getpid) == pids  # not respawned
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="Timed out"):
+            pool.run(_all_reduce_on_rank0_only)
+        assert TIMEOUT_S * 0.9 < time.monotonic() - start < TIMEOUT_S + SLACK_S  # not 60 s
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+    finally:
+        pool.close()
+
+
 def test_run_distributed_is_a_one_shot_pool():
     assert run_distributed(_all_reduce_rank, 2, timeout_s=TIMEOUT_S) == [1.0, 1.0]
 
