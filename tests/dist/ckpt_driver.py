@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -29,12 +30,17 @@ def lr_at(step: int, base: float, warmup: int, total: int) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), MESHLM_PG_TIMEOUT="60")
+def worker(rank: int, world: int, store_file: str, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import datetime
+
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # a file store: no port is chosen by one process and bound by another (see main)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     import meshlm
     from meshlm.checkpoint import CheckpointConfig, Checkpointer
     from meshlm.data import DataConfig, ShardedLoader, TokenDataset
@@ -85,8 +91,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             time.sleep(args.sleep)
         ck.maybe_save(step + 1, {"step": step + 1, "loader": loader.state_dict(), "scheduler": {"step": step + 1}})
     ck.close()
-    import torch.distributed as dist
-
     dist.destroy_process_group()
 
 
@@ -109,15 +113,24 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     args = p.parse_args()
     import multiprocessing as mp
-    import socket
+    import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The process group meets in a file store of a fresh directory of this job's own, not on
+    # a TCP port this parent picks and closes for rank 0 to bind later: nothing else can
+    # take a file in the meantime, and a killed earlier job's leftovers are never reused.
+    store_dir = tempfile.mkdtemp(prefix="ckpt_driver_store_")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, args)) for r in range(args.nproc)]
+    store = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=worker, args=(r, args.nproc, store, args)) for r in range(args.nproc)]
     for pr in procs:
         pr.start()
+    try:
+        return _supervise(procs)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _supervise(procs: list) -> int:
     while True:  # like torchrun: one worker failing ends them all
         codes = [pr.exitcode for pr in procs]
         if any(c not in (None, 0) for c in codes):
@@ -130,7 +143,6 @@ def main() -> int:
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.05)
-
 
 if __name__ == "__main__":
     sys.exit(main())

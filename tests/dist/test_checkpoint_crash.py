@@ -23,15 +23,18 @@ def _run(args: list[str], **kw) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, **kw)
 
 
-def _wait(p: subprocess.Popen, timeout: float = 240) -> int:
+def _wait(p: subprocess.Popen, want: int, what: str = "", timeout: float = 240) -> None:
+    """Wait for the job and assert its exit code is ``want``; on any other code the message
+    carries the job's stderr (a failure in CI must say why, not just ``1 != 0``)."""
     try:
         _out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         raise
-    if p.returncode not in (0, 1):
-        print(err.decode(errors="replace")[-4000:])
-    return p.returncode
+    assert p.returncode == want, (
+        f"exit code {p.returncode}, expected {want} {what}\n--- stderr (tail) ---\n"
+        + err.decode(errors="replace")[-6000:]
+    )
 
 
 def _losses(log: str) -> dict[int, set[str]]:
@@ -48,7 +51,7 @@ def _losses(log: str) -> dict[int, set[str]]:
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     p = _run(["--dir", str(d / "ckpt"), "--log", str(d / "loss.log")])
-    assert _wait(p) == 0
+    _wait(p, 0)
     ref = _losses(str(d / "loss.log"))
     assert sorted(ref) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in ref.values())
     return ref
@@ -66,11 +69,11 @@ def _assert_same_curve(log: str, ref: dict) -> None:
 def test_sigkill_during_save_resumes_exactly(tmp_path, reference):
     ck, log = str(tmp_path / "ckpt"), str(tmp_path / "loss.log")
     # rank 1 SIGKILLs itself inside the save of step 6, after writing its shard
-    assert _wait(_run(["--dir", ck, "--log", log, "--die-in-save", "6"])) == 1
+    _wait(_run(["--dir", ck, "--log", log, "--die-in-save", "6"]), 1)
     names = sorted(os.listdir(ck))
     assert "step_00000004" in names and "step_00000006" not in names, names
     assert any(n.startswith(".tmp_step_00000006") for n in names), names  # the torn save, never visible
-    assert _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"])) == 0
+    _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"]), 0)
     _assert_same_curve(log, reference)
     assert _losses(log).keys() == reference.keys()
     assert sorted(os.listdir(ck)) == ["run.json", "step_00000006", "step_00000008"]  # keep=2, torn dir removed
@@ -84,11 +87,17 @@ def test_sigkill_at_random_moment_resumes_exactly(tmp_path, reference):
         if os.path.isdir(os.path.join(ck, "step_00000002")):
             break
         time.sleep(0.05)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 1.0))  # then any moment: a step or a save
-    if p.poll() is None:
+    delay = random.Random(os.getpid()).uniform(0.0, 1.0)
+    time.sleep(delay)  # then any moment: a step or a save
+    first = p.poll()  # None: still running, so killed now
+    if first is None:
         os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"])) == 0
+    first_err = p.communicate()[1].decode(errors="replace")[-3000:]
+    left = sorted(os.listdir(ck)) if os.path.isdir(ck) else None
+    what = f"(resume after a kill {delay:.3f} s after step_00000002 appeared; first job exit {first}; it left {left})"
+    if first not in (None, 0):
+        what += "\n--- first job's stderr (tail) ---\n" + first_err
+    _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"]), 0, what)
     _assert_same_curve(log, reference)
 
 
@@ -122,7 +131,7 @@ def test_sigkill_meshlm_train_resumes_exactly(tmp_path):
     after its step-4 checkpoint, resume with checkpoint.resume=auto."""
     pytest.importorskip("meshlm.train")
     ref_cwd, ck = str(tmp_path / "ref"), str(tmp_path / "ck")
-    assert _wait(_train_cli(ref_cwd, f"checkpoint.dir={tmp_path / 'ref_ck'}")) == 0
+    _wait(_train_cli(ref_cwd, f"checkpoint.dir={tmp_path / 'ref_ck'}"), 0)
     ref = _cli_losses(ref_cwd)
     assert sorted(ref) == list(range(1, 13))
     p = _train_cli(str(tmp_path / "run1"), f"checkpoint.dir={ck}")
@@ -132,7 +141,7 @@ def test_sigkill_meshlm_train_resumes_exactly(tmp_path):
     if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    assert _wait(_train_cli(str(tmp_path / "run2"), f"checkpoint.dir={ck}", "checkpoint.resume=auto")) == 0
+    _wait(_train_cli(str(tmp_path / "run2"), f"checkpoint.dir={ck}", "checkpoint.resume=auto"), 0)
     resumed = _cli_losses(str(tmp_path / "run2"))
     assert resumed and min(resumed) >= 5 and max(resumed) == 12, sorted(resumed)
     for step, loss in resumed.items():
