@@ -23,8 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import DistPool, dist_pool_fixture
+from meshlm.testing import dist_pool_fixture
 
+pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 
 # The same tolerance as test_checkpoint_reshard.py: another layout sums in another order.
@@ -193,13 +194,12 @@ def _weights_only_job(path):
     return {f"model/{k}": v for k, v in full_state_dict(model).items()}
 
 
-def test_bf16_checkpoint_to_one_process(saved_bf16):
+def test_bf16_checkpoint_to_one_process(saved_bf16, pool1):
     """bf16 ZeRO-2 on 2 ranks -> 1 rank, where ZeRO-2 shards nothing and stores fp32; and
     the weights alone into an fp32 model (``meshlm convert``): the saved masters."""
     path, a = saved_bf16
-    with DistPool(1, timeout_s=60) as pool:
-        b = pool.run(_job, "zero2", "dp=1", "bfloat16", load_from=path)[0]
-        weights = pool.run(_weights_only_job, path)[0]
+    b = pool1.run(_job, "zero2", "dp=1", "bfloat16", load_from=path)[0]
+    weights = pool1.run(_weights_only_job, path)[0]
     assert b["dtype"] == "torch.float32"
     _weights_follow_masters(b["state"], a["state"], "bf16 zero2 dp=2 -> dp=1")
     torch.testing.assert_close(torch.tensor(b["after"]), torch.tensor(a["after"]), **LOSS_TOL)

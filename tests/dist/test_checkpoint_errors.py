@@ -9,13 +9,9 @@ import shutil
 import pytest
 import torch
 
-from meshlm.testing import DistPool
+from meshlm.testing import dist_pool_fixture
 
-
-@pytest.fixture(scope="module")
-def pool2():
-    with DistPool(2, timeout_s=30) as p:
-        yield p
+pool2 = dist_pool_fixture(2, timeout_s=30)
 
 
 def _model(**overrides):

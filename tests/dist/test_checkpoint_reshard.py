@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import DistPool
+from meshlm.testing import dist_pool_fixture
 
 # Continuing on another layout changes the reduction order of matmuls and all-reduces, so
 # losses differ by fp32 rounding only: the same tolerance as layout parity (a few ulps of
@@ -95,24 +95,21 @@ def _assert_same_state(got: dict, want: dict, what: str) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m: f"{what}: {k}: {m}")
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with DistPool(4, timeout_s=60) as p:
-        yield p
+pool1 = dist_pool_fixture(1, timeout_s=60)
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
-def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path, pool4):
+def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path, pool4, pool2, pool1):
     d = str(tmp_path)
     a = pool4.run(_job, "fsdp", "fsdp=4", None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
     b = pool4.run(_job, "fsdp_tp", "fsdp=2,tp=2", a["path"], f"{d}/b", 0, STEPS_AFTER)[0]
     _assert_same_state(b["state"], a["state"], "fsdp=4 -> fsdp_tp 2x2")
     torch.testing.assert_close(torch.tensor(b["after"]), torch.tensor(a["after"]), **LOSS_TOL)
-    with DistPool(2, timeout_s=60) as pool:
-        c = pool.run(_job, "tp", "tp=2", b["path"], f"{d}/c", 0, STEPS_AFTER)[0]
+    c = pool2.run(_job, "tp", "tp=2", b["path"], f"{d}/c", 0, STEPS_AFTER)[0]
     _assert_same_state(c["state"], a["state"], "fsdp_tp 2x2 -> tp=2")
     torch.testing.assert_close(torch.tensor(c["after"]), torch.tensor(a["after"]), **LOSS_TOL)
-    with DistPool(1, timeout_s=60) as pool:
-        s = pool.run(_job, "single", "dp=1", c["path"], None, 0, STEPS_AFTER)[0]
+    s = pool1.run(_job, "single", "dp=1", c["path"], None, 0, STEPS_AFTER)[0]
     _assert_same_state(s["state"], a["state"], "tp=2 -> single process")
     torch.testing.assert_close(torch.tensor(s["after"]), torch.tensor(a["after"]), **LOSS_TOL)
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from meshlm.testing import DistPool
+from meshlm.testing import dist_pool_fixture
 from meshlm.testing import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
@@ -52,10 +52,7 @@ def hf_dirs(tmp_path_factory):
     return {"single": single, "sharded": sharded, "tokens": tokens, "ref": ref, "root": str(d)}
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with DistPool(4, timeout_s=60) as p:
-        yield p
+pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
 def _logits(path, layout, mesh_shape, tokens, export_to=None):
