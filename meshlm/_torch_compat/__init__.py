@@ -139,6 +139,14 @@ def local_tensor(t) -> Tensor:
 FAKE_IS_EAGER: ContextVar[bool] = ContextVar("meshlm_fake_is_eager", default=False)
 
 
+def local_offset(t) -> tuple[int, ...]:
+    """Where the local shard of DTensor ``t`` starts in the global tensor (one offset per
+    dim; the same on torch 2.11 to 2.13: ``_utils.compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+
+
 def eager() -> bool:
     """Whether this code runs eagerly: not traced by Dynamo, nor by AOTAutograd on fake
     tensors (fake tensors under FAKE_IS_EAGER run eagerly: NOTE [fake eager])."""

@@ -48,15 +48,14 @@ def full_many(ts: dict) -> dict:
     DTensors it can paste together (NOTE [gathered at once]).  Every rank must call it with
     the same keys, in the same order, as with ``full``."""
     import torch.distributed as dist
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from meshlm import _torch_compat as compat
 
     out, mine = {}, []
     for k, t in ts.items():
         if t is not None and _pasted(t):
-            _shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            mine.append(
-                (k, tuple(offset), t.to_local().detach().clone())
-            )  # not a view: pickling sends a view's whole storage
+            # not a view: pickling sends a view's whole storage
+            mine.append((k, compat.local_offset(t), t.to_local().detach().clone()))
         else:
             out[k] = full(t)
     if mine:
