@@ -286,6 +286,17 @@ def clear_dtensor_caches() -> None:
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_plans is not None:
         clear_plans()
+    # The cached transform plans and mesh topologies hold their specs' meshes, and so every
+    # process group those meshes made: destroyed groups would otherwise live on, each with
+    # gloo threads that keep polling (NOTE [shared pools] in meshlm/testing/dist.py).
+    from torch.distributed.tensor import _collective_utils
+
+    topo = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    from meshlm._torch_compat import dtensor_views
+
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None), topo, dtensor_views._strided_view_placements):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def stage_backward_input(outputs, output_grads, inputs, weights):

@@ -334,7 +334,10 @@ def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, s
 # started per module). Between modules the workers drop what the module left
 # (`_reset_worker`: Dynamo's caches, DTensor's sharding caches, garbage) and join a new
 # process group: destroying the old one ends every subgroup the module's meshes made (each
-# keeps gloo threads; hundreds pile up otherwise). A request with another `timeout_s` keeps
+# keeps gloo threads; hundreds pile up otherwise). That needs the meshes gone too: the
+# DTensor caches that hold them are cleared first (`compat.clear_dtensor_caches`), or the
+# destroyed groups live on with threads that keep polling (it once left 620 threads in each
+# idle worker, a core's worth of CPU). A request with another `timeout_s` keeps
 # the workers and only forms their group again with the new gloo timeout (it is the group's,
 # given at `init_process_group`; respawning costs seconds a time). A module whose job broke
 # the pool leaves it broken, and its next run respawns the workers as always. Every pool is

@@ -298,6 +298,40 @@ def test_a_shared_pool_asked_with_another_timeout_keeps_its_workers():
         pool.close()
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _leave_meshes_behind(n: int) -> int:
+    """Make ``n`` 2-D meshes (each a new gloo group per dim) and redistribute on each, so
+    that DTensor's caches see them; drop them; return this process's thread count."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshlm
+
+    for _ in range(n):
+        mesh = meshlm.make_mesh("fsdp=2,tp=2")
+        t = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+        t.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+    return _threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_between_modules_the_groups_of_the_modules_meshes_end():
+    """NOTE [shared pools]: what a module's meshes made (a gloo group per mesh dim, each
+    with threads that keep polling) ends with the module, even where DTensor's caches
+    held the meshes; a leak made every idle worker of the suite busy (620 threads each)."""
+    from meshlm.testing.dist import _between_modules
+
+    with DistPool(4, timeout_s=60) as pool:
+        base = pool.run(_threads)
+        busy = pool.run(_leave_meshes_behind, 6)
+        assert all(b >= t + 12 for b, t in zip(busy, base)), (base, busy)  # the test sees groups
+        _between_modules(pool)
+        after = pool.run(_threads)
+        assert all(a <= t + 3 for a, t in zip(after, base)), (base, busy, after)  # one new group's
+
+
 def test_run_distributed_is_a_one_shot_pool():
     assert run_distributed(_all_reduce_rank, 2, timeout_s=TIMEOUT_S) == [1.0, 1.0]
 
