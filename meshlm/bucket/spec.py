@@ -62,6 +62,13 @@ def register(bucket: Bucket) -> int:
     return len(BUCKETS) - 1
 
 
+def clear_registry() -> None:
+    """Forget every bucket.  Only for when no lowered model is alive and nothing compiled
+    refers to an index (``torch._dynamo.reset()`` first): the test harness between modules,
+    where the buckets' meshes would otherwise keep every process group they made alive."""
+    BUCKETS.clear()
+
+
 def member(
     storage: Sequence[Placement],
     compute: Sequence[Placement],

@@ -379,7 +379,9 @@ def _reset_worker() -> None:
     import gc
 
     from meshlm import _torch_compat as compat
+    from meshlm.bucket import spec
 
     compat.dynamo_reset()
     compat.clear_dtensor_caches()
+    spec.clear_registry()  # no model of the module is alive, and Dynamo forgot the indices
     gc.collect()

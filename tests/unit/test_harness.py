@@ -303,16 +303,19 @@ def _threads() -> int:
 
 
 def _leave_meshes_behind(n: int) -> int:
-    """Make ``n`` 2-D meshes (each a new gloo group per dim) and redistribute on each, so
-    that DTensor's caches see them; drop them; return this process's thread count."""
+    """Make ``n`` 2-D meshes (each a new gloo group per dim), redistribute on each, so that
+    DTensor's caches see them, and lower a model on each (its buckets hold the mesh); drop
+    them all; return this process's thread count."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import meshlm
+    from meshlm.models import Llama, llama_config
 
     for _ in range(n):
         mesh = meshlm.make_mesh("fsdp=2,tp=2")
         t = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
         t.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+        meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_tp", mesh, seed=0)
     return _threads()
 
 
@@ -320,7 +323,8 @@ def _leave_meshes_behind(n: int) -> int:
 def test_between_modules_the_groups_of_the_modules_meshes_end():
     """NOTE [shared pools]: what a module's meshes made (a gloo group per mesh dim, each
     with threads that keep polling) ends with the module, even where DTensor's caches
-    held the meshes; a leak made every idle worker of the suite busy (620 threads each)."""
+    or meshlm's bucket table held the meshes; a leak made every idle worker of the suite
+    busy (620 threads each)."""
     from meshlm.testing.dist import _between_modules
 
     with DistPool(4, timeout_s=60) as pool:
