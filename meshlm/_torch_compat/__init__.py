@@ -291,9 +291,9 @@ def clear_dtensor_caches() -> None:
     # gloo threads that keep polling (NOTE [shared pools] in meshlm/testing/dist.py).
     from torch.distributed.tensor import _collective_utils
 
-    topo = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     from meshlm._torch_compat import dtensor_views
 
+    topo = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     for cached in (getattr(_redistribute, "_gen_transform_infos", None), topo, dtensor_views._strided_view_placements):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()

@@ -52,7 +52,7 @@ class _Workers:
                 # DistPool's finalizer ends the workers instead.
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(rank, world_size, child_end, timeout_s, env),
+                    args=(rank, world_size, child_end, env),
                     name=f"meshlm-dist-rank{rank}",
                 )
                 proc.start()

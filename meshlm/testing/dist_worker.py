@@ -144,7 +144,7 @@ def _join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _worker_main(rank: int, world_size: int, conn: Connection, timeout_s: float, env: dict[str, str]) -> None:
+def _worker_main(rank: int, world_size: int, conn: Connection, env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ.update(
         MESHLM_TEST_WORKER="1",
@@ -167,7 +167,7 @@ def _worker_main(rank: int, world_size: int, conn: Connection, timeout_s: float,
     torch.set_num_threads(1)
     try:
         # The parent sends the first join once every rank has imported torch, so that import
-        # time on a busy machine does not count against a short `timeout_s`.
+        # time on a busy machine does not count against a short gloo timeout.
         conn.send_bytes(_READY)
         while (msg := conn.recv_bytes()) != _STOP:
             if msg.startswith(_JOIN):  # b"join <port> <gloo timeout in seconds>"
