@@ -118,7 +118,10 @@ def main() -> int:
     # The process group meets in a file store of a fresh directory of this job's own, not on
     # a TCP port this parent picks and closes for rank 0 to bind later: nothing else can
     # take a file in the meantime, and a killed earlier job's leftovers are never reused.
-    store_dir = tempfile.mkdtemp(prefix="ckpt_driver_store_")
+    # It sits beside the log, in the test's own temporary directory, so that a job the test
+    # kills (which never reaches the rmtree below) leaves nothing behind in /tmp.
+    log_dir = os.path.dirname(os.path.abspath(args.log))
+    store_dir = tempfile.mkdtemp(prefix="ckpt_driver_store_", dir=log_dir)
     ctx = mp.get_context("spawn")
     store = os.path.join(store_dir, "store")
     procs = [ctx.Process(target=worker, args=(r, args.nproc, store, args)) for r in range(args.nproc)]
