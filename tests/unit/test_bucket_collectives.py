@@ -309,6 +309,29 @@ def test_flat_moves_reduce_in_one_dtype_and_gather_in_each(monkeypatch):
     ] * 2
 
 
+def test_flat_moves_reduce_a_group_of_bf16_tensors_in_the_reduce_dtype(monkeypatch):
+    """The reduce dtype holds for a group with no tensor of that dtype (the buffer's dtype
+    is not the first tensor's): bf16 gradients are summed in float32, all-reduced and
+    reduce-scattered alike."""
+    P, R, S0 = Partial(), Replicate(), Shard(0)
+    world = SimWorld([2], ["g"])
+    world.patch(monkeypatch)
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def rank(r, _c, tg):
+        xs = [torch.full((2,), r + 1.0, dtype=bf16), torch.full((4,), r + 1.0, dtype=bf16)]
+        pls = [[P], [P]]
+        bucket.flat.flat_moves(xs, pls, [(tg,), (tg,)], (2,), ("g",), [("rs", 0), ("ar", 0)], dtype=f32)
+        return xs
+
+    for tg, op, shapes in ((R, "all_reduce_", [(2,), (4,)]), (S0, "reduce_scatter", [(1,), (2,)])):
+        world.log = [[] for _ in world.log]
+        for xs in world.run(lambda r, c: rank(r, c, tg)):
+            assert [x.dtype for x in xs] == [f32, f32] and [tuple(x.shape) for x in xs] == shapes
+            assert all(torch.equal(x, torch.full_like(x, 3.0)) for x in xs)
+        assert [(e[0], e[4]) for lg in world.log for e in lg] == [(op, f32)] * 2, world.log
+
+
 def test_sim_world_refuses_mismatched_collectives(monkeypatch):
     """The simulation is strict: ranks that issue different collectives fail the test."""
     world = SimWorld([2], ["g"])
