@@ -159,11 +159,48 @@ def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch
         ]
 
 
-def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch):
+def test_a_missing_gradient_and_a_move_no_flat_collective_makes(monkeypatch):
+    """A member without a gradient (a parameter the block did not use) gets None and the
+    others still theirs; a gradient that arrives already summed (Replicate) reaches its
+    Shard target per parameter, cast through the reduce dtype back to its own."""
+    sizes = (2,)
+    mesh = fake_mesh(sizes)
+    specs = [((S0,), (R,), (S0,), (4, 2), f32), ((S0,), (R,), (S0,), (4, 2), f32), ((S0,), (R,), (S0,), (6,), bf16)]
+    key, b = _bucket(mesh, sizes, (0,), specs, local=False, reduce_dtype=f32)
+    gen = torch.Generator().manual_seed(3)
+    full = [_ints(m.shape, m.dtype, gen) for m in b.members]
+    arrive = [None, (P,), (R,)]
+    parts = [locals_of(t, pl, sizes, gen) if pl else None for t, pl in zip(full, arrive)]
+    world = SimWorld(sizes, b.groups)
+    world.patch(monkeypatch)
+
+    def rank(_r, c):
+        gs = [
+            DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride) if pl else None
+            for p, pl, m in zip(parts, arrive, b.members)
+        ]
+        return bucket.Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
+
+    for r, out in enumerate(world.run(rank)):
+        assert out[:3] == (None, None, None), r
+        for j in (1, 2):
+            g, m = out[2 + j], b.members[j]
+            assert tuple(g.placements) == m.grads and g.dtype == m.dtype, (r, j)
+            # DTensor's own redistribute (member 2) takes the block of the fake group's rank,
+            # which is 0 on every thread
+            c = (r,) if j == 1 else (0,)
+            assert torch.equal(g._local_tensor, locals_of(full[j], m.grads, sizes, gen)[c]), (r, j)
+        assert [(op, shape) for op, _g, _x, shape, _dt in world.log[r]] == [("reduce_scatter", (8,))]
+
+
+@pytest.mark.parametrize("reduce_dtype", [f32, bf16])
+def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch, reduce_dtype):
+    """float32 main gradients of bf16 parameters, whether the reduction sums in float32 or
+    in bf16 (exact here: small integers)."""
     sizes = (2,)
     mesh = fake_mesh(sizes)
     specs = [((S0,), (R,), (S0,), (4, 2), bf16), ((R,), (R,), (R,), (3,), bf16)]
-    key, b = _bucket(mesh, sizes, (0,), specs, local=True, reduce_dtype=f32, grad_dtype=f32)
+    key, b = _bucket(mesh, sizes, (0,), specs, local=True, reduce_dtype=reduce_dtype, grad_dtype=f32)
     gen = torch.Generator().manual_seed(2)
     grads = [[_ints(m.shape, m.dtype, gen) for m in b.members] for _ in range(2)]
     world = SimWorld(sizes, b.groups)
