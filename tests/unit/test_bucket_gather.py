@@ -36,6 +36,10 @@ def fake_world():
         dist.destroy_process_group()
 
 
+def _shares(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _ints(shape, dtype, gen):
     return torch.randint(-8, 9, tuple(shape), generator=gen).to(dtype)
 
@@ -94,6 +98,8 @@ def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dty
     for r, (ys, out, n_fwd) in enumerate(world.run(rank)):
         c = world.coords[r]
         assert out[:2] == (None, None)
+        # the DDP member does not move: never its stored tensor itself (an alias of it, or a cast)
+        assert ys[2] is not stored[2][c] and _shares(ys[2], stored[2][c]) == (compute_dtype is None)
         for j, (m, y, g) in enumerate(zip(b.members, ys, out[2:])):
             # forward: the whole parameter in the compute dtype, a plain tensor
             assert not isinstance(y, DTensor) and torch.equal(y, full[j].to(compute_dtype or m.dtype)), (r, j)
@@ -125,6 +131,49 @@ TP_SPECS = [
     ((S1, S0), (R, S0), (S1, S0), (4, 6), f32),  # rows over tp, columns over fsdp
     ((S0, R), (R, R), (S0, R), (6,), f32),  # a norm weight, Partial over tp under SP
 ]
+
+
+def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
+    """A DTensor block's forward: each parameter a DTensor on the bucket's mesh in its compute
+    placements, global shape and stride, holding its compute block; a parameter that does not
+    move is a fresh alias of its stored tensor, not that tensor.  ``GATHERING`` counts this
+    gather while it runs (the re-gathering checkpoint policy reads it), on top of any other
+    already running, and is back where it was after."""
+    sizes = (2, 2)
+    mesh = fake_mesh(sizes)
+    specs = TP_SPECS + [((R, S1), (R, S1), (R, S1), (2, 4), f32)]  # stored as computed: nothing moves
+    key, b = _bucket(mesh, sizes, (0,), specs, local=False)
+    gen = torch.Generator().manual_seed(4)
+    full = [_ints(m.shape, m.dtype, gen) for m in b.members]
+    stored = [locals_of(t, m.storage, sizes, gen) for t, m in zip(full, b.members)]
+    world = SimWorld(sizes, b.groups)
+    world.patch(monkeypatch)
+    seen = []
+    real = bucket.op.gather_locals
+    monkeypatch.setattr(bucket.op, "gather_locals", lambda *a: seen.append(bucket.GATHERING[0]) or real(*a))
+
+    def rank(_r, c):
+        params = [
+            DTensor.from_local(s[c], mesh, m.storage, run_check=False, shape=m.shape, stride=m.stride)
+            for s, m in zip(stored, b.members)
+        ]
+        return params, bucket.Gather.forward(SimpleNamespace(), key, False, *params)
+
+    bucket.GATHERING[0] += 2  # as if two other gathers were running (the ranks' threads share it)
+    try:
+        results = world.run(rank)
+    finally:
+        after = bucket.GATHERING[0]
+        bucket.GATHERING[0] -= 2
+    for r, (params, ys) in enumerate(results):
+        c = world.coords[r]
+        for j, (m, p, y) in enumerate(zip(b.members, params, ys)):
+            assert isinstance(y, DTensor) and tuple(y.placements) == m.compute and y.device_mesh is mesh, (r, j)
+            assert tuple(y.shape) == m.shape and y.stride() == m.stride and y.dtype == m.dtype, (r, j)
+            assert torch.equal(y._local_tensor, locals_of(full[j], m.compute, sizes, gen)[c]), (r, j)
+        assert ys[-1]._local_tensor is not params[-1]._local_tensor
+        assert _shares(ys[-1]._local_tensor, params[-1]._local_tensor)
+    assert len(seen) == world.world and 3 <= min(seen) and max(seen) <= 2 + world.world and after == 2
 
 
 def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch):
