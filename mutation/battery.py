@@ -2,7 +2,7 @@
 parity of training against one device (``check_training``: SGD, two steps of two
 accumulated micro-batches, the loss, the gradient the optimizer steps with, parameters and
 optimizer state) under the layouts that exercise each part of the core, mixed precision,
-the overlapped reduction, a pipeline, and the collective budgets of ``tests/dist/
+the overlapped reduction and prefetch, a pipeline, and the collective budgets of ``tests/dist/
 test_budget.py``.  Cheapest first; a mutant is killed by the first that fails.
 
 Each entry is (name, world size, function, args, kwargs); the functions run on every rank
@@ -55,6 +55,18 @@ def budget(layout: str, mesh: dict):
         raise AssertionError(f"budget of {layout} {mesh}: {diff}")
 
 
+def budget_prefetching(layout: str, mesh: dict):
+    """tests/dist/test_budget.py::test_budget_with_prefetch: with overlap, every block's
+    gather but the first is prefetched and used, and the collectives are still the budget."""
+    t = _tests_module("test_budget")
+    counts, stats = t._count_step_prefetching(layout, mesh)
+    diff = t._diff(counts, t.budget(layout, mesh))
+    if diff:
+        raise AssertionError(f"budget of {layout} {mesh} with prefetch: {diff}")
+    if stats != {"issued": 2, "used": 2, "stale": 0}:  # llama_tiny's 2 blocks, forward and recompute
+        raise AssertionError(f"prefetch stats {stats}")
+
+
 def grad_norm_and_clip():
     """tests/dist/test_mixed_precision.py's norm and clip checks: the global norm is the
     one-device norm, reduced over the mesh's groups; clipping scales to max_norm."""
@@ -80,6 +92,7 @@ BATTERY = [
     ("parity tp_sp tp=2", 2, parity, ("tp_sp", "tp=2"), {}),
     ("parity single dp=2", 2, parity, ("single", "dp=2"), {}),
     ("parity zero2 dp=2 overlapped", 2, parity, ("zero2", "dp=2"), {"overlap": True}),
+    ("parity fsdp fsdp=2 overlapped", 2, parity, ("fsdp", "fsdp=2"), {"overlap": True}),
     ("parity zero1 dp=2 bf16", 2, parity, ("zero1", "dp=2"), {"precision": "bf16"}),
     ("parity zero2 dp=2 bf16", 2, parity, ("zero2", "dp=2"), {"precision": "bf16"}),
     ("parity fsdp fsdp=2 bf16", 2, parity, ("fsdp", "fsdp=2"), {"precision": "bf16"}),
@@ -90,6 +103,7 @@ BATTERY = [
     ("budget fsdp fsdp=4", 4, budget, ("fsdp", {"fsdp": 4}), {}),
     ("budget zero1 dp=4", 4, budget, ("zero1", {"dp": 4}), {}),
     ("budget fsdp_tp_sp fsdp=2,tp=2", 4, budget, ("fsdp_tp_sp", {"fsdp": 2, "tp": 2}), {}),
+    ("budget fsdp fsdp=4 prefetching", 4, budget_prefetching, ("fsdp", {"fsdp": 4}), {}),
 ]
 
 

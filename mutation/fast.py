@@ -26,6 +26,7 @@ import argparse
 import fnmatch
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     if a.report:
         report(units, results)
         return 0
+    # The battery is not mutated: take the repository's, not the copy mutmut made when the
+    # tree was built (a battery edited since would otherwise go unused, silently).
+    shutil.copyfile(ROOT / "mutation" / "battery.py", tree / "mutation" / "battery.py")
     os.chdir(tree)
     sys.path[:0] = [str(tree), str(tree / "mutation")]
     os.environ["MUTANT_UNDER_TEST"] = ""
