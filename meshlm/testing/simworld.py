@@ -163,3 +163,8 @@ def locals_of(
         for c, piece in enumerate(pieces)
         for rest, v in locals_of(piece, placements, sizes, gen, _i + 1).items()
     }
+
+
+def shares_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (no copy between them)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from meshlm import bucket
+from meshlm.testing.simworld import shares_storage
 
 # The ``eager`` fixture only sets a constant, the same for every example.
 SETTINGS = settings(
@@ -29,10 +30,6 @@ def eager(request, monkeypatch):
     and fake tensor mode, where the functional form is taken."""
     monkeypatch.setattr(bucket.flat, "eager", lambda: request.param)
     return request.param
-
-
-def _shares(a, b) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 # --------------------------------------------------------------------------- member, _target
@@ -147,7 +144,7 @@ def test_split_cuts_views_in_order(shapes, extra):
     flat = torch.randn(total + extra)
     parts = bucket.flat.split_flat(flat, [tuple(s) for s in shapes])
     assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]
-    assert all(_shares(p, flat) for p in parts)
+    assert all(shares_storage(p, flat) for p in parts)
     assert torch.equal(torch.cat([p.reshape(-1) for p in parts]), flat[:total])
 
 
@@ -196,9 +193,9 @@ def test_pack_lays_out_rank_blocks_cast(eager, case):
     as_is = len(gs) == 1 and gs[0].dtype == want.dtype and gs[0].is_contiguous() and (dims is None or dims[0] == 0)
     assert own == (eager and not as_is)
     if eager and as_is:
-        assert _shares(flat, gs[0])  # no copy
+        assert shares_storage(flat, gs[0])  # no copy
     if own:
-        assert not any(_shares(flat, g) for g in gs)
+        assert not any(shares_storage(flat, g) for g in gs)
 
 
 def test_pack_cases_by_hand(eager):

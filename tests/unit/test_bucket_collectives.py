@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from meshlm import bucket
-from meshlm.testing.simworld import SimWorld, locals_of
+from meshlm.testing.simworld import SimWorld, locals_of, shares_storage
 
 SETTINGS = settings(
     max_examples=25,
@@ -33,10 +33,6 @@ def eager(request, monkeypatch):
 
 def _ints(shape, dtype, gen):
     return torch.randint(-8, 9, tuple(shape), generator=gen).to(dtype)
-
-
-def _shares(a, b) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @st.composite
@@ -81,9 +77,9 @@ def test_gather_flat_puts_each_ranks_block_at_its_offset(eager, monkeypatch, n, 
                 assert y is dst[j]
         buf = world.gathered[r][0]
         if eager and len(full) > 1 and any(dims):  # every result copied out: no view keeps the buffer alive
-            assert not any(_shares(y, buf) for y in res)
+            assert not any(shares_storage(y, buf) for y in res)
         if len(full) == 1 and dims == [0] and not into[0]:  # the buffer is the result: no copy
-            assert _shares(res[0], buf)
+            assert shares_storage(res[0], buf)
 
 
 def test_issue_gather_sends_one_tensor_as_it_is(monkeypatch):
@@ -147,7 +143,7 @@ def test_all_reduce_flat_sums_without_touching_the_gradients(eager, monkeypatch,
         for j, y in enumerate(res):
             total = _sum([grads[q][j].to(want_dtype) for q in range(n)])
             assert y.dtype == want_dtype and torch.equal(y, total), (r, j)
-            assert torch.equal(grads[r][j], before[r][j]) and not _shares(y, grads[r][j])
+            assert torch.equal(grads[r][j], before[r][j]) and not shares_storage(y, grads[r][j])
 
 
 # --------------------------------------------------------------------------- _flat_moves

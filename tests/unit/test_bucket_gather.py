@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from meshlm import bucket
 from meshlm._torch_compat import torch_at_least
 from meshlm.bucket.flat import is_sum_partial
-from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
+from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of, shares_storage
 
 # These run DTensor ops on the threads of a SimWorld; torch 2.11's DTensor shape propagation
 # (its FakeTensorMode) crashes off the main thread.  The library runs one rank per process.
@@ -38,10 +38,6 @@ def fake_world():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _shares(a, b) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _ints(shape, dtype, gen):
@@ -103,7 +99,7 @@ def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dty
         c = world.coords[r]
         assert out[:2] == (None, None)
         # the DDP member does not move: never its stored tensor itself (an alias of it, or a cast)
-        assert ys[2] is not stored[2][c] and _shares(ys[2], stored[2][c]) == (compute_dtype is None)
+        assert ys[2] is not stored[2][c] and shares_storage(ys[2], stored[2][c]) == (compute_dtype is None)
         for j, (m, y, g) in enumerate(zip(b.members, ys, out[2:])):
             # forward: the whole parameter in the compute dtype, a plain tensor
             assert not isinstance(y, DTensor) and torch.equal(y, full[j].to(compute_dtype or m.dtype)), (r, j)
@@ -176,7 +172,7 @@ def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
             assert tuple(y.shape) == m.shape and y.stride() == m.stride and y.dtype == m.dtype, (r, j)
             assert torch.equal(y._local_tensor, locals_of(full[j], m.compute, sizes, gen)[c]), (r, j)
         assert ys[-1]._local_tensor is not params[-1]._local_tensor
-        assert _shares(ys[-1]._local_tensor, params[-1]._local_tensor)
+        assert shares_storage(ys[-1]._local_tensor, params[-1]._local_tensor)
     assert len(seen) == world.world and 3 <= min(seen) and max(seen) <= 2 + world.world and after == 2
 
 
