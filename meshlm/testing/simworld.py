@@ -168,3 +168,36 @@ def locals_of(
 def shares_storage(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (no copy between them)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def patch_replicas(monkeypatch) -> None:
+    """Make this process stand for every rank of its (fake) process group, each holding
+    what this one holds: a collective returns what it would if every rank of its group had
+    sent this rank's tensor (a sum is the tensor times the group's size, a gather repeats it,
+    a reduce-scatter keeps this rank's block of the sum).  The collectives patched are those
+    ``SimWorld.patch`` patches.  DTensor's own collectives stay the fake group's no-ops, so
+    a result that needed one is wrong, and shows."""
+    from meshlm import _torch_compat as compat
+    from meshlm.bucket import flat
+
+    def size(group: str) -> int:
+        return compat.resolve_process_group(group).size()
+
+    def coord(group: str) -> int:
+        return compat.resolve_process_group(group).rank()
+
+    def all_gather(t: Tensor, dim: int, group: str) -> Tensor:
+        return torch.cat([t] * size(group), dim)
+
+    def reduce_scatter(t: Tensor, op: str, dim: int, group: str) -> Tensor:
+        assert op == "sum", op
+        return (t * size(group)).chunk(size(group), dim)[coord(group)].clone()
+
+    def all_reduce(t: Tensor, op: str, group: str) -> Tensor:
+        assert op == "sum", op
+        return t * size(group)
+
+    monkeypatch.setattr(compat, "all_gather_single", all_gather)
+    monkeypatch.setattr(compat, "reduce_scatter_single", reduce_scatter)
+    monkeypatch.setattr(flat, "all_reduce_inplace", lambda t, group, wait: t.mul_(size(group)))
+    monkeypatch.setattr(compat, "all_reduce", all_reduce)

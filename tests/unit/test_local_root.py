@@ -1,0 +1,238 @@
+"""The local root (NOTE [local root] in meshlm/lowering/local_root.py) in one process.
+
+The model runs under ``ddp`` on a fake process group's mesh, with its collectives made to
+stand for ranks that all hold this rank's rows (``simworld.patch_replicas``: a sum is this
+rank's tensor times the group's size).  The global batch is then this rank's rows repeated
+once per rank, and the sharded model's loss, outputs and every gradient must be one
+device's on that batch: a loss combined or a gradient scaled by the wrong count of ranks
+is off by a factor of 2 or 4.  DTensor's collectives are left the fake group's no-ops, so
+anything the local root wrongly left to DTensor shows too.  The multi-process tests with
+different rows per rank are tests/dist/test_inputs_outputs.py; these reach the same code
+in milliseconds, for the unit pass of docs/mutation.md.
+
+The model is written as a user would: a sequence classifier whose output is chosen by
+``mode`` (a loss of each kind meshlm combines, a dict with per-row and seq-first tensors,
+and the outputs meshlm must refuse).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import meshlm
+from meshlm.lowering import shard_state
+from meshlm.lowering.local_root import local_rows
+from meshlm.testing import tolerances as tol
+from meshlm.testing.simworld import patch_replicas
+
+V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
+ROWS, SEQ = 4, 5  # this rank's rows
+
+
+@meshlm.block
+class Mix(nn.Module):
+    param_axes: ClassVar = {"up": ("mlp", "embed"), "down": ("embed", "mlp")}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(H, D, device=device))
+        self.down = nn.Parameter(torch.empty(D, H, device=device))
+
+    def init_weights(self, gen):
+        nn.init.normal_(self.up, std=0.4, generator=gen)
+        nn.init.normal_(self.down, std=0.4, generator=gen)
+
+    def forward(self, x):
+        x = meshlm.constrain(x, ("batch", "seq", "embed"))
+        return x + F.linear(F.gelu(F.linear(x, self.up)), self.down)
+
+
+class Classifier(nn.Module):
+    param_axes: ClassVar = {"emb": ("vocab", "embed"), "head": ("vocab", "embed"), "bias": ("vocab",)}
+    input_axes: ClassVar = {"class_weight": (None,), "target": ("batch",), "labels": ("batch",)}
+
+    def __init__(self, mode="mean", device=None):
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Parameter(torch.empty(V, D, device=device))
+        self.mix = Mix(device)
+        self.head = nn.Parameter(torch.empty(C, D, device=device))
+        self.bias = nn.Parameter(torch.empty(C, device=device))
+
+    def init_weights(self, gen):
+        nn.init.normal_(self.emb, generator=gen)
+        nn.init.normal_(self.head, std=0.5, generator=gen)
+        nn.init.normal_(self.bias, std=0.5, generator=gen)
+
+    def forward(self, tokens, labels, class_weight=None, target=None):
+        x = self.mix(meshlm.constrain(F.embedding(tokens, self.emb), ("batch", "seq", "embed")))
+        logits = F.linear(x.mean(1), self.head, self.bias)
+        m = self.mode
+        if m == "mean":
+            return F.cross_entropy(logits, labels, ignore_index=-1)
+        if m == "sum":
+            return F.cross_entropy(logits, labels, ignore_index=-1, reduction="sum")
+        if m == "weighted":
+            return F.cross_entropy(logits, labels, weight=class_weight, ignore_index=-1)
+        if m == "nll":
+            return F.nll_loss(F.log_softmax(logits, -1), labels, ignore_index=-1)
+        if m == "dict":
+            seq_first = meshlm.constrain(x.transpose(0, 1), ("seq", "batch", "embed"))
+            return {"loss": F.cross_entropy(logits, labels, ignore_index=-1), "logits": logits, "x": seq_first}
+        if m == "mse":
+            return meshlm.reduce_batch(F.mse_loss(logits[:, 0], target), "mean")
+        if m == "sse":
+            return meshlm.reduce_batch(((logits[:, 0] - target) ** 2).sum(), "sum")
+        # Outputs meshlm must refuse under a data-parallel layout:
+        if m == "scalar":
+            return F.mse_loss(logits[:, 0], target)
+        if m == "number":
+            return {
+                "loss": F.cross_entropy(logits, labels, ignore_index=-1),
+                "acc": float((logits.argmax(-1) == labels).float().mean()),
+            }
+        if m == "unmarked":
+            return x.transpose(0, 1)
+        if m == "no_batch":
+            return meshlm.constrain(x.sum(0), ("seq", "embed"))
+        if m == "first_row":
+            return F.cross_entropy(logits[:1], labels[:1].clamp(min=0))
+        raise ValueError(m)
+
+
+@pytest.fixture(autouse=True)
+def fake_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, V, (ROWS, SEQ), generator=g)
+    labels = torch.randint(0, C, (ROWS,), generator=g)
+    labels[1] = -1  # ignored: the mean's weight is the count of the others
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "class_weight": torch.rand(C, generator=g) + 0.5,
+        "target": torch.randn(ROWS, generator=g),
+    }
+
+
+def _global(inputs, world):
+    """The global batch: every rank's rows (this rank's, repeated), whole inputs as they are."""
+    return {k: v if k == "class_weight" else torch.cat([v] * world) for k, v in inputs.items()}
+
+
+def _sharded(monkeypatch, mode, mesh_shape):
+    mesh = meshlm.make_mesh(mesh_shape, fake=True)
+    patch_replicas(monkeypatch)
+    return meshlm.shard(Classifier(mode, device="meta"), "ddp", mesh, seed=0), mesh.size()
+
+
+def _reference(mode):
+    ref = Classifier(mode)
+    meshlm.init_params(ref, 0)
+    return ref
+
+
+MESHES = [{"dp": 2}, {"dp": 2, "fsdp": 2}]  # one group of 2; two groups, world 4
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["dp2", "dp2xfsdp2"])
+@pytest.mark.parametrize("mode", ["mean", "sum", "weighted", "nll", "mse", "sse"])
+def test_loss_and_every_gradient_are_one_devices(monkeypatch, mode, mesh_shape):
+    model, world = _sharded(monkeypatch, mode, mesh_shape)
+    ref = _reference(mode)
+    inputs = _inputs()
+    want = ref(**_global(inputs, world))
+    want.backward()
+    got = model(**inputs)
+    assert shard_state(model).roots == {"local": 1, "dtensor": 0}
+    assert type(got) is torch.Tensor and got.ndim == 0
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    got.backward()
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert isinstance(p.grad, DTensor) and all(isinstance(q, Replicate) for q in p.grad.placements), n
+        r = refs[n].grad
+        torch.testing.assert_close(
+            p.grad.to_local(),
+            r,
+            rtol=tol.GRAD_RTOL,
+            atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()),
+            msg=lambda m, n=n: f"grad of {n}: {m}",
+        )
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["dp2", "dp2xfsdp2"])
+def test_dict_outputs_are_lifted_to_the_global_batch(monkeypatch, mesh_shape):
+    """Per-row logits become batch-sharded DTensors of the global shape; a seq-first tensor
+    marked by ``constrain`` is sharded on the dim its axes call ``batch``."""
+    model, world = _sharded(monkeypatch, "dict", mesh_shape)
+    inputs = _inputs()
+    want = _reference("dict")(**_global(inputs, world))
+    out = model(**inputs)
+    torch.testing.assert_close(out["loss"].detach(), want["loss"].detach(), rtol=tol.LOSS_RTOL, atol=0)
+    n_dims = len(mesh_shape)
+    for key, dim in [("logits", 0), ("x", 1)]:
+        t = out[key]
+        assert isinstance(t, DTensor) and tuple(t.placements) == (Shard(dim),) * n_dims, (key, t)
+        assert tuple(t.shape) == tuple(want[key].shape), key
+        rows = want[key].narrow(dim, 0, ROWS)
+        torch.testing.assert_close(t.to_local().detach(), rows.detach(), rtol=tol.GRAD_RTOL, atol=1e-6)
+
+
+def test_one_device_returns_outputs_whole(monkeypatch):
+    """On one device the loss comes back as the model returned it, and tensors as the
+    DTensor root would return them: whole (Replicate) on the one-device mesh."""
+    model, _ = _sharded(monkeypatch, "dict", {"dp": 1})
+    inputs = _inputs()
+    want = _reference("dict")(**inputs)
+    out = model(**inputs)
+    assert shard_state(model).roots == {"local": 1, "dtensor": 0}
+    assert type(out["loss"]) is torch.Tensor
+    torch.testing.assert_close(out["loss"].detach(), want["loss"].detach(), rtol=tol.LOSS_RTOL, atol=0)
+    for key in ("logits", "x"):
+        t = out[key]
+        assert isinstance(t, DTensor) and all(isinstance(q, Replicate) for q in t.placements), key
+        torch.testing.assert_close(t.to_local().detach(), want[key].detach(), rtol=tol.GRAD_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mode,message",
+    [
+        ("scalar", "the output is a scalar computed on this rank's rows"),
+        ("number", "output `acc` is a Python float"),
+        ("unmarked", f"the output of shape {(SEQ, ROWS, D)} is not batch-first (dim 0 is not this rank's {ROWS}"),
+        ("no_batch", "the output has logical axes ('seq', 'embed') without 'batch'"),
+        ("first_row", f"the output: its NLL targets do not have this rank's {ROWS} input rows"),
+    ],
+)
+def test_outputs_meshlm_cannot_combine_are_errors(monkeypatch, mode, message):
+    model, _ = _sharded(monkeypatch, mode, {"dp": 2})
+    with pytest.raises(meshlm.AnnotationError, match="^" + re.escape(message)):
+        model(**_inputs())
+
+
+def test_local_rows_decides_from_the_inputs(monkeypatch):
+    """Rows split over every data axis, whole inputs beside them: local.  A DTensor input, or
+    two inputs with different row counts: under DTensor (None)."""
+    model, _ = _sharded(monkeypatch, "mean", {"dp": 2, "fsdp": 2})
+    st = shard_state(model)
+    x = _inputs()
+    rows_pl = (Shard(0), Shard(0))
+    assert local_rows(model, st, [("tokens", x["tokens"]), ("class_weight", x["class_weight"])]) == (ROWS, rows_pl)
+    assert local_rows(model, st, [("class_weight", x["class_weight"])]) is None  # nothing split by rows
+    assert local_rows(model, st, [("tokens", x["tokens"]), ("labels", x["labels"][:2])]) is None
+    dt = DTensor.from_local(x["tokens"], st.mesh, rows_pl, run_check=False)
+    assert local_rows(model, st, [("class_weight", x["class_weight"]), ("tokens", dt)]) is None
