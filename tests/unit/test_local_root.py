@@ -18,6 +18,7 @@ and the outputs meshlm must refuse).
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -29,9 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
 from meshlm.lowering import shard_state
-from meshlm.lowering.local_root import local_rows
+from meshlm.lowering.local_root import LocalHandler, local_rows
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import patch_replicas
+from meshlm.testing.simworld import SimWorld, patch_replicas
 
 V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
 ROWS, SEQ = 4, 5  # this rank's rows
@@ -57,7 +58,7 @@ class Mix(nn.Module):
 
 class Classifier(nn.Module):
     param_axes: ClassVar = {"emb": ("vocab", "embed"), "head": ("vocab", "embed"), "bias": ("vocab",)}
-    input_axes: ClassVar = {"class_weight": (None,), "target": ("batch",), "labels": ("batch",)}
+    input_axes: ClassVar = {"class_weight": (None,), "target": ("batch",), "labels": ("batch",), "t": ("seq", "batch")}
 
     def __init__(self, mode="mean", device=None):
         super().__init__()
@@ -103,6 +104,10 @@ class Classifier(nn.Module):
             return x.transpose(0, 1)
         if m == "no_batch":
             return meshlm.constrain(x.sum(0), ("seq", "embed"))
+        if m == "bare_number":
+            return logits.detach().sum().item()
+        if m == "unbatched":
+            return F.cross_entropy(logits[0], labels[0].clamp(min=0))
         if m == "first_row":
             return F.cross_entropy(logits[:1], labels[:1].clamp(min=0))
         raise ValueError(m)
@@ -215,13 +220,16 @@ def test_one_device_returns_outputs_whole(monkeypatch):
         ("number", "output `acc` is a Python float"),
         ("unmarked", f"the output of shape {(SEQ, ROWS, D)} is not batch-first (dim 0 is not this rank's {ROWS}"),
         ("no_batch", "the output has logical axes ('seq', 'embed') without 'batch'"),
+        ("bare_number", "output `(the whole output)` is a Python float computed on this rank's rows"),
+        ("unbatched", f"the output: its NLL targets do not have this rank's {ROWS} input rows"),
         ("first_row", f"the output: its NLL targets do not have this rank's {ROWS} input rows"),
     ],
 )
 def test_outputs_meshlm_cannot_combine_are_errors(monkeypatch, mode, message):
     model, _ = _sharded(monkeypatch, mode, {"dp": 2})
-    with pytest.raises(meshlm.AnnotationError, match="^" + re.escape(message)):
+    with pytest.raises(meshlm.AnnotationError, match="^" + re.escape(message)) as e:
         model(**_inputs())
+    assert "meshlm.reduce_batch(x, 'mean'" in str(e.value) or "through constrain(x, axes)" in str(e.value)
 
 
 def test_local_rows_decides_from_the_inputs(monkeypatch):
@@ -233,6 +241,101 @@ def test_local_rows_decides_from_the_inputs(monkeypatch):
     rows_pl = (Shard(0), Shard(0))
     assert local_rows(model, st, [("tokens", x["tokens"]), ("class_weight", x["class_weight"])]) == (ROWS, rows_pl)
     assert local_rows(model, st, [("class_weight", x["class_weight"])]) is None  # nothing split by rows
+    assert local_rows(model, st, [("tokens", x["tokens"]), ("t", x["tokens"].T)]) is None  # batch not in dim 0
     assert local_rows(model, st, [("tokens", x["tokens"]), ("labels", x["labels"][:2])]) is None
     dt = DTensor.from_local(x["tokens"], st.mesh, rows_pl, run_check=False)
     assert local_rows(model, st, [("class_weight", x["class_weight"]), ("tokens", dt)]) is None
+
+
+# ``reduce_batch`` and ``BatchReduce`` with different rows on each rank: the ranks are the
+# threads of a SimWorld (plain tensors only), their mesh a stand-in with a group per dim.
+class _Mesh:
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def size(self):
+        return int(torch.tensor(self.sizes).prod())
+
+    def get_group(self, i):
+        return SimpleNamespace(group_name=f"g{i}")
+
+
+def _handler(coord, sizes):
+    names = tuple(f"d{i}" for i in range(len(sizes)))
+    st = SimpleNamespace(names=names, sizes=dict(zip(names, sizes)), coord=coord, mesh=_Mesh(sizes))
+    return LocalHandler(st)
+
+
+SIZES = (2, 2)
+
+
+def _rank_rows(rank, n_classes=C):
+    """Rank r's rows: r + 2 of them, some labels ignored, so the ranks' counts differ."""
+    g = torch.Generator().manual_seed(11 + rank)
+    n = rank + 2
+    logits = torch.randn(n, n_classes, generator=g)
+    labels = torch.randint(0, n_classes, (n,), generator=g)
+    labels[: rank % 2 + 1] = -1
+    return logits, labels
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["counts", "class-weights"])
+def test_reduce_batch_of_a_mean_nll_weights_each_rank_by_its_targets(monkeypatch, weighted):
+    """A mean NLL passed through reduce_batch is the global mean: each rank weighted by its
+    count of targets not ignored (or their class weights), and each rank's gradient scaled
+    by its share."""
+    world = SimWorld(SIZES, ["g0", "g1"])
+    world.patch(monkeypatch)
+    cw = torch.rand(C, generator=torch.Generator().manual_seed(2)) + 0.5 if weighted else None
+    rows = [_rank_rows(r) for r in range(world.world)]
+    full = torch.cat([lg for lg, _ in rows]).requires_grad_()
+    want = F.cross_entropy(full, torch.cat([lb for _, lb in rows]), weight=cw, ignore_index=-1)
+    want.backward()
+
+    def rank(r, coord):
+        logits, labels = rows[r]
+        logits = logits.clone().requires_grad_()
+        out = _handler(coord, SIZES).reduce_batch(F.cross_entropy(logits, labels, weight=cw, ignore_index=-1), "mean")
+        out.backward()
+        return out.detach(), logits.grad
+
+    got = world.run(rank)
+    offsets = torch.tensor([0] + [lg.shape[0] for lg, _ in rows]).cumsum(0)
+    for r, (loss, grad) in enumerate(got):
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad, full.grad[offsets[r] : offsets[r + 1]], rtol=1e-5, atol=1e-7)
+        assert [s[0] for s in world.log[r]] == ["all_reduce", "all_reduce"]  # once per data axis
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_reduce_batch_of_a_vector_in_bf16(monkeypatch, op):
+    """A per-class vector (not an NLL: every rank weighs 1) in bfloat16: combined in float32,
+    returned in bfloat16; the gradient each rank gets is its share."""
+    world = SimWorld(SIZES, ["g0", "g1"])
+    world.patch(monkeypatch)
+    vals = [
+        torch.randint(-8, 9, (3,), generator=torch.Generator().manual_seed(20 + r)).to(torch.bfloat16) for r in range(4)
+    ]
+    want = torch.stack([v.float() for v in vals]).sum(0) / (4 if op == "mean" else 1)
+
+    def rank(r, coord):
+        x = vals[r].clone().requires_grad_()
+        out = _handler(coord, SIZES).reduce_batch(x, op)
+        (out.float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        return out.detach(), x.grad
+
+    for r, (out, grad) in enumerate(world.run(rank)):
+        assert out.dtype == torch.bfloat16 and grad.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=0, atol=0)
+        share = 0.25 if op == "mean" else 1.0
+        torch.testing.assert_close(grad.float(), torch.tensor([1.0, 2.0, 3.0]) * share, rtol=0, atol=0)
+        assert all(s[4] == torch.float32 for s in world.log[r]), world.log[r]
+
+
+def test_reduce_batch_on_one_device_is_the_value_itself(monkeypatch):
+    model, _ = _sharded(monkeypatch, "mse", {"dp": 1})
+    inputs = _inputs()
+    want = _reference("mse")(**inputs)
+    got = model(**inputs)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
