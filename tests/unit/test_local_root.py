@@ -17,6 +17,7 @@ and the outputs meshlm must refuse).
 
 from __future__ import annotations
 
+import math
 import re
 from types import SimpleNamespace
 from typing import ClassVar
@@ -30,7 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
 from meshlm.lowering import shard_state
-from meshlm.lowering.local_root import LocalHandler, local_rows
+from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
+from meshlm.mesh import init_fake
 from meshlm.testing import tolerances as tol
 from meshlm.testing.simworld import SimWorld, patch_replicas
 
@@ -60,9 +62,9 @@ class Classifier(nn.Module):
     param_axes: ClassVar = {"emb": ("vocab", "embed"), "head": ("vocab", "embed"), "bias": ("vocab",)}
     input_axes: ClassVar = {"class_weight": (None,), "target": ("batch",), "labels": ("batch",), "t": ("seq", "batch")}
 
-    def __init__(self, mode="mean", device=None):
+    def __init__(self, mode="mean", device=None, p=0.0):
         super().__init__()
-        self.mode = mode
+        self.mode, self.p = mode, p
         self.emb = nn.Parameter(torch.empty(V, D, device=device))
         self.mix = Mix(device)
         self.head = nn.Parameter(torch.empty(C, D, device=device))
@@ -75,6 +77,7 @@ class Classifier(nn.Module):
 
     def forward(self, tokens, labels, class_weight=None, target=None):
         x = self.mix(meshlm.constrain(F.embedding(tokens, self.emb), ("batch", "seq", "embed")))
+        x = meshlm.dropout(x, self.p, ("batch", "seq", "embed"))
         logits = F.linear(x.mean(1), self.head, self.bias)
         m = self.mode
         if m == "mean":
@@ -104,6 +107,8 @@ class Classifier(nn.Module):
             return x.transpose(0, 1)
         if m == "no_batch":
             return meshlm.constrain(x.sum(0), ("seq", "embed"))
+        if m == "typo":
+            return meshlm.constrain(logits, ("batch", "clases")).sum()
         if m == "bare_number":
             return logits.detach().sum().item()
         if m == "unbatched":
@@ -138,14 +143,17 @@ def _global(inputs, world):
     return {k: v if k == "class_weight" else torch.cat([v] * world) for k, v in inputs.items()}
 
 
-def _sharded(monkeypatch, mode, mesh_shape):
+def _sharded(monkeypatch, mode, mesh_shape, rank=0, p=0.0):
+    """The model under ddp on a fake mesh in which this process is ``rank``."""
+    init_fake(math.prod(mesh_shape.values()), rank=rank)
     mesh = meshlm.make_mesh(mesh_shape, fake=True)
+    assert dist.get_rank() == rank
     patch_replicas(monkeypatch)
-    return meshlm.shard(Classifier(mode, device="meta"), "ddp", mesh, seed=0), mesh.size()
+    return meshlm.shard(Classifier(mode, device="meta", p=p), "ddp", mesh, seed=0), mesh.size()
 
 
-def _reference(mode):
-    ref = Classifier(mode)
+def _reference(mode, p=0.0):
+    ref = Classifier(mode, p=p)
     meshlm.init_params(ref, 0)
     return ref
 
@@ -195,6 +203,20 @@ def test_dict_outputs_are_lifted_to_the_global_batch(monkeypatch, mesh_shape):
         assert tuple(t.shape) == tuple(want[key].shape), key
         rows = want[key].narrow(dim, 0, ROWS)
         torch.testing.assert_close(t.to_local().detach(), rows.detach(), rtol=tol.GRAD_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dropout_draws_the_one_device_mask_of_this_ranks_rows(monkeypatch, rank):
+    """NOTE [dropout keys]: rank r's rows are rows r*ROWS.. of the global batch, and its mask
+    is the one-device mask of those rows (rank 1's differs from rank 0's)."""
+    model, world = _sharded(monkeypatch, "dict", {"dp": 2}, rank=rank, p=0.5)
+    inputs = _inputs()
+    torch.manual_seed(7)
+    want = _reference("dict", p=0.5)(**_global(inputs, world))["logits"]
+    torch.manual_seed(7)
+    got = model(**inputs)["logits"].to_local()
+    torch.testing.assert_close(got.detach(), want[rank * ROWS : (rank + 1) * ROWS].detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want[:ROWS], want[ROWS:], atol=1e-3)  # the two ranks' rows drew different masks
 
 
 def test_one_device_returns_outputs_whole(monkeypatch):
@@ -307,6 +329,33 @@ def test_reduce_batch_of_a_mean_nll_weights_each_rank_by_its_targets(monkeypatch
         assert [s[0] for s in world.log[r]] == ["all_reduce", "all_reduce"]  # once per data axis
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_an_nll_output_is_combined_by_each_ranks_weight(monkeypatch, reduction):
+    """A mean NLL returned by a local root is weighted by each rank's count of targets not
+    ignored (ranks with different counts: the global mean, not the mean of the ranks'
+    means); a sum is summed."""
+    world = SimWorld(SIZES, ["g0", "g1"])
+    world.patch(monkeypatch)
+    rows = [_rank_rows(r) for r in range(world.world)]
+    full = torch.cat([lg for lg, _ in rows]).requires_grad_()
+    want = F.cross_entropy(full, torch.cat([lb for _, lb in rows]), ignore_index=-1, reduction=reduction)
+    want.backward()
+    offsets = torch.tensor([0] + [lg.shape[0] for lg, _ in rows]).cumsum(0)
+
+    def rank(r, coord):
+        logits, labels = rows[r]
+        logits = logits.clone().requires_grad_()
+        st = _handler(coord, SIZES).st
+        loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction=reduction)
+        out = _lift("loss", loss, st, None, (Shard(0), Shard(0)), logits.shape[0])
+        out.backward()
+        return out.detach(), logits.grad
+
+    for r, (loss, grad) in enumerate(world.run(rank)):
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad, full.grad[offsets[r] : offsets[r + 1]], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_reduce_batch_of_a_vector_in_bf16(monkeypatch, op):
     """A per-class vector (not an NLL: every rank weighs 1) in bfloat16: combined in float32,
@@ -339,3 +388,11 @@ def test_reduce_batch_on_one_device_is_the_value_itself(monkeypatch):
     got = model(**inputs)
     assert type(got) is torch.Tensor
     torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+
+
+def test_constrain_checks_its_axes_inside_a_local_root(monkeypatch):
+    """The local root returns constrained tensors as they are, but the layout's rules still
+    apply to the annotation: a logical axis no one declared is an error, as under DTensor."""
+    model, _ = _sharded(monkeypatch, "typo", {"dp": 2})
+    with pytest.raises(meshlm.MeshlmError, match="clases"):
+        model(**_inputs())
