@@ -117,7 +117,8 @@ class LocalHandler(rng.Handler):
     def _constrain(self, x: Tensor, axes: Axes) -> Tensor:
         if len(axes) != x.ndim:
             raise AnnotationError(
-                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}"
+                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}: "
+                "give one logical axis (or None) per dim"
             )
         if torch.compiler.is_compiling():
             return x

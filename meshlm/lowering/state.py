@@ -89,7 +89,8 @@ class ShardState:
             return x
         if len(axes) != x.ndim:
             raise AnnotationError(
-                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}"
+                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}: "
+                "give one logical axis (or None) per dim"
             )
         pl = self.activation_placements(axes, x.shape)
         # Always through redistribute, even when the placements already agree: its backward

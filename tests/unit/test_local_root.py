@@ -58,6 +58,27 @@ class Mix(nn.Module):
         return x + F.linear(F.gelu(F.linear(x, self.up)), self.down)
 
 
+class Scale(nn.Module):
+    """A root parameter owned by a submodule (outside every block)."""
+
+    param_axes: ClassVar = {"gain": ("embed",)}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(D, device=device))
+
+    def init_weights(self, gen):
+        nn.init.uniform_(self.gain, 0.5, 1.5, generator=gen)
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class Opaque:
+    def __init__(self, t):
+        self.t = t
+
+
 class Classifier(nn.Module):
     param_axes: ClassVar = {"emb": ("vocab", "embed"), "head": ("vocab", "embed"), "bias": ("vocab",)}
     input_axes: ClassVar = {"class_weight": (None,), "target": ("batch",), "labels": ("batch",), "t": ("seq", "batch")}
@@ -67,6 +88,7 @@ class Classifier(nn.Module):
         self.mode, self.p = mode, p
         self.emb = nn.Parameter(torch.empty(V, D, device=device))
         self.mix = Mix(device)
+        self.scale = Scale(device)
         self.head = nn.Parameter(torch.empty(C, D, device=device))
         self.bias = nn.Parameter(torch.empty(C, device=device))
 
@@ -75,8 +97,9 @@ class Classifier(nn.Module):
         nn.init.normal_(self.head, std=0.5, generator=gen)
         nn.init.normal_(self.bias, std=0.5, generator=gen)
 
-    def forward(self, tokens, labels, class_weight=None, target=None):
+    def forward(self, tokens, labels, *, class_weight=None, target=None):
         x = self.mix(meshlm.constrain(F.embedding(tokens, self.emb), ("batch", "seq", "embed")))
+        x = self.scale(x)
         x = meshlm.dropout(x, self.p, ("batch", "seq", "embed"))
         logits = F.linear(x.mean(1), self.head, self.bias)
         m = self.mode
@@ -90,7 +113,8 @@ class Classifier(nn.Module):
             return F.nll_loss(F.log_softmax(logits, -1), labels, ignore_index=-1)
         if m == "dict":
             seq_first = meshlm.constrain(x.transpose(0, 1), ("seq", "batch", "embed"))
-            return {"loss": F.cross_entropy(logits, labels, ignore_index=-1), "logits": logits, "x": seq_first}
+            loss = F.cross_entropy(logits, labels, ignore_index=-1)
+            return {"loss": loss, "logits": logits, "x": seq_first, "note": "text", "raw": Opaque(logits)}
         if m == "mse":
             return meshlm.reduce_batch(F.mse_loss(logits[:, 0], target), "mean")
         if m == "sse":
@@ -107,6 +131,10 @@ class Classifier(nn.Module):
             return x.transpose(0, 1)
         if m == "no_batch":
             return meshlm.constrain(x.sum(0), ("seq", "embed"))
+        if m == "dict_unmarked":
+            return {"loss": F.cross_entropy(logits, labels, ignore_index=-1), "feats": x.transpose(0, 1)}
+        if m == "ndim":
+            return meshlm.constrain(logits, ("batch",)).sum()
         if m == "typo":
             return meshlm.constrain(logits, ("batch", "clases")).sum()
         if m == "bare_number":
@@ -203,6 +231,38 @@ def test_dict_outputs_are_lifted_to_the_global_batch(monkeypatch, mesh_shape):
         assert tuple(t.shape) == tuple(want[key].shape), key
         rows = want[key].narrow(dim, 0, ROWS)
         torch.testing.assert_close(t.to_local().detach(), rows.detach(), rtol=tol.GRAD_RTOL, atol=1e-6)
+    # Leaves that are not tensors, and objects meshlm cannot look inside, come back as returned.
+    assert out["note"] == "text" and isinstance(out["raw"], Opaque) and type(out["raw"].t) is torch.Tensor
+
+
+def test_micro_batches_accumulate_and_leave_no_state_behind(monkeypatch):
+    """Two forward/backward passes (gradient accumulation) sum their gradients, as on one
+    device; between and after them no gathered parameter and no local-root flag is left set."""
+    from meshlm.lowering import atuse
+
+    model, world = _sharded(monkeypatch, "weighted", {"dp": 2, "fsdp": 2})
+    ref = _reference("weighted")
+    batches = [_inputs(), {**_inputs(), "tokens": _inputs()["tokens"].flip(0)}]
+    for b in batches:
+        ref(**_global(b, world)).backward()
+        model(**b).backward()
+        assert atuse.LOCAL_ROOT[0] == 0
+        assert all(not getattr(m, "_meshlm_now", {}) for m in model.modules())
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        r = refs[n].grad
+        torch.testing.assert_close(
+            p.grad.to_local(), r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()), msg=n
+        )
+
+
+def test_odd_rows_per_rank(monkeypatch):
+    """3 rows on each of 2 ranks: the activations' global batch (6) splits evenly, so
+    constrain's layout check passes (it checks the global shape, not the local one)."""
+    model, world = _sharded(monkeypatch, "mean", {"dp": 2})
+    inputs = {k: v if k == "class_weight" else v[:3] for k, v in _inputs().items()}
+    want = _reference("mean")(**_global(inputs, world))
+    torch.testing.assert_close(model(**inputs).detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -242,6 +302,8 @@ def test_one_device_returns_outputs_whole(monkeypatch):
         ("number", "output `acc` is a Python float"),
         ("unmarked", f"the output of shape {(SEQ, ROWS, D)} is not batch-first (dim 0 is not this rank's {ROWS}"),
         ("no_batch", "the output has logical axes ('seq', 'embed') without 'batch'"),
+        ("dict_unmarked", f"output `feats` of shape {(SEQ, ROWS, D)} is not batch-first"),
+        ("ndim", f"constrain: 1 logical axes ('batch',) for a tensor of 2 dims {(ROWS, C)}"),
         ("bare_number", "output `(the whole output)` is a Python float computed on this rank's rows"),
         ("unbatched", f"the output: its NLL targets do not have this rank's {ROWS} input rows"),
         ("first_row", f"the output: its NLL targets do not have this rank's {ROWS} input rows"),
@@ -251,7 +313,8 @@ def test_outputs_meshlm_cannot_combine_are_errors(monkeypatch, mode, message):
     model, _ = _sharded(monkeypatch, mode, {"dp": 2})
     with pytest.raises(meshlm.AnnotationError, match="^" + re.escape(message)) as e:
         model(**_inputs())
-    assert "meshlm.reduce_batch(x, 'mean'" in str(e.value) or "through constrain(x, axes)" in str(e.value)
+    hints = ("meshlm.reduce_batch(x, 'mean'", "through constrain(x, axes)", "give one logical axis (or None) per dim")
+    assert any(h in str(e.value) for h in hints), e.value
 
 
 def test_local_rows_decides_from_the_inputs(monkeypatch):
