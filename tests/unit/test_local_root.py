@@ -17,6 +17,7 @@ and the outputs meshlm must refuse).
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
+from meshlm.lower import plan_params
 from meshlm.lowering import shard_state
 from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
 from meshlm.mesh import init_fake
@@ -459,3 +461,46 @@ def test_constrain_checks_its_axes_inside_a_local_root(monkeypatch):
     model, _ = _sharded(monkeypatch, "typo", {"dp": 2})
     with pytest.raises(meshlm.MeshlmError, match="clases"):
         model(**_inputs())
+
+
+def _periodic(model, layout, sizes):
+    """Make every parameter the same on each rank's shard (its storage blocks repeat), so
+    that gathering this rank's shard from every rank of the replica world gives it whole."""
+    plans = plan_params(Classifier(device="meta"), meshlm.load_layout(layout), sizes)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            for d, axes in enumerate(plans[n].storage):
+                k = math.prod(sizes[a] for a in axes)
+                if k > 1:
+                    p.copy_(torch.cat([p.narrow(d, 0, p.shape[d] // k)] * k, d))
+
+
+@pytest.mark.parametrize(
+    "layout,mesh_shape", [("fsdp", {"fsdp": 2}), ("zero2", {"fsdp": 2}), ("hsdp", {"dp": 2, "fsdp": 2})]
+)
+def test_sharded_storage_layouts(monkeypatch, layout, mesh_shape):
+    """Layouts that store parameters sharded (gathered at use, or reduce-scattered
+    gradients): the root parameters come from one-member buckets gathered at use, and each
+    gradient is this rank's block of one device's."""
+    ref = _reference("weighted")
+    _periodic(ref, layout, mesh_shape)
+    init_fake(math.prod(mesh_shape.values()))
+    mesh = meshlm.make_mesh(mesh_shape, fake=True)
+    patch_replicas(monkeypatch)
+    model = meshlm.shard(copy.deepcopy(ref), layout, mesh)
+    inputs = _inputs()
+    want = ref(**_global(inputs, mesh.size()))
+    want.backward()
+    got = model(**inputs)
+    assert shard_state(model).roots == {"local": 1, "dtensor": 0}
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    got.backward()
+    refs = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        r = refs[n].grad
+        for i, q in enumerate(p.grad.placements):
+            if isinstance(q, Shard):
+                r = r.chunk(mesh.size(i), q.dim)[0]  # this process is rank 0: coordinate 0 everywhere
+        torch.testing.assert_close(
+            p.grad.to_local(), r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()), msg=n
+        )
