@@ -504,3 +504,55 @@ def test_sharded_storage_layouts(monkeypatch, layout, mesh_shape):
         torch.testing.assert_close(
             p.grad.to_local(), r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()), msg=n
         )
+
+
+class TiedHead(nn.Module):
+    param_axes: ClassVar = {"weight": ("vocab", "embed")}
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # the embedding's own Parameter: a tie (NOTE [ties])
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class TiedLM(nn.Module):
+    """Next-token model whose head is its embedding, read through the head's module."""
+
+    param_axes: ClassVar = {"emb": ("vocab", "embed")}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.emb = nn.Parameter(torch.empty(V, D, device=device))
+        self.mix = Mix(device)
+        self.head = TiedHead(self.emb)
+
+    def init_weights(self, gen):
+        nn.init.normal_(self.emb, generator=gen)
+
+    def forward(self, tokens, labels):
+        x = self.mix(meshlm.constrain(F.embedding(tokens, self.emb), ("batch", "seq", "embed")))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(0, 1))
+
+
+def test_a_tied_parameter_read_through_its_second_module(monkeypatch):
+    """The head's ``weight`` is the embedding: read through the head's module it is the same
+    gathered tensor, and its gradient is the sum of both uses, as on one device."""
+    init_fake(2)
+    mesh = meshlm.make_mesh({"dp": 2}, fake=True)
+    patch_replicas(monkeypatch)
+    model = meshlm.shard(TiedLM(device="meta"), "ddp", mesh, seed=0)
+    ref = TiedLM()
+    meshlm.init_params(ref, 0)
+    g = torch.Generator().manual_seed(4)
+    tokens, labels = torch.randint(0, V, (ROWS, SEQ), generator=g), torch.randint(0, V, (ROWS, SEQ), generator=g)
+    want = ref(torch.cat([tokens] * 2), torch.cat([labels] * 2))
+    want.backward()
+    got = model(tokens, labels)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    got.backward()
+    grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    assert set(grads) == {"emb", "mix.up", "mix.down"}  # the tie is one parameter
+    r = ref.emb.grad
+    torch.testing.assert_close(grads["emb"], r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()))
