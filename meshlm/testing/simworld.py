@@ -95,13 +95,7 @@ class SimWorld:
         return t.copy_(self._sum(ts))
 
     def patch(self, monkeypatch) -> None:
-        from meshlm import _torch_compat as compat
-        from meshlm.bucket import flat
-
-        monkeypatch.setattr(compat, "all_gather_single", self.all_gather)
-        monkeypatch.setattr(compat, "reduce_scatter_single", self.reduce_scatter)
-        monkeypatch.setattr(flat, "all_reduce_inplace", self.all_reduce_inplace)
-        monkeypatch.setattr(compat, "all_reduce", self.all_reduce)
+        _patch(monkeypatch, self.all_gather, self.reduce_scatter, self.all_reduce, self.all_reduce_inplace)
 
     def run(self, fn: Callable[[int, tuple], object]) -> list:
         out: list = [None] * self.world
@@ -178,7 +172,6 @@ def patch_replicas(monkeypatch) -> None:
     ``SimWorld.patch`` patches.  DTensor's own collectives stay the fake group's no-ops, so
     a result that needed one is wrong, and shows."""
     from meshlm import _torch_compat as compat
-    from meshlm.bucket import flat
 
     def size(group: str) -> int:
         return compat.resolve_process_group(group).size()
@@ -197,7 +190,17 @@ def patch_replicas(monkeypatch) -> None:
         assert op == "sum", op
         return t * size(group)
 
+    _patch(monkeypatch, all_gather, reduce_scatter, all_reduce, lambda t, group, wait: t.mul_(size(group)))
+
+
+def _patch(monkeypatch, all_gather, reduce_scatter, all_reduce, all_reduce_inplace) -> None:
+    """Replace the collectives ``meshlm.bucket`` and ``BatchReduce`` call (``all_gather_single``,
+    ``reduce_scatter_single`` and ``all_reduce`` of ``meshlm._torch_compat``,
+    ``bucket.flat.all_reduce_inplace``)."""
+    from meshlm import _torch_compat as compat
+    from meshlm.bucket import flat
+
     monkeypatch.setattr(compat, "all_gather_single", all_gather)
     monkeypatch.setattr(compat, "reduce_scatter_single", reduce_scatter)
-    monkeypatch.setattr(flat, "all_reduce_inplace", lambda t, group, wait: t.mul_(size(group)))
+    monkeypatch.setattr(flat, "all_reduce_inplace", all_reduce_inplace)
     monkeypatch.setattr(compat, "all_reduce", all_reduce)

@@ -173,13 +173,25 @@ def _global(inputs, world):
     return {k: v if k == "class_weight" else torch.cat([v] * world) for k, v in inputs.items()}
 
 
-def _sharded(monkeypatch, mode, mesh_shape, rank=0, p=0.0):
-    """The model under ddp on a fake mesh in which this process is ``rank``."""
+def _replica_mesh(monkeypatch, mesh_shape, rank=0):
+    """A fake mesh in which this process is ``rank``, its collectives standing for replicas."""
     init_fake(math.prod(mesh_shape.values()), rank=rank)
     mesh = meshlm.make_mesh(mesh_shape, fake=True)
     assert dist.get_rank() == rank
     patch_replicas(monkeypatch)
+    return mesh
+
+
+def _sharded(monkeypatch, mode, mesh_shape, rank=0, p=0.0):
+    """The model under ddp on a replica mesh in which this process is ``rank``."""
+    mesh = _replica_mesh(monkeypatch, mesh_shape, rank)
     return meshlm.shard(Classifier(mode, device="meta", p=p), "ddp", mesh, seed=0), mesh.size()
+
+
+def _assert_grad(got, ref, name):
+    """A gradient (this rank's block of it) against one device's, within the suite's tolerance."""
+    tol_abs = tol.GRAD_ATOL_OF_MAX * float(ref.abs().max())
+    torch.testing.assert_close(got, ref, rtol=tol.GRAD_RTOL, atol=tol_abs, msg=lambda m: f"grad of {name}: {m}")
 
 
 def _reference(mode, p=0.0):
@@ -208,13 +220,7 @@ def test_loss_and_every_gradient_are_one_devices(monkeypatch, mode, mesh_shape):
     for n, p in model.named_parameters():
         assert isinstance(p.grad, DTensor) and all(isinstance(q, Replicate) for q in p.grad.placements), n
         r = refs[n].grad
-        torch.testing.assert_close(
-            p.grad.to_local(),
-            r,
-            rtol=tol.GRAD_RTOL,
-            atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()),
-            msg=lambda m, n=n: f"grad of {n}: {m}",
-        )
+        _assert_grad(p.grad.to_local(), r, n)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["dp2", "dp2xfsdp2"])
@@ -253,9 +259,7 @@ def test_micro_batches_accumulate_and_leave_no_state_behind(monkeypatch):
     refs = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         r = refs[n].grad
-        torch.testing.assert_close(
-            p.grad.to_local(), r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()), msg=n
-        )
+        _assert_grad(p.grad.to_local(), r, n)
 
 
 def test_odd_rows_per_rank(monkeypatch):
@@ -341,16 +345,20 @@ class _Mesh:
         self.sizes = sizes
 
     def size(self):
-        return int(torch.tensor(self.sizes).prod())
+        return math.prod(self.sizes)
 
     def get_group(self, i):
         return SimpleNamespace(group_name=f"g{i}")
 
 
-def _handler(coord, sizes):
+def _state(coord, sizes):
+    """What the local root reads of a model's shard state, for the threads' ranks."""
     names = tuple(f"d{i}" for i in range(len(sizes)))
-    st = SimpleNamespace(names=names, sizes=dict(zip(names, sizes)), coord=coord, mesh=_Mesh(sizes))
-    return LocalHandler(st)
+    return SimpleNamespace(names=names, sizes=dict(zip(names, sizes)), coord=coord, mesh=_Mesh(sizes))
+
+
+def _handler(coord, sizes):
+    return LocalHandler(_state(coord, sizes))
 
 
 SIZES = (2, 2)
@@ -410,7 +418,7 @@ def test_an_nll_output_is_combined_by_each_ranks_weight(monkeypatch, reduction):
     def rank(r, coord):
         logits, labels = rows[r]
         logits = logits.clone().requires_grad_()
-        st = _handler(coord, SIZES).st
+        st = _state(coord, SIZES)
         loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction=reduction)
         out = _lift("loss", loss, st, None, (Shard(0), Shard(0)), logits.shape[0])
         out.backward()
@@ -484,9 +492,7 @@ def test_sharded_storage_layouts(monkeypatch, layout, mesh_shape):
     gradient is this rank's block of one device's."""
     ref = _reference("weighted")
     _periodic(ref, layout, mesh_shape)
-    init_fake(math.prod(mesh_shape.values()))
-    mesh = meshlm.make_mesh(mesh_shape, fake=True)
-    patch_replicas(monkeypatch)
+    mesh = _replica_mesh(monkeypatch, mesh_shape)
     model = meshlm.shard(copy.deepcopy(ref), layout, mesh)
     inputs = _inputs()
     want = ref(**_global(inputs, mesh.size()))
@@ -501,9 +507,7 @@ def test_sharded_storage_layouts(monkeypatch, layout, mesh_shape):
         for i, q in enumerate(p.grad.placements):
             if isinstance(q, Shard):
                 r = r.chunk(mesh.size(i), q.dim)[0]  # this process is rank 0: coordinate 0 everywhere
-        torch.testing.assert_close(
-            p.grad.to_local(), r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()), msg=n
-        )
+        _assert_grad(p.grad.to_local(), r, n)
 
 
 class TiedHead(nn.Module):
@@ -539,9 +543,7 @@ class TiedLM(nn.Module):
 def test_a_tied_parameter_read_through_its_second_module(monkeypatch):
     """The head's ``weight`` is the embedding: read through the head's module it is the same
     gathered tensor, and its gradient is the sum of both uses, as on one device."""
-    init_fake(2)
-    mesh = meshlm.make_mesh({"dp": 2}, fake=True)
-    patch_replicas(monkeypatch)
+    mesh = _replica_mesh(monkeypatch, {"dp": 2})
     model = meshlm.shard(TiedLM(device="meta"), "ddp", mesh, seed=0)
     ref = TiedLM()
     meshlm.init_params(ref, 0)
@@ -555,4 +557,4 @@ def test_a_tied_parameter_read_through_its_second_module(monkeypatch):
     grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
     assert set(grads) == {"emb", "mix.up", "mix.down"}  # the tie is one parameter
     r = ref.emb.grad
-    torch.testing.assert_close(grads["emb"], r, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(r.abs().max()))
+    _assert_grad(grads["emb"], r, "emb")
