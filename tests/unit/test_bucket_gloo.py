@@ -61,3 +61,46 @@ def test_gather_flat_on_one_rank(group):
     xs = [torch.arange(4.0).view(2, 2), torch.ones(3)]
     ys = bucket.flat.gather_flat(xs, [1, 0], group, 1)
     assert not any(_pending(y) for y in ys) and all(torch.equal(y, x) for y, x in zip(ys, xs))
+
+
+def test_gradients_left_in_flight_are_settled_when_backward_ends(group):
+    """NOTE [overlapped reduction]: a gradient whose reduction is still in flight when its
+    block's backward returns is queued (``op._settle_later``); when the backward pass ends
+    it is waited for and stored as a DTensor of a plain tensor, placed and shaped as it
+    was.  The others, and parameters without a gradient, are left as they are."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshlm._torch_compat import dtensor_ops
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def param():
+        return torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 2), mesh, (Shard(0),), run_check=False))
+
+    pending, done, none = param(), param(), param()
+    values = torch.arange(8.0).view(4, 2)
+    settled = dtensor_ops.wrap(values + 1, mesh, (Shard(0),), (4, 2), (2, 1))
+
+    class Block(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            flight = funcol.all_reduce(values.clone(), "sum", group)
+            assert _pending(flight)
+            pending.grad = dtensor_ops.wrap(flight, mesh, (Shard(0),), (4, 2), (2, 1))
+            done.grad = settled
+            for p in (pending, done, none):
+                bucket.op._settle_later(p)
+            assert len(bucket.op._PENDING) == 3  # settled at the end, not now
+            return g
+
+    Block.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert bucket.op._PENDING == []
+    g = pending.grad
+    assert isinstance(g, DTensor) and not _pending(g._local_tensor) and torch.equal(g._local_tensor, values)
+    assert g.device_mesh is mesh and tuple(g.placements) == (Shard(0),) and g.shape == (4, 2) and g.stride() == (2, 1)
+    assert done.grad is settled and none.grad is None
