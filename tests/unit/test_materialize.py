@@ -183,3 +183,20 @@ def test_meta_without_init_and_uninitialised_shards():
     assert m.w._local_tensor.shape == (2, 4) and m.w.dtype == bf16 and m.w.shape == (8, 4)
     assert tuple(m.w.placements) == (Shard(0), Shard(0)) and m.w.stride() == (4, 1)
     assert m.w.requires_grad and not m.frozen.requires_grad
+
+
+def test_a_slot_left_unsharded_is_an_internal_error_by_name():
+    from meshlm.lowering.materialize import _check_no_shared_params
+
+    init_fake(4, rank=0)
+    mesh = meshlm.make_mesh(SHAPE, fake=True)
+    model = Model(device="meta")
+    materialize(model, plan_params(model, load_layout("ddp"), mesh), mesh, 1)
+    _check_no_shared_params(model)  # every slot sharded
+    model.inner.register_parameter("stray", nn.Parameter(torch.zeros(2)))
+    with pytest.raises(meshlm.MeshlmError) as e:
+        _check_no_shared_params(model)
+    assert str(e.value) == (
+        "internal error: parameter `inner.stray` was left unsharded by meshlm.shard (a slot of a tied "
+        "parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)"
+    )
