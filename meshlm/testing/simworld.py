@@ -15,6 +15,10 @@ reduce-scatter keeps block ``coord`` of the sum along dim 0.  ``world.log[rank]`
 the collectives a rank issued (op ``all_reduce_``: the in-place one), ``world.gathered[rank]``
 the buffers its all-gathers returned.
 
+``data_bucket(mesh, specs)`` registers a local block bucket whose mesh dims are all data
+axes, with random shards of its members for this rank (tests/unit/test_bucket_regather.py,
+test_bucket_prefetch.py).
+
 ``locals_of(t, placements, sizes, gen)`` is the reference layout: the local tensor of each
 rank (by coordinates) of a global tensor ``t`` placed ``placements`` on that mesh, with
 DTensor's meaning (mesh dims outer -> inner; ``Shard(d)``: block ``coord`` of
@@ -204,3 +208,35 @@ def _patch(monkeypatch, all_gather, reduce_scatter, all_reduce, all_reduce_inpla
     monkeypatch.setattr(compat, "reduce_scatter_single", reduce_scatter)
     monkeypatch.setattr(flat, "all_reduce_inplace", all_reduce_inplace)
     monkeypatch.setattr(compat, "all_reduce", all_reduce)
+
+
+def data_bucket(mesh, specs, *, overlap: bool = False, seed: int = 0):
+    """A local block bucket on ``mesh`` whose every dim is a data axis, of float32 members
+    ``specs`` ((storage, compute, grads, global shape) each), registered; and this rank's
+    stored shards of them, random (seeded), each its global shape divided by the mesh dims
+    that shard it.  Returns (key, bucket, shards)."""
+    from meshlm import bucket
+
+    sizes = tuple(mesh.shape)
+    dims = tuple(range(len(sizes)))
+    members = tuple(bucket.member(s, c, g, shape, torch.float32, dims) for s, c, g, shape in specs)
+    b = bucket.Bucket(
+        mesh=mesh,
+        groups=tuple(mesh.get_group(i).group_name for i in dims),
+        sizes=sizes,
+        data_dims=dims,
+        members=members,
+        compute_dtype=None,
+        reduce_dtype=None,
+        local=True,
+        overlap=overlap,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    shards = []
+    for m in members:
+        local = list(m.shape)
+        for i, pl in enumerate(m.storage):
+            if isinstance(pl, Shard):
+                local[pl.dim] //= sizes[i]
+        shards.append(torch.randn(local, generator=gen))
+    return bucket.register(b), b, shards

@@ -25,7 +25,7 @@ from meshlm import _torch_compat as compat
 from meshlm import bucket
 from meshlm.bucket.prefetch import Prefetch, gather_locals
 from meshlm.errors import AnnotationError
-from meshlm.testing.simworld import fake_mesh, patch_replicas
+from meshlm.testing.simworld import data_bucket, fake_mesh, patch_replicas
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 f32 = torch.float32
@@ -51,29 +51,9 @@ def replicas(monkeypatch):
 def _block(mesh, specs, seed):
     """A local bucket of ``specs`` ((storage, shape) per member, gathered to Replicate over
     every mesh dim, all data axes) and its stored shards."""
-    sizes = tuple(mesh.shape)
-    dims = tuple(range(len(sizes)))
-    members = tuple(bucket.member(s, (R,) * len(sizes), s, shape, f32, dims) for s, shape in specs)
-    b = bucket.Bucket(
-        mesh=mesh,
-        groups=tuple(mesh.get_group(i).group_name for i in dims),
-        sizes=sizes,
-        data_dims=dims,
-        members=members,
-        compute_dtype=None,
-        reduce_dtype=None,
-        local=True,
-        overlap=True,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    params = []
-    for m in members:
-        local = list(m.shape)
-        for i, pl in enumerate(m.storage):
-            if isinstance(pl, Shard):
-                local[pl.dim] //= sizes[i]
-        params.append(SimpleNamespace(_local_tensor=torch.randn(local, generator=gen)))
-    return bucket.register(b), b, params
+    full = [(s, (R,) * len(s), s, shape) for s, shape in specs]
+    key, b, shards = data_bucket(mesh, full, overlap=True, seed=seed)
+    return key, b, [SimpleNamespace(_local_tensor=t) for t in shards]
 
 
 SPECS = [((S0,), (4, 3)), ((S1,), (3, 2)), ((R,), (5,))]

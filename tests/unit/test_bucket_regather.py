@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshlm import _torch_compat as compat
 from meshlm import bucket
 from meshlm.bucket.prefetch import Prefetch
-from meshlm.testing.simworld import fake_mesh, patch_replicas, shares_storage
+from meshlm.testing.simworld import data_bucket, fake_mesh, patch_replicas, shares_storage
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 f32 = torch.float32
@@ -57,35 +57,14 @@ def calls(monkeypatch):
 
 def _block(mesh, specs, overlap=False, seed=0):
     """A bucket of ``specs`` on ``mesh`` and its stored parameters (random shards)."""
-    members = tuple(bucket.member(s, c, g, shape, f32, (0,)) for s, c, g, shape in specs)
-    b = bucket.Bucket(
-        mesh=mesh,
-        groups=(mesh.get_group(0).group_name,),
-        sizes=(2,),
-        data_dims=(0,),
-        members=members,
-        compute_dtype=None,
-        reduce_dtype=None,
-        local=True,
-        overlap=overlap,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    params = []
-    for m in members:
-        local = list(m.shape)
-        for pl in m.storage:
-            if isinstance(pl, Shard):
-                local[pl.dim] //= 2
-        t = DTensor.from_local(
-            torch.randn(local, generator=gen),
-            mesh,
-            m.storage,
-            run_check=False,
-            shape=torch.Size(m.shape),
-            stride=m.stride,
+    key, b, shards = data_bucket(mesh, specs, overlap=overlap, seed=seed)
+    params = [
+        torch.nn.Parameter(
+            DTensor.from_local(t, mesh, m.storage, run_check=False, shape=torch.Size(m.shape), stride=m.stride)
         )
-        params.append(torch.nn.Parameter(t))
-    return bucket.register(b), params
+        for t, m in zip(shards, b.members)
+    ]
+    return key, params
 
 
 def _math(ys, x, rows: bool):
