@@ -70,6 +70,17 @@ def handling(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> Iterator[No
         _HANDLER.reset(token)
 
 
+def check_axes_count(x: Tensor, axes: Axes) -> None:
+    """A handler's check that ``constrain`` was given one logical axis per dim of ``x``."""
+    if len(axes) != x.ndim:
+        from meshlm.errors import AnnotationError
+
+        raise AnnotationError(
+            f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}: "
+            "give one logical axis (or None) per dim"
+        )
+
+
 def constrain(x: Tensor, axes: Axes) -> Tensor:
     """Mark activation ``x`` as having logical ``axes`` (one name or None per dim).
 

@@ -115,11 +115,7 @@ class LocalHandler(rng.Handler):
         self.seen: dict[int, tuple[weakref.ref, Axes]] = {}
 
     def _constrain(self, x: Tensor, axes: Axes) -> Tensor:
-        if len(axes) != x.ndim:
-            raise AnnotationError(
-                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}: "
-                "give one logical axis (or None) per dim"
-            )
+        annotate.check_axes_count(x, axes)
         if torch.compiler.is_compiling():
             return x
         k = (tuple(axes), tuple(x.shape))

@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from meshlm import rng
+from meshlm import annotate, rng
 from meshlm.axes import Axes
 from meshlm.bucket import Prefetch
-from meshlm.errors import AnnotationError, MeshlmError
+from meshlm.errors import MeshlmError
 from meshlm.layout import INPUT_MESH_AXES, DimPlan, Layout, resolve
 from meshlm.lowering.params import ParamPlan, placements
 from meshlm.mesh import mesh_spec
@@ -87,11 +87,7 @@ class ShardState:
     def constrain(self, x: Tensor, axes: Axes) -> Tensor:
         if not isinstance(x, DTensor):
             return x
-        if len(axes) != x.ndim:
-            raise AnnotationError(
-                f"constrain: {len(axes)} logical axes {tuple(axes)} for a tensor of {x.ndim} dims {tuple(x.shape)}: "
-                "give one logical axis (or None) per dim"
-            )
+        annotate.check_axes_count(x, axes)
         pl = self.activation_placements(axes, x.shape)
         # Always through redistribute, even when the placements already agree: its backward
         # puts the gradient at the same placements, so a Partial gradient is reduced here

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -124,19 +124,24 @@ class SimWorld:
         return out
 
 
-def fake_mesh(sizes: Sequence[int], rank: int = 0):
-    """A DeviceMesh of shape ``sizes`` on a fake process group in which this process is
-    ``rank`` (a fresh group each call): for DTensor metadata; its collectives do nothing."""
+def fake_mesh(sizes: "Sequence[int] | Mapping[str, int]", rank: int = 0):
+    """A DeviceMesh on a fake process group in which this process is ``rank`` (a fresh group
+    each call): for DTensor metadata; its collectives do nothing.  ``sizes``: the dims'
+    sizes (named ``d0, d1, ...``), or a meshlm mesh shape (``{"dp": 2, "tp": 2}``: the mesh
+    ``meshlm.make_mesh`` makes, its axes in meshlm's order)."""
     import math
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshlm.mesh import init_fake
+    from meshlm.mesh import init_fake, make_mesh
 
+    named = isinstance(sizes, Mapping)
     if dist.is_initialized():
         dist.destroy_process_group()
-    init_fake(math.prod(sizes), rank=rank)
+    init_fake(math.prod(sizes.values() if named else sizes), rank=rank)
+    if named:
+        return make_mesh(dict(sizes), fake=True)
     return init_device_mesh("cpu", tuple(sizes), mesh_dim_names=tuple(f"d{i}" for i in range(len(sizes))))
 
 

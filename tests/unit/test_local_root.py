@@ -34,9 +34,8 @@ import meshlm
 from meshlm.lower import plan_params
 from meshlm.lowering import shard_state
 from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
-from meshlm.mesh import init_fake
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import SimWorld, patch_replicas
+from meshlm.testing.simworld import SimWorld, fake_mesh, patch_replicas
 
 V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
 ROWS, SEQ = 4, 5  # this rank's rows
@@ -175,8 +174,7 @@ def _global(inputs, world):
 
 def _replica_mesh(monkeypatch, mesh_shape, rank=0):
     """A fake mesh in which this process is ``rank``, its collectives standing for replicas."""
-    init_fake(math.prod(mesh_shape.values()), rank=rank)
-    mesh = meshlm.make_mesh(mesh_shape, fake=True)
+    mesh = fake_mesh(mesh_shape, rank)
     assert dist.get_rank() == rank
     patch_replicas(monkeypatch)
     return mesh

@@ -26,7 +26,7 @@ from meshlm.absent import Absent
 from meshlm.layout import load_layout
 from meshlm.lowering.materialize import materialize
 from meshlm.lowering.params import plan_params
-from meshlm.mesh import init_fake
+from meshlm.testing.simworld import fake_mesh
 
 f32, bf16 = torch.float32, torch.bfloat16
 
@@ -84,10 +84,7 @@ SHAPE = {"dp": 2, "fsdp": 2}
 
 def _ranks():
     for rank in range(4):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        init_fake(4, rank=rank)
-        yield rank, meshlm.make_mesh(SHAPE, fake=True)
+        yield rank, fake_mesh(SHAPE, rank)
 
 
 def _whole(parts, placements):
@@ -148,8 +145,7 @@ def test_bf16_storage_keeps_the_float32_init_as_the_masters():
 
 def test_parameters_of_another_stage_are_absent_and_the_draws_unchanged():
     ref = _reference(5)
-    init_fake(4, rank=0)
-    mesh = meshlm.make_mesh(SHAPE, fake=True)
+    mesh = fake_mesh(SHAPE)
     model = Model(device="meta")
     materialize(model, plan_params(model, load_layout("ddp"), mesh), mesh, 5, keep={"inner.w", "inner.scale"})
     assert isinstance(model.emb, Absent) and isinstance(model.head.weight, Absent) and isinstance(model.mix, Absent)
@@ -159,8 +155,7 @@ def test_parameters_of_another_stage_are_absent_and_the_draws_unchanged():
 
 
 def test_meta_without_init_and_uninitialised_shards():
-    init_fake(4, rank=1)
-    mesh = meshlm.make_mesh(SHAPE, fake=True)
+    mesh = fake_mesh(SHAPE, rank=1)
 
     class NoInit(nn.Module):
         param_axes: ClassVar = {"w": ("embed", "mlp"), "frozen": ("mlp",)}
@@ -188,8 +183,7 @@ def test_meta_without_init_and_uninitialised_shards():
 def test_a_slot_left_unsharded_is_an_internal_error_by_name():
     from meshlm.lowering.materialize import _check_no_shared_params
 
-    init_fake(4, rank=0)
-    mesh = meshlm.make_mesh(SHAPE, fake=True)
+    mesh = fake_mesh(SHAPE)
     model = Model(device="meta")
     materialize(model, plan_params(model, load_layout("ddp"), mesh), mesh, 1)
     _check_no_shared_params(model)  # every slot sharded

@@ -28,7 +28,8 @@ import meshlm
 from meshlm.errors import LayoutError
 from meshlm.layout import load_layout, parse_layout
 from meshlm.lowering import params as P
-from meshlm.mesh import MeshSpec, init_fake
+from meshlm.mesh import MeshSpec
+from meshlm.testing.simworld import fake_mesh
 
 R = Replicate()
 
@@ -146,10 +147,7 @@ def test_local_box_is_this_ranks_block(mesh_i, dims, choice):
     full = torch.arange(math.prod(shape)).view(shape)
     world = math.prod(mesh_shape.values())
     for rank in range(world):
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        init_fake(world, rank=rank)
-        mesh = meshlm.make_mesh(mesh_shape, fake=True)
+        mesh = fake_mesh(mesh_shape, rank)
         coords = [mesh.get_local_rank(i) for i in range(n_mesh)]
         want = _reference_block(full, mesh_shape, coords, pl)
         got = P.local_slice(full, mesh, pl)
@@ -160,8 +158,7 @@ def test_local_box_is_this_ranks_block(mesh_i, dims, choice):
 
 
 def test_local_box_refuses_an_uneven_shard():
-    init_fake(4, rank=0)
-    mesh = meshlm.make_mesh({"dp": 2, "fsdp": 2}, fake=True)
+    mesh = fake_mesh({"dp": 2, "fsdp": 2})
     with pytest.raises(LayoutError) as e:
         P.local_box((6, 3), mesh, (Shard(0), Shard(0)))
     assert str(e.value) == "dim 0 of size 6 is not divisible by mesh axes ['dp', 'fsdp'] (size 4)"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import meshlm
 from meshlm.layout import parse_layout
-from meshlm.mesh import init_fake
+from meshlm.testing.simworld import fake_mesh
 
 
 @pytest.fixture(autouse=True)
@@ -23,10 +23,7 @@ def fake_world():
 
 
 def _mesh(shape: dict, rank: int):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    init_fake(4, rank=rank)
-    mesh = meshlm.make_mesh(shape, fake=True)
+    mesh = fake_mesh(shape, rank)
     assert dist.get_rank() == rank
     return mesh
 

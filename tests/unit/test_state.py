@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import meshlm
 from meshlm.layout import load_layout
 from meshlm.lowering.state import ShardState, shard_state
-from meshlm.mesh import init_fake
+from meshlm.testing.simworld import fake_mesh
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 
@@ -29,8 +29,7 @@ def fake_world():
 
 def _state(layout="tp", rank=0, shape=None):
     shape = shape or {"dp": 2, "tp": 2}
-    init_fake(4, rank=rank)
-    mesh = meshlm.make_mesh(shape, fake=True)
+    mesh = fake_mesh(shape, rank)
     # the model's logical axes: standard ones and one it declares (NOTE [open vocabulary] in axes.py)
     vocab = frozenset({"batch", "seq", "embed", "mlp", "vocab", "taps"})
     return ShardState(load_layout(layout), mesh, {}, vocab=vocab)
@@ -42,7 +41,6 @@ def test_the_mesh_is_copied_as_plain_values():
         assert st.sizes == {"dp": 2, "tp": 2} and st.names == ("dp", "tp") and st.coord == coord
         assert st.handler.coord == coord and st.handler.sizes == (2, 2)
         assert st.roots == {"local": 0, "dtensor": 0} and st.local_now is False and st.gathered is None
-        dist.destroy_process_group()
 
 
 def test_activation_and_input_placements_follow_the_compute_rules():
