@@ -11,6 +11,7 @@ tests are copied into the tree first, so the tree's sources must be the reposito
 
     python mutation/recheck.py --glob "meshlm.lowering.local_root*" tests/unit/test_local_root.py
     python mutation/recheck.py --unchecked --glob "meshlm.lowering.params*" tests/unit/test_params.py
+    python mutation/recheck.py --survivors /tmp/first.json --glob "meshlm.lowering.blocks*" tests/dist/test_x.py
 
 A mutant is killed when the tests fail with it.  Results (mutant -> "killed" or
 "survived") go to ``mutation/results/recheck.json``, merged with earlier runs.
@@ -43,6 +44,12 @@ def main(argv=None) -> int:
         help="also the mutants the unit pass has not checked yet (a function many tests reach, whose unit pass "
         "would take hours); one killed here is killed, one that survives here is only not killed by these files",
     )
+    ap.add_argument(
+        "--survivors",
+        metavar="JSON",
+        help="only the mutants an earlier recheck left surviving (its --out file), for a second stage: "
+        "new tests, or the multi-process files that reach them",
+    )
     ap.add_argument("--tree", default=str(ROOT / "mutants-unit" / "mutants"))
     ap.add_argument("--out", default=str(ROOT / "mutation" / "results" / "recheck.json"))
     a = ap.parse_args(argv)
@@ -50,7 +57,11 @@ def main(argv=None) -> int:
     for t in a.tests:
         shutil.copyfile(ROOT / t, tree / t)
     wanted = ("survived", "no tests") + (("not checked",) if a.unchecked else ())
-    todo = [m for m, s in unit_results(tree).items() if s in wanted and fnmatch.fnmatch(m, a.glob)]
+    if a.survivors:
+        earlier = json.loads(Path(a.survivors).read_text())
+        todo = sorted(m for m, s in earlier.items() if s == "survived" and fnmatch.fnmatch(m, a.glob))
+    else:
+        todo = [m for m, s in unit_results(tree).items() if s in wanted and fnmatch.fnmatch(m, a.glob)]
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *a.tests]
     if subprocess.run(cmd, cwd=tree, env=dict(os.environ, MUTANT_UNDER_TEST=""), capture_output=True).returncode:
         raise SystemExit("mutation/recheck.py: the tests fail without a mutant (is the tree's source stale?)")
