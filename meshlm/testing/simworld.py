@@ -245,3 +245,17 @@ def data_bucket(mesh, specs, *, overlap: bool = False, seed: int = 0):
                 local[pl.dim] //= sizes[i]
         shards.append(torch.randn(local, generator=gen))
     return bucket.register(b), b, shards
+
+
+def make_periodic(model, plans, sizes) -> None:
+    """Make every parameter of ``model`` the same on each rank's shard (its storage blocks
+    repeat, ``plans``: the planner's, on mesh ``sizes``), so that gathering this rank's
+    shard from every rank of a replica world (``patch_replicas``) gives it whole."""
+    import math
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            for d, axes in enumerate(plans[n].storage):
+                k = math.prod(sizes[a] for a in axes)
+                if k > 1:
+                    p.copy_(torch.cat([p.narrow(d, 0, p.shape[d] // k)] * k, d))

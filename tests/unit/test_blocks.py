@@ -38,7 +38,7 @@ from meshlm.lower import plan_params
 from meshlm.lowering import blocks, shard_state
 from meshlm.lowering.blocks import BlockSpec, block_spec, kept_gathers, submodule, whole_in_compute
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import fake_mesh, patch_replicas
+from meshlm.testing.simworld import fake_mesh, make_periodic, patch_replicas
 
 V, D, H = 16, 8, 12  # vocab, width, hidden
 ROWS, SEQ = 2, 3  # this rank's rows
@@ -128,15 +128,8 @@ def _global(inputs, world):
 
 
 def _periodic(model, layout, sizes):
-    """Every parameter the same on each rank's shard (its storage blocks repeat), so that
-    gathering this rank's shard from every rank of the replica world gives it whole."""
-    plans = plan_params(Net(device="meta"), meshlm.load_layout(layout), sizes)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            for d, axes in enumerate(plans[n].storage):
-                k = math.prod(sizes[a] for a in axes)
-                if k > 1:
-                    p.copy_(torch.cat([p.narrow(d, 0, p.shape[d] // k)] * k, d))
+    """Periodic weights (``simworld.make_periodic``) for ``layout`` on mesh ``sizes``."""
+    make_periodic(model, plan_params(Net(device="meta"), meshlm.load_layout(layout), sizes), sizes)
 
 
 def _pair(monkeypatch, layout, mesh_shape, rank=0, p=0.0):

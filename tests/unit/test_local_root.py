@@ -35,7 +35,7 @@ from meshlm.lower import plan_params
 from meshlm.lowering import shard_state
 from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import SimWorld, fake_mesh, patch_replicas
+from meshlm.testing.simworld import SimWorld, fake_mesh, make_periodic, patch_replicas
 
 V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
 ROWS, SEQ = 4, 5  # this rank's rows
@@ -470,15 +470,8 @@ def test_constrain_checks_its_axes_inside_a_local_root(monkeypatch):
 
 
 def _periodic(model, layout, sizes):
-    """Make every parameter the same on each rank's shard (its storage blocks repeat), so
-    that gathering this rank's shard from every rank of the replica world gives it whole."""
-    plans = plan_params(Classifier(device="meta"), meshlm.load_layout(layout), sizes)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            for d, axes in enumerate(plans[n].storage):
-                k = math.prod(sizes[a] for a in axes)
-                if k > 1:
-                    p.copy_(torch.cat([p.narrow(d, 0, p.shape[d] // k)] * k, d))
+    """Periodic weights (``simworld.make_periodic``) for ``layout`` on mesh ``sizes``."""
+    make_periodic(model, plan_params(Classifier(device="meta"), meshlm.load_layout(layout), sizes), sizes)
 
 
 @pytest.mark.parametrize(
