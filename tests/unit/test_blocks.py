@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshlm
 from meshlm import _torch_compat as compat
@@ -294,6 +295,46 @@ def test_block_spec_under_tensor_parallel():
     assert not bucket.BUCKETS[spec.key].local
 
 
+@meshlm.block
+class Gain(nn.Module):
+    """A block whose one parameter is whole in compute under every shipped layout."""
+
+    param_axes: ClassVar = {"g": ("embed",)}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.g = nn.Parameter(torch.empty(D, device=device))
+
+    def init_weights(self, gen):
+        nn.init.normal_(self.g, generator=gen)
+
+    def forward(self, x):
+        return x * self.g
+
+
+def test_a_block_of_whole_parameters_runs_local_under_data_parallel_layouts_only():
+    """NOTE [local blocks]: local rows only under a pure data-parallel layout, even for a
+    block whose parameters are all whole in compute; and the bucket carries the mesh's data
+    dims and the shard's dtypes."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    for layout, shape, local, data_dims in (
+        ("fsdp", {"fsdp": 2}, True, (0,)),
+        ("fsdp_tp", {"fsdp": 2, "tp": 2}, False, (0,)),
+    ):
+        holder = nn.Module()
+        holder.gain = Gain(device="meta")
+        model = meshlm.shard(
+            holder, layout, fake_mesh(shape), param_dtype=bf16, compute_dtype=bf16, reduce_dtype=f32, grad_dtype=f32
+        )
+        spec = model.gain._meshlm_block
+        assert spec.key is not None and spec.local is local, (layout, spec)
+        assert block_spec(model.gain, shard_state(model)) == spec  # buckets by default
+        b = bucket.BUCKETS[spec.key]
+        assert b.data_dims == data_dims and b.local is local
+        assert (b.compute_dtype, b.reduce_dtype, b.grad_dtype) == (bf16, f32, f32)
+        assert [m.dtype for m in b.members] == [bf16]
+
+
 def test_block_spec_without_buckets():
     mesh = fake_mesh({"fsdp": 2})
     model = meshlm.shard(Net(device="meta"), "fsdp", mesh, bucket=False)
@@ -323,6 +364,32 @@ def test_blocks_reproduce_one_device(monkeypatch, layout, mesh_shape):
         assert log.count(False) == 2 + 2 and log.count(True) == 2, log  # + the root's emb and head
     assert Layer.calls[0] == 2  # freeing re-gathers without running the forward again
     assert regather is (layout in ("fsdp", "hsdp"))
+    # the gathered parameters were handed to the getters for the forward only
+    assert [n for n, m in model.named_modules() if getattr(m, "_meshlm_now", None)] == []
+
+
+@pytest.mark.parametrize("layout,mesh_shape", [("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2})])
+def test_a_block_given_one_tensor_runs_on_local_rows(monkeypatch, layout, mesh_shape):
+    """Blocks called with one tensor (``gate=None``) under the local root: one device's
+    numbers, the block's forward given this rank's rows as a plain tensor."""
+    ref, model, mesh = _pair(monkeypatch, layout, mesh_shape)
+    seen = []
+    orig = Layer.forward
+
+    def spy(self, x, *a, **k):
+        seen.append(type(x))
+        return orig(self, x, *a, **k)
+
+    monkeypatch.setattr(Layer, "forward", spy)
+    inputs = dict(_inputs(), gate=None)
+    want = ref(**_global({k: v for k, v in inputs.items() if v is not None}, mesh.size()), gate=None)
+    want.backward()
+    seen.clear()
+    got = model(**inputs)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    got.backward()
+    _assert_grads(model, ref, mesh)
+    assert seen and set(seen) == {torch.Tensor}, seen
 
 
 def test_recompute_regathers_by_running_the_forward_again(monkeypatch):
@@ -416,6 +483,20 @@ def test_link_blocks_orders_the_keyed_blocks(monkeypatch):
     assert any(q is new for q in order[1][1]())
 
 
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmul kernels run (below DTensor: the local ones)."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
 def _dt(x, mesh, pl):
     return DTensor.from_local(x, mesh, pl, run_check=False)
 
@@ -433,7 +514,11 @@ def test_one_output_one_tensor_and_a_number(monkeypatch, outer):
     want.pow(2).sum().backward()
     log = _gathers(monkeypatch)
     Layer.calls[0] = 0
+    seen = []
+    orig = Layer.forward
+    monkeypatch.setattr(Layer, "forward", lambda self, x, *a, **k: seen.append(type(x)) or orig(self, x, *a, **k))
     got = model.l0(_dt(x[:ROWS], mesh, (Shard(0),)), 0.5, gate=None)
+    assert set(seen) == {torch.Tensor}, seen  # NOTE [local blocks]: the rows, not the DTensor
     assert isinstance(got, DTensor) and got.placements == (Shard(0),) and got.shape == want.shape
     torch.testing.assert_close(got.to_local(), want[:ROWS], rtol=tol.GRAD_RTOL, atol=1e-6)
     got.to_local().pow(2).sum().backward()
@@ -454,14 +539,19 @@ def test_replicated_inputs_run_under_dtensor(monkeypatch, layout, regather):
     g = torch.Generator().manual_seed(3)
     x, gate = torch.randn(ROWS, SEQ, D, generator=g), torch.rand(ROWS, SEQ, H, generator=g)
     want = ref.l0(x, gate=gate)
-    (want[0].pow(2).sum() + want[1].sum()).backward()
+    with _Matmuls() as want_mm:
+        (want[0].pow(2).sum() + want[1].sum()).backward()
     Layer.calls[0] = 0
     got = model.l0(_dt(x, mesh, (Replicate(),)), gate=_dt(gate, mesh, (Replicate(),)))
     for o, w in zip(got, want):
         assert isinstance(o, DTensor) and o.placements == (Replicate(),)
         torch.testing.assert_close(o.to_local(), w, rtol=tol.GRAD_RTOL, atol=1e-6)
-    (got[0].to_local().pow(2).sum() + got[1].to_local().sum()).backward()
+    with _Matmuls() as got_mm:
+        (got[0].to_local().pow(2).sum() + got[1].to_local().sum()).backward()
     assert Layer.calls[0] == (2 if layout == "fsdp" and regather == "recompute" else 1)
+    # the recompute's selective policy (NOTE [re-gather in backward]) keeps the matmuls:
+    # backward runs one device's matmuls, none again
+    assert want_mm.n > 0 and got_mm.n == want_mm.n, (got_mm.n, want_mm.n)
     _assert_grads(model.l0, ref.l0, mesh)  # replicated, not partial: nothing to sum over ranks
 
 
@@ -490,9 +580,15 @@ def test_without_buckets_a_regathering_block_runs(monkeypatch):
     numbers are tests/dist/'s.)"""
     mesh = fake_mesh({"fsdp": 2})
     model = meshlm.shard(Net(device="meta"), "fsdp", mesh, bucket=False)
+    gates = []
+    orig = Layer.forward
+    monkeypatch.setattr(
+        Layer, "forward", lambda self, x, *a, **k: gates.append(k.get("gate")) or orig(self, x, *a, **k)
+    )
     Layer.calls[0] = 0
     out = model(**_inputs())
     assert out.shape == () and Layer.calls[0] == 2
+    assert len(gates) == 2 and all(g is not None for g in gates)  # the keyword reached the user's forward
     out.backward()
     assert Layer.calls[0] == 4  # checkpointed: recomputed in backward
     assert all(p.grad is not None for p in model.parameters())
@@ -521,4 +617,30 @@ def test_compiled_blocks(monkeypatch, comms):
     torch._dynamo.reset()
     ref, model, mesh = _pair(monkeypatch, "fsdp", {"fsdp": 2})
     assert compile_blocks(model, "aot_eager", comms=comms) == 2
+    bodies = []  # the compiled math's calls (comms="eager": the blocks' own forward is never run eagerly)
+    for blk in (model.l0, model.l1):
+        if comms == "eager":
+            body = blk.__dict__["_meshlm_body"]
+            blk.__dict__["_meshlm_body"] = lambda *a, body=body, **k: bodies.append(1) or body(*a, **k)
+        else:
+            assert "_meshlm_body" not in blk.__dict__
     _step(model, ref, mesh)
+    assert len(bodies) == (2 if comms == "eager" else 0)
+    if comms == "eager":  # a body compiled for local rows is not given DTensors (the DTensor path runs eagerly)
+        x = torch.randn(ROWS, SEQ, D)
+        model.l0(_dt(x, mesh, (Replicate(),)), gate=None)
+        assert len(bodies) == 2
+
+
+@pytest.mark.parametrize("layout,mesh_shape", [("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2})])
+def test_a_grad_dtype_equal_to_the_storage_dtype_keeps_grads_in_grad(monkeypatch, layout, mesh_shape):
+    """``grad_dtype=float32`` over float32 storage is no main gradient (NOTE [main grads]):
+    every gradient, the root's and the blocks', lands in ``.grad``, one device's."""
+    ref = Net()
+    meshlm.init_params(ref, 0)
+    _periodic(ref, layout, mesh_shape)
+    mesh = fake_mesh(mesh_shape)
+    patch_replicas(monkeypatch)
+    model = meshlm.shard(copy.deepcopy(ref), layout, mesh, grad_dtype=torch.float32)
+    _step(model, ref, mesh)
+    assert [n for n, p in model.named_parameters() if getattr(p, "main_grad", None) is not None] == []

@@ -1,15 +1,22 @@
 """The resolver as tables, the YAML schema, and every layout error in logical terms."""
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import meshlm
 from meshlm.errors import AnnotationError, AxisError, LayoutError, MeshError
-from meshlm.layout import load_layout, parse_layout, resolve, shipped_layouts
+from meshlm.layout import is_pipelined, layout_axes, load_layout, parse_layout, resolve, shipped_layouts
 from meshlm.lower import plan_params
 from meshlm.mesh import MeshSpec
 from meshlm.models import CONFIGS, Llama, llama_config
+
+SHIPPED = Path(__file__).resolve().parents[2] / "layouts"
 
 FSDP_TP = parse_layout(
     {
@@ -68,6 +75,38 @@ def test_rules_of_each_section():
     assert local.rules("grads") == "local" and local.rules("optimizer") == {"embed": ("fsdp",)}
 
 
+def test_axes_a_layout_maps_and_the_mesh_axes_it_uses():
+    """``layout_axes``: every logical axis of every section (a ``grads: local`` section maps
+    none); ``mesh_axes_used``: every mesh axis of every section, the grads' included."""
+    lay = parse_layout(
+        {
+            "params": {"gizmo": "fsdp"},
+            "compute": {"batch": "dp"},
+            "grads": {"embed": ["dp", "tp"]},
+            "optimizer": {"mlp": "cp"},
+        }
+    )
+    assert layout_axes(lay) == {"gizmo", "batch", "embed", "mlp"}
+    assert lay.mesh_axes_used() == {"fsdp", "dp", "tp", "cp"}
+    local = parse_layout({"params": {"gizmo": "fsdp"}, "compute": {"batch": "dp"}, "grads": "local"})
+    assert layout_axes(local) == {"gizmo", "batch"}
+    assert local.mesh_axes_used() == {"fsdp", "dp"}
+    # a model's own axis that only storage maps is known under compute (replicated there)
+    assert resolve(("gizmo", "batch"), lay.rules("compute"), {"fsdp": 2, "dp": 2}, layout=lay) == ((), ("dp",))
+    # ``known`` given (the model's vocabulary) is the vocabulary, whatever the layout maps
+    assert resolve(("router",), lay.rules("compute"), {"dp": 2}, layout=lay, known={"router"}) == ((),)
+    with pytest.raises(AxisError, match="unknown logical axis 'gizmo'"):
+        resolve(("gizmo",), lay.rules("compute"), {"dp": 2}, layout=lay, known={"router"})
+
+
+def test_which_layouts_are_pipelined():
+    """``layers: pp`` in storage or in compute cuts stages; no other mapping does."""
+    assert {n for n in shipped_layouts() if is_pipelined(load_layout(n))} == {"pp", "fsdp_pp", "fsdp_tp_pp"}
+    assert is_pipelined(parse_layout({"params": {"layers": "pp"}}))
+    assert is_pipelined(parse_layout({"compute": {"layers": ["fsdp", "pp"]}}))
+    assert not is_pipelined(parse_layout({"params": {"layers": "fsdp"}, "compute": {"embed": "pp"}}))
+
+
 def test_shipped_layouts_all_present_and_documented():
     names = set(shipped_layouts())
     want = {"single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp"}
@@ -94,6 +133,28 @@ def test_unknown_logical_axis_in_yaml(tmp_path):
         plan_params(Llama(llama_config("llama_tiny"), device="meta"), lay, {"fsdp": 2})
 
 
+def test_a_layout_by_path_or_by_name(tmp_path, monkeypatch):
+    """A string ending in .yaml or .yml, or holding a path separator, is a file when it
+    exists (relative to the working directory too); anything else is a name looked up in
+    ``layout_dirs()``, even where a file of that name is in the working directory; and a
+    path that does not exist says so, where an unknown name lists the shipped ones."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("params:\n  embed: fsdp\n")
+    (tmp_path / "mine.yml").write_text("params:\n  embed: tp\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "plain").write_text("params:\n  mlp: tp\n")
+    (tmp_path / "fsdp").write_text("params:\n  mlp: cp\n")  # not a layout file: a name is looked up
+    assert load_layout("mine.yaml").params == {"embed": ("fsdp",)}
+    assert load_layout("mine.yml").params == {"embed": ("tp",)}
+    assert load_layout(f"sub{os.sep}plain").params == {"mlp": ("tp",)}
+    assert load_layout("fsdp").source == str(SHIPPED / "fsdp.yaml")
+    for missing in ("nope.yaml", "nope.yml", f"sub{os.sep}nope", str(tmp_path / "nope.yaml")):
+        with pytest.raises(LayoutError, match=f"^layout file {re.escape(missing)} does not exist$"):
+            load_layout(missing)
+    with pytest.raises(LayoutError, match="^unknown layout 'nope'. Shipped layouts: "):
+        load_layout("nope")
+
+
 def test_unknown_mesh_axis_in_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("compute:\n  batch: [dp, fdsp]\n")
@@ -104,8 +165,12 @@ def test_unknown_mesh_axis_in_yaml(tmp_path):
 def test_malformed_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("params: {embed: fsdp\n")
-    with pytest.raises(LayoutError, match="is not valid YAML"):
+    with pytest.raises(LayoutError) as e:
         load_layout(str(p))
+    with pytest.raises(yaml.YAMLError) as y:
+        yaml.safe_load(p.read_text())
+    assert "\n" in str(y.value)  # yaml's own message spans lines; the error is one line
+    assert str(e.value) == f"layout file {p} is not valid YAML: {y.value}".replace("\n", " ")
     p.write_text("- embed\n")
     with pytest.raises(LayoutError, match="a layout is a mapping"):
         load_layout(str(p))
@@ -117,6 +182,117 @@ def test_malformed_yaml(tmp_path):
         load_layout(str(p))
 
 
+SECTIONS_TEXT = "params, compute, grads, optimizer"
+# (the dict given to parse_layout(..., source="s.yaml"), the error's class, its whole text)
+PARSE_ERRORS = [
+    (["embed"], LayoutError, f"s.yaml: a layout is a mapping with sections {SECTIONS_TEXT}; got list"),
+    (
+        {"parms": {}},
+        LayoutError,
+        f"s.yaml: unknown section(s) ['parms']; a layout has the sections {SECTIONS_TEXT} "
+        "(params and compute are the usual two)",
+    ),
+    ({"params": "fsdp"}, LayoutError, "s.yaml: section 'params' must map logical axes to mesh axes; got 'fsdp'"),
+    (
+        {"grads": "locl"},
+        LayoutError,
+        "s.yaml: section 'grads' must map logical axes to mesh axes (or the string 'local'); got 'locl'",
+    ),
+    (
+        {"params": {"em bed": "fsdp"}},
+        AxisError,
+        "s.yaml: params.em bed: 'em bed' is not a logical axis name (an identifier such as 'embed')",
+    ),
+    ({"params": {"embed": 3}}, LayoutError, "s.yaml: params.embed: expected a mesh axis or a list of mesh axes, got 3"),
+    (
+        {"compute": {"embed": ["fsdp", 2]}},
+        LayoutError,
+        "s.yaml: compute.embed: expected a mesh axis or a list of mesh axes, got ['fsdp', 2]",
+    ),
+    (
+        {"optimizer": {"embed": "fdsp"}},
+        AxisError,
+        "s.yaml: optimizer.embed: unknown mesh axis 'fdsp'. Mesh axes are dp, fsdp, tp, cp, pp, ep (outer -> inner).",
+    ),
+    (
+        {"params": {"embed": ["fsdp", "fsdp"]}},
+        LayoutError,
+        "s.yaml: params.embed: mesh axis listed twice in ['fsdp', 'fsdp']",
+    ),
+    (
+        {"params": {"embed": ["tp", "fsdp"]}},
+        LayoutError,
+        "s.yaml: params.embed: mesh axes ['tp', 'fsdp'] are not in canonical outer -> inner order; "
+        "write ['fsdp', 'tp'] (see NOTE [shard order] in meshlm/layout.py)",
+    ),
+]
+
+
+@pytest.mark.parametrize("data,cls,text", PARSE_ERRORS)
+def test_parse_layout_errors_in_full(data, cls, text):
+    with pytest.raises(cls) as e:
+        parse_layout(data, source="s.yaml")
+    assert str(e.value) == text
+
+
+def test_parse_layout_defaults_and_value_forms():
+    """Missing grads and optimizer sections are "as params" (None), missing params and
+    compute are empty; a mesh axis, a list, and nothing (null or []) are the value forms."""
+    empty = parse_layout(None)
+    assert (empty.name, empty.source, empty.description) == ("<dict>", "<dict>", "")
+    assert (empty.params, empty.compute, empty.grads, empty.optimizer) == ({}, {}, None, None)
+    lay = parse_layout({"params": {"embed": "fsdp", "mlp": ["fsdp", "tp"], "heads": None, "vocab": []}})
+    assert lay.params == {"embed": ("fsdp",), "mlp": ("fsdp", "tp"), "heads": (), "vocab": ()}
+    assert lay.grads is None and lay.optimizer is None
+    assert lay.grad_rules == lay.params and lay.optimizer_rules == lay.params
+    with pytest.raises(LayoutError, match="^<dict>: unknown section"):
+        parse_layout({"param": {}})
+
+
+def test_resolve_allow_mesh_and_two_yielding_dims():
+    """``allow_mesh`` keeps only the mesh axes it names; two sequence dims on one mesh axis
+    do not yield to each other (NOTE [sequence yields]): the axis is used twice."""
+    rules, mesh = {"embed": ("fsdp", "tp"), "seq": ("tp",), "kv_seq": ("tp",)}, {"fsdp": 2, "tp": 2}
+    assert resolve(("embed",), rules, mesh, allow_mesh=("tp",)) == (("tp",),)
+    assert resolve(("embed",), rules, mesh, allow_mesh=()) == ((),)
+    assert resolve(("embed",), rules, mesh) == (("fsdp", "tp"),)
+    with pytest.raises(
+        LayoutError, match=r"^tensor: mesh axis 'tp' is used twice, by dim 0 \(seq\) and dim 1 \(kv_seq\)"
+    ):
+        resolve(("seq", "kv_seq"), rules, mesh)
+
+
+def test_resolve_errors_with_the_default_labels():
+    """A caller that names neither the tensor, the section nor the layout gets "tensor",
+    "compute" and "layout" in the error, and the whole fix."""
+    rules, mesh = {"embed": ("fsdp",), "mlp": ("fsdp",)}, {"fsdp": 2}
+    with pytest.raises(LayoutError) as e:
+        resolve(("mlp", "embed"), rules, mesh)
+    assert str(e.value) == (
+        "tensor: mesh axis 'fsdp' is used twice, by dim 0 (mlp) and dim 1 (embed), under layout: compute.mlp "
+        "and compute.embed. A mesh axis can shard one dim of a tensor only: map one of these logical axes to "
+        "another mesh axis or to nothing."
+    )
+    with pytest.raises(LayoutError) as e:
+        resolve(("embed",), rules, mesh, shape=(3,))
+    assert str(e.value) == (
+        "tensor axis 'embed' (size 3) is not divisible by mesh axis fsdp (size 2) in layout: compute.embed. Use a "
+        "mesh whose fsdp size divides 3, or map 'embed' to another mesh axis (or to nothing) in that layout."
+    )
+    with pytest.raises(LayoutError) as e:  # over two mesh axes: 4 rows of 6 do not divide
+        resolve(("batch",), {"batch": ("dp", "fsdp")}, {"dp": 2, "fsdp": 2}, shape=(6,))
+    assert str(e.value) == (
+        "tensor axis 'batch' (size 6) is not divisible by mesh axis dp (size 2) x fsdp (size 2) in layout: "
+        "compute.batch. Use a mesh whose dp/fsdp size divides 6, or map 'batch' to another mesh axis (or to "
+        "nothing) in that layout."
+    )
+    with pytest.raises(LayoutError) as e:
+        resolve(("embed",), rules, mesh, shape=(4, 2))
+    assert str(e.value) == "tensor: 1 logical axes ('embed',) for a tensor of 2 dims (4, 2)"
+    with pytest.raises(AxisError, match=r"^tensor: unknown logical axis 'embd' \(did you mean 'embed'\?\)"):
+        resolve(("embd",), rules, mesh)
+
+
 def test_non_canonical_list_order(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("compute:\n  batch: [fsdp, dp]\n")
@@ -125,8 +301,22 @@ def test_non_canonical_list_order(tmp_path):
 
 
 def test_unknown_layout_name_lists_shipped():
-    with pytest.raises(LayoutError, match="Shipped layouts: .*fsdp_tp"):
+    with pytest.raises(LayoutError) as e:
         load_layout("fsdp_pt")
+    names = shipped_layouts()
+    assert "fsdp_tp" in names
+    assert str(e.value) == (
+        f"unknown layout 'fsdp_pt'. Shipped layouts: {', '.join(names)}. "
+        "Pass one of those names or a path to a YAML file."
+    )
+
+
+def test_a_layout_files_header_comment_is_its_description(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("# mine: two lines\n#of description\nparams: {}  # not this\n#\n")
+    lay = load_layout(str(p))
+    assert lay.description == "mine: two lines\nof description"
+    assert (lay.name, lay.source) == ("mine", str(p))
 
 
 def test_mesh_axis_used_twice_in_one_tensor():

@@ -32,3 +32,15 @@ def test_list_names_every_layout_and_its_file(tmp_path, monkeypatch, capsys):
     assert f"{'ddp':<{w}}  {mine / 'ddp.yaml'}\n{'':<{w}}  my own ddp." in out
     assert f"{'fsdp_tp':<{w}}  {SHIPPED / 'fsdp_tp.yaml'}\n{'':<{w}}  2-D parallelism" in out
     assert "layout.name=NAME" in out
+
+
+def test_layout_dirs_without_the_variable(monkeypatch):
+    """Unset (or empty) ``MESHLM_LAYOUTS``: an installed meshlm's ``meshlm/layouts``, then a
+    checkout's ``layouts/``, and nothing else."""
+    pkg = Path(__file__).resolve().parents[2] / "meshlm"
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv("MESHLM_LAYOUTS", raising=False)
+        else:
+            monkeypatch.setenv("MESHLM_LAYOUTS", value)
+        assert layout_dirs() == [pkg / "layouts", SHIPPED]

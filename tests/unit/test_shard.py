@@ -14,6 +14,7 @@ lead to are tests/unit/test_blocks.py's, test_local_root.py's and tests/dist/'s.
 
 from __future__ import annotations
 
+import importlib
 from typing import ClassVar
 
 import pytest
@@ -245,6 +246,18 @@ def test_blocks_and_the_root():
     assert not hasattr(model.pair, "_meshlm_use") and model.pair.b.gain.placements == (R,)
 
 
+@pytest.mark.parametrize("layout,calls", [("fsdp", 3), ("ddp", 0), ("zero2", 0)])
+def test_the_compile_conduit_is_allowed_only_for_regathering_buckets(monkeypatch, layout, calls):
+    """Dynamo's side effects under checkpoint are allowed (``allow_conduit_under_checkpoint``,
+    a process-wide setting) only when a block both re-gathers and has a bucket: under fsdp
+    (two Mlp and the Pair), never under a layout that keeps parameters whole."""
+    shard_mod = importlib.import_module("meshlm.lowering.shard")  # the module: the package exports the function
+    seen = []
+    monkeypatch.setattr(shard_mod, "allow_conduit_under_checkpoint", lambda: seen.append(1))
+    _sharded(layout, {"dp": 2} if layout == "ddp" else {"fsdp": 2})
+    assert len(seen) == calls
+
+
 def test_a_seeded_meta_model_is_one_devices_init():
     """The default: a meta model is initialised from seed 0, as ``init_params(model, 0)``."""
     want = Lm()
@@ -253,6 +266,21 @@ def test_a_seeded_meta_model_is_one_devices_init():
     got = {n: p.to_local() for n, p in model.named_parameters()}
     for n, p in want.named_parameters():
         torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_init_false_draws_nothing(monkeypatch):
+    """``init=False`` (the shards are about to be loaded into): no ``init_weights`` runs, and
+    every shard is still allocated, of its local shape."""
+    calls = []
+    for cls in (Lm, Mlp, Norm):
+        monkeypatch.setattr(cls, "init_weights", lambda self, gen, cls=cls: calls.append(cls.__name__))
+    model, _ = _sharded(init=False)
+    assert calls == []
+    seeded, _ = _sharded()
+    assert sorted(set(calls)) == ["Lm", "Mlp", "Norm"]  # the spies see a seeded shard's draws
+    want = {n: p.to_local().shape for n, p in seeded.named_parameters()}
+    assert {n: p.to_local().shape for n, p in model.named_parameters()} == want
+    assert not any(p.to_local().is_meta for p in model.parameters())
 
 
 def test_mixed_precision_state():
