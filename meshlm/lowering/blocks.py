@@ -20,6 +20,7 @@ from meshlm import _torch_compat as compat
 from meshlm import bucket, rng
 from meshlm.annotate import outer_blocks
 from meshlm.axes import DATA_AXES
+from meshlm.lowering import atuse
 from meshlm.lowering.params import pure_data_parallel
 from meshlm.lowering.policies import keep_constraints, regather_context, regather_context_local
 from meshlm.lowering.state import ShardState
@@ -69,8 +70,13 @@ def block_forward(self, *args, **kwargs):
     spec: BlockSpec = self._meshlm_block
     b = bucket.BUCKETS[spec.key] if spec.key is not None else None
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    # Plain tensors in: the root runs on local rows (NOTE [local root]), and so does the block.
-    plain = spec.local and len(tensors) > 0 and not any(isinstance(a, DTensor) for a in tensors)
+    # Plain tensors in (or none, called inside the local root): the root runs on local rows
+    # (NOTE [local root]), and so does the block.
+    plain = (
+        spec.local
+        and (len(tensors) > 0 or atuse.LOCAL_ROOT[0] > 0)
+        and not any(isinstance(a, DTensor) for a in tensors)
+    )
     local = plain or (spec.local and len(tensors) > 0 and all(bucket.batch_sharded(a, b.sizes) for a in tensors))
     # Under train's activation checkpointing (eager), that checkpoint already recomputes
     # the block, its gathers included, in backward: the block neither frees nor nests a

@@ -644,3 +644,52 @@ def test_a_grad_dtype_equal_to_the_storage_dtype_keeps_grads_in_grad(monkeypatch
     model = meshlm.shard(copy.deepcopy(ref), layout, mesh, grad_dtype=torch.float32)
     _step(model, ref, mesh)
     assert [n for n, p in model.named_parameters() if getattr(p, "main_grad", None) is not None] == []
+
+
+@meshlm.block
+class Pos(nn.Module):
+    """A block called without arguments: it makes a tensor from its parameter alone."""
+
+    param_axes: ClassVar = {"p": ("seq", "embed")}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.p = nn.Parameter(torch.empty(SEQ, D, device=device))
+
+    def init_weights(self, gen):
+        nn.init.normal_(self.p, generator=gen)
+
+    def forward(self):
+        return self.p * 2.0
+
+
+class PosNet(nn.Module):
+    input_axes: ClassVar = {"x": ("batch", "seq", "embed")}
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.pos = Pos(device)
+
+    def forward(self, x):
+        return meshlm.reduce_batch((x + self.pos()).pow(2).mean(), "mean")
+
+
+@pytest.mark.parametrize("layout,mesh_shape", [("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2})])
+def test_a_block_without_tensor_inputs_runs_in_the_local_root(monkeypatch, layout, mesh_shape):
+    """A block given no tensor, inside the local root, runs on local tensors like the root
+    (it gave the root a DTensor before: a raw DTensor error in the user's forward), with one
+    device's loss and gradient; called outside any root it still computes under DTensor."""
+    ref = PosNet()
+    meshlm.init_params(ref, 0)
+    make_periodic(ref, plan_params(PosNet(device="meta"), meshlm.load_layout(layout), mesh_shape), mesh_shape)
+    mesh = fake_mesh(mesh_shape)
+    patch_replicas(monkeypatch)
+    model = meshlm.shard(copy.deepcopy(ref), layout, mesh)
+    x = torch.randn(ROWS, SEQ, D, generator=torch.Generator().manual_seed(4))
+    want = ref(torch.cat([x] * mesh.size()))
+    want.backward()
+    got = model(x)
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=tol.LOSS_RTOL, atol=0)
+    got.backward()
+    _assert_grads(model, ref, mesh)
+    assert isinstance(model.pos(), DTensor)
