@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable, Mapping, Sequence
+from typing import Callable, ClassVar, Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 
@@ -259,3 +259,22 @@ def make_periodic(model, plans, sizes) -> None:
                 k = math.prod(sizes[a] for a in axes)
                 if k > 1:
                     p.copy_(torch.cat([p.narrow(d, 0, p.shape[d] // k)] * k, d))
+
+
+class Gain(nn.Module):
+    """A test module with one parameter over the ``embed`` axis, applied elementwise (a
+    norm's weight): whole in compute under every shipped layout, gathered only where storage
+    shards ``embed``.  The shard, block and local-root unit tests subclass it to name its
+    role."""
+
+    param_axes: ClassVar = {"gain": ("embed",)}
+
+    def __init__(self, width: int, device=None):
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(width, device=device))
+
+    def init_weights(self, gen):
+        nn.init.uniform_(self.gain, 0.5, 1.5, generator=gen)
+
+    def forward(self, x):
+        return x * self.gain

@@ -39,7 +39,7 @@ from meshlm.lower import plan_params
 from meshlm.lowering import blocks, shard_state
 from meshlm.lowering.blocks import BlockSpec, block_spec, kept_gathers, submodule, whole_in_compute
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import fake_mesh, make_periodic, patch_replicas
+from meshlm.testing.simworld import Gain, fake_mesh, make_periodic, patch_replicas
 
 V, D, H = 16, 8, 12  # vocab, width, hidden
 ROWS, SEQ = 2, 3  # this rank's rows
@@ -141,6 +141,20 @@ def _pair(monkeypatch, layout, mesh_shape, rank=0, p=0.0):
     mesh = fake_mesh(mesh_shape, rank)
     patch_replicas(monkeypatch)
     return ref, meshlm.shard(copy.deepcopy(ref), layout, mesh), mesh
+
+
+def _spy(monkeypatch, note):
+    """What ``note(x, kwargs)`` gives at each call of the user's block forward (``x``: its
+    first argument), read before the forward runs."""
+    seen: list = []
+    orig = Layer.forward
+
+    def spy(self, x, *a, **k):
+        seen.append(note(x, k))
+        return orig(self, x, *a, **k)
+
+    monkeypatch.setattr(Layer, "forward", spy)
+    return seen
 
 
 def _gathers(monkeypatch):
@@ -296,20 +310,8 @@ def test_block_spec_under_tensor_parallel():
 
 
 @meshlm.block
-class Gain(nn.Module):
+class GainBlock(Gain):
     """A block whose one parameter is whole in compute under every shipped layout."""
-
-    param_axes: ClassVar = {"g": ("embed",)}
-
-    def __init__(self, device=None):
-        super().__init__()
-        self.g = nn.Parameter(torch.empty(D, device=device))
-
-    def init_weights(self, gen):
-        nn.init.normal_(self.g, generator=gen)
-
-    def forward(self, x):
-        return x * self.g
 
 
 def test_a_block_of_whole_parameters_runs_local_under_data_parallel_layouts_only():
@@ -322,7 +324,7 @@ def test_a_block_of_whole_parameters_runs_local_under_data_parallel_layouts_only
         ("fsdp_tp", {"fsdp": 2, "tp": 2}, False, (0,)),
     ):
         holder = nn.Module()
-        holder.gain = Gain(device="meta")
+        holder.gain = GainBlock(D, device="meta")
         model = meshlm.shard(
             holder, layout, fake_mesh(shape), param_dtype=bf16, compute_dtype=bf16, reduce_dtype=f32, grad_dtype=f32
         )
@@ -373,14 +375,7 @@ def test_a_block_given_one_tensor_runs_on_local_rows(monkeypatch, layout, mesh_s
     """Blocks called with one tensor (``gate=None``) under the local root: one device's
     numbers, the block's forward given this rank's rows as a plain tensor."""
     ref, model, mesh = _pair(monkeypatch, layout, mesh_shape)
-    seen = []
-    orig = Layer.forward
-
-    def spy(self, x, *a, **k):
-        seen.append(type(x))
-        return orig(self, x, *a, **k)
-
-    monkeypatch.setattr(Layer, "forward", spy)
+    seen = _spy(monkeypatch, lambda x, k: type(x))
     inputs = dict(_inputs(), gate=None)
     want = ref(**_global({k: v for k, v in inputs.items() if v is not None}, mesh.size()), gate=None)
     want.backward()
@@ -453,14 +448,7 @@ def test_block_dropout_rows_in_the_local_root(monkeypatch):
     """Under the local root each rank's dropout is drawn for its rows of the global batch:
     rank 1's outputs are one device's second half."""
     ref, model, mesh = _pair(monkeypatch, "ddp", {"dp": 2}, rank=1, p=0.3)
-    seen = []
-    orig = Layer.forward
-
-    def spy(self, *a, **k):
-        seen.append(rng._ROWS[0])
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(Layer, "forward", spy)
+    seen = _spy(monkeypatch, lambda x, k: rng._ROWS[0])
     torch.manual_seed(3)
     model(**_inputs())
     assert seen == [(1, 2), (1, 2)]
@@ -514,9 +502,7 @@ def test_one_output_one_tensor_and_a_number(monkeypatch, outer):
     want.pow(2).sum().backward()
     log = _gathers(monkeypatch)
     Layer.calls[0] = 0
-    seen = []
-    orig = Layer.forward
-    monkeypatch.setattr(Layer, "forward", lambda self, x, *a, **k: seen.append(type(x)) or orig(self, x, *a, **k))
+    seen = _spy(monkeypatch, lambda x, k: type(x))
     got = model.l0(_dt(x[:ROWS], mesh, (Shard(0),)), 0.5, gate=None)
     assert set(seen) == {torch.Tensor}, seen  # NOTE [local blocks]: the rows, not the DTensor
     assert isinstance(got, DTensor) and got.placements == (Shard(0),) and got.shape == want.shape
@@ -560,14 +546,7 @@ def test_recompute_keeps_the_rows_for_dropout(monkeypatch):
     rank's rows (NOTE [dropout keys]): checked on rank 1, in forward and in backward."""
     monkeypatch.setattr(blocks, "EAGER_REGATHER", "recompute")
     ref, model, mesh = _pair(monkeypatch, "fsdp", {"fsdp": 2}, rank=1, p=0.3)
-    seen = []
-    orig = Layer.forward
-
-    def spy(self, *a, **k):
-        seen.append((rng._ROWS[0], compat.in_backward()))
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(Layer, "forward", spy)
+    seen = _spy(monkeypatch, lambda x, k: (rng._ROWS[0], compat.in_backward()))
     torch.manual_seed(3)
     model(**_inputs()).backward()
     assert seen == [((1, 2), False)] * 2 + [((1, 2), True)] * 2
@@ -580,11 +559,7 @@ def test_without_buckets_a_regathering_block_runs(monkeypatch):
     numbers are tests/dist/'s.)"""
     mesh = fake_mesh({"fsdp": 2})
     model = meshlm.shard(Net(device="meta"), "fsdp", mesh, bucket=False)
-    gates = []
-    orig = Layer.forward
-    monkeypatch.setattr(
-        Layer, "forward", lambda self, x, *a, **k: gates.append(k.get("gate")) or orig(self, x, *a, **k)
-    )
+    gates = _spy(monkeypatch, lambda x, k: k.get("gate"))
     Layer.calls[0] = 0
     out = model(**_inputs())
     assert out.shape == () and Layer.calls[0] == 2

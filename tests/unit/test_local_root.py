@@ -35,7 +35,7 @@ from meshlm.lower import plan_params
 from meshlm.lowering import shard_state
 from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
 from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import SimWorld, fake_mesh, make_periodic, patch_replicas
+from meshlm.testing.simworld import Gain, SimWorld, fake_mesh, make_periodic, patch_replicas
 
 V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
 ROWS, SEQ = 4, 5  # this rank's rows
@@ -59,20 +59,8 @@ class Mix(nn.Module):
         return x + F.linear(F.gelu(F.linear(x, self.up)), self.down)
 
 
-class Scale(nn.Module):
+class Scale(Gain):
     """A root parameter owned by a submodule (outside every block)."""
-
-    param_axes: ClassVar = {"gain": ("embed",)}
-
-    def __init__(self, device=None):
-        super().__init__()
-        self.gain = nn.Parameter(torch.empty(D, device=device))
-
-    def init_weights(self, gen):
-        nn.init.uniform_(self.gain, 0.5, 1.5, generator=gen)
-
-    def forward(self, x):
-        return x * self.gain
 
 
 class Opaque:
@@ -89,7 +77,7 @@ class Classifier(nn.Module):
         self.mode, self.p = mode, p
         self.emb = nn.Parameter(torch.empty(V, D, device=device))
         self.mix = Mix(device)
-        self.scale = Scale(device)
+        self.scale = Scale(D, device)
         self.head = nn.Parameter(torch.empty(C, D, device=device))
         self.bias = nn.Parameter(torch.empty(C, device=device))
 

@@ -30,24 +30,14 @@ from meshlm.lowering import blocks, root, shard_state
 from meshlm.lowering.atuse import _AT_USE
 from meshlm.lowering.shard import sharded_class
 from meshlm.mesh import MeshSpec
-from meshlm.testing.simworld import fake_mesh
+from meshlm.testing.simworld import Gain, fake_mesh
 
 V, D, H = 16, 8, 12
 R = Replicate()
 
 
-class Norm(nn.Module):
-    param_axes: ClassVar = {"gain": ("embed",)}
-
-    def __init__(self, device=None):
-        super().__init__()
-        self.gain = nn.Parameter(torch.empty(D, device=device))
-
-    def init_weights(self, gen):
-        nn.init.uniform_(self.gain, 0.5, 1.5, generator=gen)
-
-    def forward(self, x):
-        return x * self.gain
+class Norm(Gain):
+    """A norm's weight, inside a block or outside every block."""
 
 
 @meshlm.block
@@ -56,7 +46,7 @@ class Mlp(nn.Module):
 
     def __init__(self, device=None):
         super().__init__()
-        self.norm = Norm(device)
+        self.norm = Norm(D, device)
         self.up = nn.Parameter(torch.empty(H, D, device=device))
         self.down = nn.Parameter(torch.empty(D, H, device=device))
 
@@ -82,7 +72,7 @@ class Pair(nn.Module):
 
     def __init__(self, device=None):
         super().__init__()
-        self.a, self.b = Norm(device), Norm(device)
+        self.a, self.b = Norm(D, device), Norm(D, device)
 
     def forward(self, x):
         return self.b(self.a(x))
@@ -108,7 +98,7 @@ class Lm(nn.Module):
         self.act = Act()
         self.blocks = nn.ModuleList([Mlp(device), Mlp(device)])
         self.pair = Pair(device)
-        self.final = Norm(device)
+        self.final = Norm(D, device)
         self.head = Head(self.emb)
         self.aux = Head(self.emb)  # a second tie of the embedding
 
@@ -300,10 +290,10 @@ def test_mixed_precision_state():
 
 def test_a_model_without_blocks_and_buckets_off_runs_under_dtensor():
     mesh = fake_mesh({"dp": 2})
-    model = meshlm.shard(Norm(device="meta"), "ddp", mesh, bucket=False)
+    model = meshlm.shard(Norm(D, device="meta"), "ddp", mesh, bucket=False)
     assert shard_state(model).root is None
     mesh = fake_mesh({"dp": 2})
-    model = meshlm.shard(Norm(device="meta"), "ddp", mesh)
+    model = meshlm.shard(Norm(D, device="meta"), "ddp", mesh)
     assert shard_state(model).root is not None
 
 
