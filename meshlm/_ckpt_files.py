@@ -5,6 +5,7 @@ across ranks.  Below ``checkpoint.py`` (saving, the Checkpointer) and ``_ckpt_lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -175,3 +176,11 @@ def _masters(optimizer: Any) -> dict[str, Tensor]:
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "inner", optimizer)
+
+
+def _resident(optimizer: Any):
+    """A context in which ``optimizer``'s offloaded masters and state are in memory, for a
+    save or load that reads or writes them all (NOTE [offloaded step] in
+    meshlm/offload/optimizer.py); a no-op for an optimizer without offload."""
+    resident = getattr(optimizer, "resident", None)
+    return resident() if resident is not None else contextlib.nullcontext()

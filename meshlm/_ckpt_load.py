@@ -25,6 +25,7 @@ from meshlm._ckpt_files import (
     _masters,
     _params,
     _rank,
+    _resident,
     _world,
     read_meta,
     resolve_path,
@@ -170,9 +171,6 @@ def load_checkpoint(
     """Load checkpoint ``path`` into ``model`` (and ``optimizer``) in place, under whatever
     layout and mesh they are sharded with now; return the saved ``extra`` dict.  Collective.
     Raises :class:`CheckpointError` (on every rank) for a bad or mismatched checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     path = resolve_path(path)
     rank, world = _rank(), _world()
     # rank 0 reads meta.json; each rank verifies every world-th file; all agree before DCP runs
@@ -193,6 +191,25 @@ def load_checkpoint(
         names = sorted(meta.get("files", {}))
         part = {"files": {n: meta["files"][n] for i, n in enumerate(names) if i % world == rank}}
         _agree(verify_checkpoint(path, part))
+    with _resident(optimizer):  # offloaded optimizer state is loaded into memory, then moved out again
+        blob = _load_tensors(path, meta, model, optimizer)
+    if restore_rng and meta.get("world_size") == world:
+        f = os.path.join(path, "rng", f"rank{rank}.pt")
+        if os.path.isfile(f):
+            rng = torch.load(f, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+    extra = dict(blob.get("extra", {}))
+    extra.setdefault("step", meta.get("step"))
+    return extra
+
+
+def _load_tensors(path: str, meta: dict, model: nn.Module, optimizer: Any) -> dict:
+    """Load the checkpoint's tensors into ``model`` and ``optimizer``; return extra.pt's dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
     err = None
     try:
         md = _read_dcp_metadata(path)
@@ -214,16 +231,7 @@ def load_checkpoint(
         ) from None
     if optimizer is not None:
         _restore_groups(path, optimizer, blob)
-    if restore_rng and meta.get("world_size") == world:
-        f = os.path.join(path, "rng", f"rank{rank}.pt")
-        if os.path.isfile(f):
-            rng = torch.load(f, weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
-    extra = dict(blob.get("extra", {}))
-    extra.setdefault("step", meta.get("step"))
-    return extra
+    return blob
 
 
 def _restore_groups(path: str, optimizer: Any, blob: dict) -> None:

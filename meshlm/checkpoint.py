@@ -67,6 +67,7 @@ from meshlm._ckpt_files import (  # noqa: F401 (re-exported: meshlm.checkpoint i
     _masters,
     _params,
     _rank,
+    _resident,
     _step_dir,
     _tmp_dir,
     _world,
@@ -191,8 +192,10 @@ def save_checkpoint(
         except CheckpointError as e:
             err = str(e)
     _agree(err)
-    sd, opt_extra = _tensor_state(model, optimizer)
-    dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
+    with _resident(optimizer):
+        sd, opt_extra = _tensor_state(model, optimizer)
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
+    del sd
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()

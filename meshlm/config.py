@@ -149,6 +149,19 @@ class PipelineConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """``offload``: the memory tier (device | host | disk) of each kind of training state,
+    over the layout's own ``offload`` section (null: the layout's, else device); NOTE
+    [offload tiers] in meshlm/offload/__init__.py."""
+
+    optimizer: Optional[str] = None  #: optimizer state and master weights; the step runs chunk by chunk
+    grads: Optional[str] = None  #: gradients (device only, for now)
+    params: Optional[str] = None  #: parameters between uses (device only, for now)
+    activations: Optional[str] = None  #: tensors autograd saves for backward
+    dir: Optional[str] = None  #: the disk tier's directory; null = <run dir>/offload
+
+
+@dataclass
 class RunConfig:
     """The whole run; each component receives only its own section."""
 
@@ -160,6 +173,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict :func:`from_dict` takes back (the model node in its YAML form)."""
@@ -307,6 +321,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _choice("plan.format", cfg.plan.format, ("text", "json"))
     _check_pipeline(cfg.pipeline)
+    offload_spec(cfg, None)
     _choice("data.format", cfg.data.format, FORMATS)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
@@ -316,6 +331,18 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
+
+
+def offload_spec(cfg: RunConfig, layout: Any):
+    """The run's offload tiers: ``layout``'s offload section (a meshlm Layout, or None) with
+    the ``offload.*`` settings over it, checked (ConfigError naming the key)."""
+    from meshlm.offload.spec import resolve_offload
+
+    given = dataclasses.asdict(cfg.offload)
+    spec = resolve_offload(getattr(layout, "offload", None), given)
+    from_layout = {k: f"{layout.source}: offload" for k, v in given.items() if v is None and layout is not None}
+    spec.check_supported(from_layout)
+    return spec
 
 
 # checkpoint.resume is null (start fresh), auto (the latest complete checkpoint in

@@ -12,6 +12,10 @@ A layout has up to four sections, each a mapping ``logical axis -> mesh axis | [
 ``optimizer``  where the optimizer state and the update live (default: ``grads``, or
                ``params`` when grads are local).
 
+and, apart from these, an ``offload`` section: which memory tier (``device``, ``host``,
+``disk``) each kind of training state lives on (NOTE [offload tiers] in
+meshlm/offload/__init__.py); the run's ``offload.*`` settings override it.
+
 Mesh axes that the mesh lacks or that have size 1 drop out, so one layout serves 1..N
 devices.  ``resolve`` is pure Python: strings in, strings out.
 
@@ -35,7 +39,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import yaml
 
@@ -43,6 +47,7 @@ from meshlm.axes import MESH_AXES, Axes, check_logical, check_mesh
 from meshlm.errors import AxisError, LayoutError
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
+OFFLOAD = "offload"  # the memory-tier section (meshlm/offload/spec.py), not axis rules
 YIELDING_AXES = ("seq", "kv_seq")
 #: Mesh axes that split the *input* token ids.  Ranks that differ only in other mesh axes
 #: (tp, pp, ep) read the same examples: tensor parallel needs every token id of its batch.
@@ -64,6 +69,8 @@ class Layout:
     grads: "dict[str, tuple[str, ...]] | str | None" = None
     optimizer: "dict[str, tuple[str, ...]] | None" = None
     description: str = ""
+    #: the ``offload`` section (a meshlm.offload.OffloadSpec; None: every state on the device)
+    offload: Any = None
 
     @property
     def grad_rules(self) -> "Rules | str":
@@ -158,12 +165,17 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         raise LayoutError(
             f"{source}: a layout is a mapping with sections {', '.join(SECTIONS)}; got {type(data).__name__}"
         )
-    unknown = set(data) - set(SECTIONS)
+    unknown = set(data) - set(SECTIONS) - {OFFLOAD}
     if unknown:
         raise LayoutError(
             f"{source}: unknown section(s) {sorted(unknown)}; a layout has the sections "
-            f"{', '.join(SECTIONS)} (params and compute are the usual two)"
+            f"{', '.join(SECTIONS)} (params and compute are the usual two) and {OFFLOAD}"
         )
+    offload = None
+    if data.get(OFFLOAD) is not None:
+        from meshlm.offload.spec import parse_offload
+
+        offload = parse_offload(data[OFFLOAD], f"{source}: {OFFLOAD}", LayoutError)
     secs: dict[str, object] = {}
     for sec in SECTIONS:
         raw = data.get(sec)
@@ -214,6 +226,7 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         grads=secs["grads"],
         optimizer=secs["optimizer"],
         description=description,
+        offload=offload,
     )  # type: ignore[arg-type]
 
 

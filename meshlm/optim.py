@@ -44,6 +44,7 @@ NOTE [optimizer chunks]
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional, Sequence
 
@@ -69,6 +70,7 @@ class ShardedOptimizer:
         master_dtype: Optional[torch.dtype] = None,
         *,
         bucket_mb: Optional[float] = None,
+        offload: Any = None,
         **kwargs: Any,
     ):
         if bucket_mb is not None and not bucket_mb > 0:
@@ -119,6 +121,13 @@ class ShardedOptimizer:
         self._local_step = not whole
         self._locals: dict[int, nn.Parameter] = {}
         self._wrapped: dict[tuple[int, str], Tensor] = {}  # (id(master), state key) -> DTensor state
+        # offload: a meshlm.offload.Swapper for masters and state (NOTE [offloaded step])
+        self.offload = None
+        if offload is not None:
+            from meshlm.offload.optimizer import OptimizerOffload
+
+            self.offload = OptimizerOffload(self, offload)
+            self.offload.swap_out(self.offload.pairs())
 
     @property
     def param_groups(self):
@@ -187,9 +196,17 @@ class ShardedOptimizer:
                     g.mul_(coef)
             return total
 
+    def resident(self):
+        """A context in which offloaded masters and state are in memory (NOTE [offloaded
+        step]); a no-op without offload."""
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()
+
     def step(self) -> None:
         self.reduce_grads()
-        if self._local_step:
+        fresh = {}
+        if self.offload is not None:
+            fresh = self.offload.step()
+        elif self._local_step:
             self._step_local()
         else:
             self.inner.step()
@@ -198,7 +215,8 @@ class ShardedOptimizer:
             for (_fqn, p, m), key in zip(self._pairs, self._keys):
                 if m is p:
                     continue
-                new = m.detach().to(p.dtype)
+                new = fresh.pop(id(m), None)
+                new = m.detach().to(p.dtype) if new is None else new
                 if tuple(new.placements) != tuple(p.placements):
                     pending.append((p, new))
                     keys.append(key)

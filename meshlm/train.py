@@ -162,7 +162,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         meshlm.compile.compile_blocks(model, t.compile, comms=comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/precision.py)
-    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py): checked, and the disk's room, before any step
+    offload = _offload(cfg, layout, run_dir, rank)
+    opt = ShardedOptimizer(
+        model,
+        torch.optim.AdamW,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        weight_decay=t.weight_decay,
+        offload=offload.optimizer if offload else None,
+    )
     if pipe is not None:
         opt.norm_groups = [pipe.group]  # the other stages' gradients count in the norm
     scaler = LossScaler() if t.param_dtype == "float16" else None
@@ -191,7 +200,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     log.info("config: %s", json.dumps(cfg.to_dict()))
     for w in eff.problems():
         log.warning(w)
-    planned = None if pipelined else planned_memory(cfg, layout.name, sizes)
+    planned = None if pipelined else planned_memory(cfg, layout.source, sizes)  # a user layout: its path
     writer = None
     if is_main:
         print(header, flush=True)
@@ -202,6 +211,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     if start >= t.steps:
         life.close()
+        if offload is not None:
+            offload.close()
         msg = lifecycle.nothing_to_do(start, t.steps, life)
         log.info(msg)
         if is_main:
@@ -209,6 +220,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(f"meshlm train: {msg}", flush=True)
         return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
+    if offload is not None:
+        log.info("offload: %s%s", offload.spec.label(), f" (swap files in {offload.disk.path})" if offload.disk else "")
     bar = _progress_bar(t, start, life) if is_main else None
     prof = None
     comm_bytes: Optional[int] = None
@@ -223,6 +236,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         passes = pipe.passes(loader.next, device)
     else:
         passes = accumulate(model, loader.next, t, cfg.model, device, rank)
+    if offload is not None:
+        passes = offload.wrap(passes)
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
         compat.record_cuda_memory_history(True, max_entries=100_000)
@@ -286,6 +301,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         }
         if step == measure_step:
             row.update({f"mem_{k}_bytes": v for k, v in mem_kinds.items()})
+        if offload is not None:
+            row.update(offload.stats(opt))
         if not rows_written:
             row["layout_effective"] = eff.label()
         rows_written += 1
@@ -315,6 +332,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if bar is not None:
         bar.close()
     life.close()
+    if offload is not None:
+        offload.close()
     if t.memory_snapshot and device.type == "cuda":
         compat.dump_cuda_memory_snapshot(str(run_dir / f"memory_snapshot_rank{rank}.pickle"))
         compat.record_cuda_memory_history(False)
@@ -353,6 +372,19 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
+
+
+def _offload(cfg: RunConfig, layout, run_dir: Path, rank: int):
+    """This rank's offload tiers (meshlm.offload.runtime.Offload), or None when every kind
+    of state stays on the device."""
+    from meshlm.config import offload_spec
+
+    spec = offload_spec(cfg, layout)
+    if not spec.active:
+        return None
+    from meshlm.offload.runtime import Offload
+
+    return Offload(spec, run_dir, rank)
 
 
 def _progress_bar(t: TrainConfig, start: int, life):
@@ -395,6 +427,8 @@ def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> N
 
         ErrorHandler().record_exception(e)
         sys.stdout.flush()
+        if "meshlm.offload.store" in sys.modules:  # os._exit skips atexit: remove this rank's swap files
+            sys.modules["meshlm.offload.store"].close_all()
         os._exit(1)  # skip atexit/PG teardown, which could wait on ranks that are gone
     finally:
         if dist.is_initialized():

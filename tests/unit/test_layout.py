@@ -190,7 +190,23 @@ PARSE_ERRORS = [
         {"parms": {}},
         LayoutError,
         f"s.yaml: unknown section(s) ['parms']; a layout has the sections {SECTIONS_TEXT} "
-        "(params and compute are the usual two)",
+        "(params and compute are the usual two) and offload",
+    ),
+    (
+        {"offload": {"optimzer": "disk"}},
+        LayoutError,
+        "s.yaml: offload.optimzer: not a kind of state; offload takes optimizer, grads, params, activations, dir",
+    ),
+    (
+        {"offload": {"optimizer": "nvme"}},
+        LayoutError,
+        "s.yaml: offload.optimizer='nvme' is not a tier; choose one of: device, host, disk",
+    ),
+    (
+        {"offload": "disk"},
+        LayoutError,
+        "s.yaml: offload: an offload section maps kinds of state (optimizer, grads, params, activations) to a "
+        "tier; got 'disk'",
     ),
     ({"params": "fsdp"}, LayoutError, "s.yaml: section 'params' must map logical axes to mesh axes; got 'fsdp'"),
     (

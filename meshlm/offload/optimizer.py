@@ -1,0 +1,139 @@
+"""Optimizer state and master weights on another tier, stepped chunk by chunk.
+
+NOTE [offloaded step]
+    With ``offload.optimizer`` on ``host`` or ``disk``, each master that is a tensor of its
+    own (fp32 masters of bf16 parameters; the copies ZeRO-1/2 make) and every optimizer
+    state tensor except the step counters live on that tier between steps (NOTE [swapped
+    storage] in meshlm/offload/store.py).  ``ShardedOptimizer.step`` then runs the torch
+    optimizer one chunk at a time, in the chunks of its flat collectives (one per block,
+    NOTE [optimizer chunks] in meshlm/optim.py): the chunk's state is swapped in, the
+    chunk's masters are stepped (on the host of a CPU-only machine, where the state lives),
+    the parameters' new values are taken, and the state is swapped out before the next
+    chunk comes in, so at most one block's optimizer state is in memory at once.  The
+    optimizer's first step creates the state; it goes to the tier as soon as its chunk is
+    stepped.
+
+    Stepping chunk by chunk is the same arithmetic as one call over all parameters: the
+    elementwise optimizers' update of a tensor does not depend on which others are updated
+    in the same call (per tensor step counts and bias corrections), so an offloaded run's
+    weights equal the same run's without offload bit for bit (tests/test_offload.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterable
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from meshlm import _torch_compat as compat
+from meshlm.offload.store import Swapper
+
+
+def _plain(t: Tensor) -> Tensor:
+    return compat.local_tensor(t) if isinstance(t, DTensor) else t
+
+
+class OptimizerOffload:
+    """The swapped part of a ``ShardedOptimizer``'s memory (NOTE [offloaded step])."""
+
+    def __init__(self, opt, swapper: Swapper, states_per_master: int = 2):
+        self.opt = opt
+        self.swapper = swapper
+        self._resident = 0  # depth of resident() contexts
+        self.step_seconds = 0.0  # wall time of the optimizer's arithmetic in offloaded steps (no transfers)
+        if swapper.disk is not None:  # a full disk fails here, before any step (and any file)
+            swapper.disk.need(self.nbytes(states_per_master), "offload.optimizer=disk (optimizer state and masters)")
+
+    def nbytes(self, states_per_master: int = 2) -> int:
+        """This rank's bytes of what moves: each master that is a tensor of its own, and
+        ``states_per_master`` state tensors of its size (AdamW's exp_avg and exp_avg_sq),
+        made or not yet."""
+        total = 0
+        for p, m in self.pairs():
+            local = _plain(m)
+            own = m is not p and not _shares(local, _plain(p))
+            total += local.numel() * local.element_size() * (states_per_master + own)
+        return total
+
+    def tensors(self, pms: Iterable) -> list[Tensor]:
+        """The plain tensors that hold the memory of these (param, master) pairs' masters and
+        optimizer state (the step counters, 0-dim, stay)."""
+        out = []
+        state = self.opt.inner.state
+        for p, m in pms:
+            if m is not p and not _shares(_plain(m), _plain(p)):  # a view of p holds no memory
+                out.append(_plain(m))
+            for v in state.get(m, {}).values():
+                if torch.is_tensor(v) and v.ndim > 0:
+                    out.append(_plain(v))
+        return out
+
+    def swap_in(self, pms) -> None:
+        for t in self.tensors(pms):
+            self.swapper.swap_in(t)
+
+    def swap_out(self, pms) -> None:
+        if self._resident:
+            return
+        for t in self.tensors(pms):
+            self.swapper.swap_out(t)
+
+    def pairs(self) -> list:
+        return [(p, m) for _f, p, m in self.opt._pairs]
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Everything swapped in (a checkpoint save or load reads or writes it all), and out
+        again afterwards, including state created meanwhile."""
+        self.swap_in(self.pairs())
+        self._resident += 1
+        try:
+            yield
+        finally:
+            self._resident -= 1
+            self.swap_out(self.pairs())
+
+    def step(self) -> dict:
+        """Step chunk by chunk; returns ``{id(master): new value in the parameter's dtype}``
+        for the masters that are tensors of their own (read while they are swapped in)."""
+        opt = self.opt
+        chunks: dict = {}
+        for (_f, p, m), key in zip(opt._pairs, opt._keys):
+            chunks.setdefault(key, []).append((p, m))
+        fresh = {}
+        for pms in chunks.values():
+            self.swap_in(pms)
+            t0 = time.perf_counter()
+            with _only(opt.inner, {id(m) for _p, m in pms}):
+                if opt._local_step:
+                    opt._step_local()
+                else:
+                    opt.inner.step()
+            with torch.no_grad():
+                for p, m in pms:
+                    if m is not p:
+                        fresh[id(m)] = m.detach().to(p.dtype, copy=True)
+            self.step_seconds += time.perf_counter() - t0
+            self.swap_out(pms)
+        return fresh
+
+
+def _shares(a: Tensor, b: Tensor) -> bool:
+    return compat.storage_key(a.untyped_storage()) == compat.storage_key(b.untyped_storage())
+
+
+@contextlib.contextmanager
+def _only(inner: torch.optim.Optimizer, ids: set):
+    """The optimizer's param groups narrowed to the parameters in ``ids``."""
+    saved = [g["params"] for g in inner.param_groups]
+    for g in inner.param_groups:
+        g["params"] = [q for q in g["params"] if id(q) in ids]
+    try:
+        yield
+    finally:
+        for g, ps in zip(inner.param_groups, saved):
+            g["params"] = ps

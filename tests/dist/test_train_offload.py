@@ -1,0 +1,144 @@
+"""``meshlm train`` with offload, as a user runs it (subprocesses, 2 processes on fsdp=2):
+
+- a layout file's ``offload`` section (optimizer state and saved activations on disk) gives
+  the same loss and gradient-norm curve as the same run without offload, bit for bit, and
+  leaves no swap file behind; the metrics say what moved;
+- a run that crashes mid-run (``train.inject_crash_step``) removes its swap files, and
+  resumes from its checkpoint with or without offload, with the losses of the run that
+  never stopped;
+- a bad ``offload.dir`` or an unsupported kind stops before any training step, naming the
+  key, with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from meshlm.testing.tolerances import INVARIANCE_RTOL
+
+from test_train_cli import TINY, _metrics, meshlm
+
+RUN = [*TINY, "mesh=fsdp2", "train.steps=4", "train.seed=1"]
+
+
+def _curve(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in _metrics(run_dir)]
+
+
+def _swap_files(base: Path) -> list[str]:
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file()) if base.exists() else []
+
+
+def test_a_layouts_offload_section_trains_like_no_offload(tmp_path):
+    lay = tmp_path / "fsdp_disk.yaml"
+    lay.write_text(
+        "params:\n  embed: [dp, fsdp]\ncompute:\n  batch: [dp, fsdp]\n"
+        "offload:\n  optimizer: disk\n  activations: disk\n"
+    )
+    ref = meshlm("train", *RUN, "layout=fsdp", f"hydra.run.dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    off = meshlm("train", *RUN, f"layout.name={lay}", f"hydra.run.dir={tmp_path / 'off'}")
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert _curve(tmp_path / "off") == _curve(tmp_path / "ref")  # the same arithmetic, bit for bit
+    rows = _metrics(tmp_path / "off")
+    # from the second step on, the whole optimizer state comes in and goes out once a step
+    per_step = [b["offload_optimizer_in_bytes"] - a["offload_optimizer_in_bytes"] for a, b in zip(rows, rows[1:])]
+    assert len(set(per_step)) == 1 and per_step[0] > 0
+    assert all(r["offload_activations_bytes"] > 0 for r in rows)
+    assert rows[-1]["offload_disk_bytes"] == per_step[0]  # what is on disk between steps
+    assert _swap_files(tmp_path / "off" / "offload") == []  # removed at the end of the run
+    assert "offload: optimizer=disk,activations=disk" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
+
+
+def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path):
+    ck = ["checkpoint.every=2", "layout=fsdp"]
+    ref = meshlm("train", *RUN, *ck, f"checkpoint.dir={tmp_path / 'ck_ref'}", f"hydra.run.dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref")}
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    for resume_offload, name in ((["offload.optimizer=disk", f"offload.dir={swap}"], "with"), ([], "without")):
+        ckdir = tmp_path / f"ck_{name}"
+        crash = meshlm(
+            "train",
+            *RUN,
+            *ck,
+            "offload.optimizer=disk",
+            f"offload.dir={swap}",
+            f"checkpoint.dir={ckdir}",
+            "train.inject_crash_step=3",
+            "train.inject_crash_rank=1",
+            f"hydra.run.dir={tmp_path / name}",
+        )
+        assert crash.returncode != 0 and "injected crash on rank 1 at step 3" in crash.stderr, crash.stderr[-3000:]
+        assert _swap_files(swap) == [], "the crashed run left swap files"
+        res = meshlm(
+            "train",
+            *RUN,
+            *ck,
+            *resume_offload,
+            f"checkpoint.dir={ckdir}",
+            "checkpoint.resume=auto",
+            f"hydra.run.dir={tmp_path / (name + '_resumed')}",
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "resumed from step 2" in res.stdout
+        got = {r["step"]: r["loss"] for r in _metrics(tmp_path / (name + "_resumed"))}
+        assert got == {3: want[3], 4: want[4]}, name  # the state came back from disk exactly
+        assert _swap_files(swap) == []
+
+
+def test_an_offloaded_checkpoint_resumes_under_another_layout(tmp_path):
+    ref = meshlm("train", *RUN, "layout=zero2", "mesh=dp2", f"hydra.run.dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    saved = meshlm(
+        "train",
+        *RUN,
+        "layout=fsdp",
+        "train.steps=2",
+        "offload.optimizer=disk",
+        "checkpoint.every=2",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        f"hydra.run.dir={tmp_path / 'a'}",
+    )
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    res = meshlm(
+        "train",
+        *RUN,
+        "layout=zero2",
+        "mesh=dp2",
+        "offload.optimizer=disk",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "checkpoint.resume=auto",
+        f"hydra.run.dir={tmp_path / 'b'}",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref")}
+    got = {r["step"]: r["loss"] for r in _metrics(tmp_path / "b")}
+    assert sorted(got) == [3, 4]
+    for s in got:  # another layout reduces in another order: the invariance tolerance
+        assert math.isclose(got[s], want[s], rel_tol=INVARIANCE_RTOL), (s, got[s], want[s])
+
+
+def test_bad_offload_input_stops_before_any_step(tmp_path):
+    missing = tmp_path / "no" / "such"
+    r = meshlm(
+        "train",
+        *RUN,
+        "layout=fsdp",
+        "offload.optimizer=disk",
+        f"offload.dir={missing}",
+        f"hydra.run.dir={tmp_path / 'a'}",
+    )
+    assert r.returncode != 0
+    assert f"offload.dir={str(missing)!r} does not exist; create it" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "a" / "metrics.jsonl").exists() or _metrics(tmp_path / "a") == []
+    assert not missing.exists()
+    r = meshlm("train", *RUN, "layout=fsdp", "offload.params=disk", f"hydra.run.dir={tmp_path / 'b'}", timeout=60)
+    assert r.returncode != 0 and "offload.params=disk: meshlm cannot offload parameters" in r.stderr
+    assert not (tmp_path / "b" / "logs").exists()  # refused by the launcher, before any worker started
+    summary = tmp_path / "a" / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text()).get("steps_run", 0) == 0
