@@ -55,6 +55,11 @@ def compile_blocks(
     if comms not in COMPILE_COMMS:
         raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMPILE_COMMS)}")
     _check_main_grads(model, comms)
+    if any("_meshlm_param_offload" in m.__dict__ for m in model.modules()):
+        raise ValueError(
+            "compile_blocks: the blocks' parameters are offloaded already (offload.params); compile the blocks "
+            "first, then offload (NOTE [offloaded parameters] in meshlm/offload/params.py)"
+        )
     n = 0
     bodies: dict = {}  # one compiled body per block class, shared by its layers
     for m in model.modules():

@@ -26,6 +26,7 @@ COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
 COMPILE_COMMS = ("graph", "eager")  # meshlm.compile.compile_blocks(comms=...): NOTE [compiled body]
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
 
 
 @dataclass
@@ -85,6 +86,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  #: max global gradient norm; 0 disables clipping
+    #: AdamW's implementation: auto (torch's default; fused when the optimizer state is
+    #: offloaded and the step runs on the CPU) | for_loop | foreach | fused
+    optimizer_impl: str = "auto"
     #: dtype parameters are used in (compute); storage, gradients and optimizer state stay
     #: float32 (NOTE [mixed precision] in meshlm/precision.py); float16 adds loss scaling
     param_dtype: str = "float32"
@@ -155,8 +159,8 @@ class OffloadConfig:
     [offload tiers] in meshlm/offload/__init__.py."""
 
     optimizer: Optional[str] = None  #: optimizer state and master weights; the step runs chunk by chunk
-    grads: Optional[str] = None  #: gradients (device only, for now)
-    params: Optional[str] = None  #: parameters between uses (device only, for now)
+    grads: Optional[str] = None  #: gradients (device only)
+    params: Optional[str] = None  #: each block's parameters between uses (prefetched ahead of use)
     activations: Optional[str] = None  #: tensors autograd saves for backward
     dir: Optional[str] = None  #: the disk tier's directory; null = <run dir>/offload
 
@@ -304,6 +308,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("train.param_dtype", t.param_dtype, DTYPES)
     _choice("train.device", t.device, DEVICES)
     _choice("train.reduce_dtype", t.reduce_dtype, DTYPES)
+    _choice("train.optimizer_impl", t.optimizer_impl, OPTIMIZER_IMPLS)
     for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "val_batches"):
         if getattr(t, k) < 1:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 1")

@@ -14,6 +14,14 @@ NOTE [local step]
     more than the arithmetic.  ``inner.state`` stays keyed by the DTensor masters with
     DTensor values (checkpoints see no difference).
 
+NOTE [fused and views]
+    torch's fused optimizers on the CPU (``AdamW(fused=True)``, torch 2.11-2.13) step a
+    tensor that is not contiguous as if it were: they write outside the view and leave it
+    wrong.  A ZeRO-1/2 master that is a view of the parameter's block along an inner dim
+    (NOTE [optimizer chunks]) is such a tensor, so under a fused optimizer
+    ``_step_local`` steps a contiguous copy of it and writes the result back into the view
+    (tests/unit/test_optim_step.py).
+
 NOTE [whole-tensor step]
     An optimizer not known to be elementwise (a factored or matrix one: Adafactor's row and
     column statistics, Muon's orthogonalisation, Shampoo) needs each parameter whole: a
@@ -71,6 +79,7 @@ class ShardedOptimizer:
         *,
         bucket_mb: Optional[float] = None,
         offload: Any = None,
+        offload_params: Any = None,
         **kwargs: Any,
     ):
         if bucket_mb is not None and not bucket_mb > 0:
@@ -121,12 +130,13 @@ class ShardedOptimizer:
         self._local_step = not whole
         self._locals: dict[int, nn.Parameter] = {}
         self._wrapped: dict[tuple[int, str], Tensor] = {}  # (id(master), state key) -> DTensor state
-        # offload: a meshlm.offload.Swapper for masters and state (NOTE [offloaded step])
+        # offload: a meshlm.offload.store.Swapper for masters and state (NOTE [offloaded step]);
+        # offload_params: a meshlm.offload.params.ParamOffload, whose blocks the step moves too
         self.offload = None
-        if offload is not None:
+        if offload is not None or offload_params is not None:
             from meshlm.offload.optimizer import OptimizerOffload
 
-            self.offload = OptimizerOffload(self, offload)
+            self.offload = OptimizerOffload(self, offload, offload_params)
             self.offload.swap_out(self.offload.pairs())
 
     @property
@@ -233,18 +243,26 @@ class ShardedOptimizer:
         self._ready = False
 
     def _step_local(self) -> None:
-        """``inner.step()`` on local tensors (NOTE [local step])."""
+        """``inner.step()`` on local tensors (NOTE [local step]; NOTE [fused and views])."""
         inner = self.inner
         swapped = []
+        copies = []  # (contiguous copy stepped, the master's local view it goes back into)
         for group in inner.param_groups:
             swapped.append(group["params"])
             local_params = []
             for m in group["params"]:
-                lp = self._locals.get(id(m))
-                if lp is None or where(lp.data) != where(compat.local_tensor(m)):
-                    lp = self._locals[id(m)] = nn.Parameter(compat.local_tensor(m), requires_grad=m.requires_grad)
+                loc = compat.local_tensor(m)
                 g = m.grad
-                lp.grad = None if g is None else (compat.local_tensor(g) if isinstance(g, DTensor) else g)
+                g = None if g is None else (compat.local_tensor(g) if isinstance(g, DTensor) else g)
+                if group.get("fused") and not loc.is_contiguous():
+                    lp = nn.Parameter(loc.contiguous(), requires_grad=m.requires_grad)
+                    copies.append((lp, loc))
+                    g = None if g is None else g.contiguous()
+                else:
+                    lp = self._locals.get(id(m))
+                    if lp is None or where(lp.data) != where(loc):
+                        lp = self._locals[id(m)] = nn.Parameter(loc, requires_grad=m.requires_grad)
+                lp.grad = g
                 st = inner.state.pop(m, None)
                 if st:
                     inner.state[lp] = {
@@ -254,6 +272,9 @@ class ShardedOptimizer:
             group["params"] = local_params
         try:
             inner.step()
+            with torch.no_grad():
+                for lp, loc in copies:
+                    loc.copy_(lp)
         finally:
             for group, masters in zip(inner.param_groups, swapped):
                 for lp, m in zip(group["params"], masters):

@@ -139,6 +139,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     is_main = rank == 0
     clock.mark("process_group")
     _setup_logging(run_dir, rank)
+    # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py), checked before any step; made before
+    # the model, since a disk tier sets how freed memory goes back to the system (offload.runtime.return_freed_memory)
+    offload = _offload(cfg, layout, run_dir, rank)
     if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -162,15 +165,15 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         meshlm.compile.compile_blocks(model, t.compile, comms=comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/precision.py)
-    # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py): checked, and the disk's room, before any step
-    offload = _offload(cfg, layout, run_dir, rank)
     opt = ShardedOptimizer(
         model,
         torch.optim.AdamW,
         lr=t.lr,
         betas=(t.beta1, t.beta2),
         weight_decay=t.weight_decay,
+        **_adamw_impl(t, offload, device),
         offload=offload.optimizer if offload else None,
+        offload_params=offload.attach(model) if offload else None,
     )
     if pipe is not None:
         opt.norm_groups = [pipe.group]  # the other stages' gradients count in the norm
@@ -238,6 +241,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         passes = accumulate(model, loader.next, t, cfg.model, device, rank)
     if offload is not None:
         passes = offload.wrap(passes)
+        offload.trim()  # what the optimizer and the blocks moved out, back to the system now
     t_start = time.perf_counter()
     if t.memory_snapshot and device.type == "cuda":
         compat.record_cuda_memory_history(True, max_entries=100_000)
@@ -382,9 +386,25 @@ def _offload(cfg: RunConfig, layout, run_dir: Path, rank: int):
     spec = offload_spec(cfg, layout)
     if not spec.active:
         return None
+    if spec.params != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
+        raise ConfigError(
+            f"offload.params={spec.params} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
+            "offload parameters inside pipeline stages yet; offload the optimizer state (offload.optimizer) or "
+            "activations instead, or use a layout without pp"
+        )
     from meshlm.offload.runtime import Offload
 
     return Offload(spec, run_dir, rank)
+
+
+def _adamw_impl(t: TrainConfig, offload, device: torch.device) -> dict[str, bool]:
+    """torch.optim.AdamW's implementation keywords for ``train.optimizer_impl``; auto: fused
+    where the offloaded step runs on the CPU (the offloaded state's arithmetic is then the
+    step's cost: benchmarks/offload_memory.py), else torch's default."""
+    impl = t.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if offload is not None and offload.optimizer is not None and device.type == "cpu" else ""
+    return {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})
 
 
 def _progress_bar(t: TrainConfig, start: int, life):

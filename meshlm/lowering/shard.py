@@ -143,6 +143,23 @@ def sharded_class(cls: type, names: tuple[str, ...], block: bool, tied: tuple[st
     return _CLASSES[key]
 
 
+def variant_class(cls: type, **attrs) -> type:
+    """``cls`` (a module's class after lowering) with ``attrs`` added, made as a sibling of a
+    sharded class rather than a subclass, so that the user's class stays at ``__mro__[1]``
+    (where block_forward and compile_blocks find its forward); one class per (cls, attrs)."""
+    key = (cls, tuple(sorted(attrs.items())))
+    if key not in _VARIANTS:
+        sharded = cls in _CLASSES.values()
+        base = cls.__mro__[1] if sharded else cls
+        own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")} if sharded else {}
+        own.update(__module__=cls.__module__, __qualname__=cls.__qualname__, **attrs)
+        _VARIANTS[key] = type(cls.__name__, (base,), own)
+    return _VARIANTS[key]
+
+
+_VARIANTS: dict[tuple, type] = {}  # (class, added attributes) -> variant_class's class
+
+
 def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:
     names = set(mesh.mesh_dim_names or ())
     spec = mesh_spec(mesh).as_dict()

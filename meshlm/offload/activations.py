@@ -14,8 +14,8 @@ NOTE [offloaded activations]
       between forward and backward the saved activations take no memory.
 
     Not moved: tensors smaller than ``min_bytes`` (64 KiB; a file per bias-sized tensor
-    costs more than it saves), parameters (leaves that require grad: they are in memory
-    anyway) and views with gaps (a slice of a larger tensor: its base stays in memory
+    costs more than it saves), parameters and views of them (a matmul saves ``weight.t()``:
+    in memory anyway) and views with gaps (a slice of a larger tensor: its base stays in memory
     anyway).  A moved tensor comes back with its own strides (a transpose stays one: a
     compiled block's backward reads saved tensors with the strides it traced).  A DTensor moves its local tensor and is rebuilt with the same placements.
     Backward reads exactly the bytes forward saved, so gradients are unchanged bit for bit
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -45,7 +46,7 @@ class _File:
     """A saved activation's file, deleted when autograd drops what it saved (after backward
     has used it: backward may unpack one saved tensor more than once)."""
 
-    __slots__ = ("path",)
+    __slots__ = ("path", "__weakref__")
 
     def __init__(self, path: str):
         self.path = path
@@ -55,6 +56,19 @@ class _File:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+def stays(t: Tensor, local: Tensor, min_bytes: int = MIN_BYTES) -> bool:
+    """Whether saved tensor ``t`` (``local``: its local tensor) stays where it is (NOTE
+    [offloaded activations]): small, a parameter or a view of one, meta, or with gaps."""
+    nbytes = local.numel() * local.element_size()
+    return nbytes < min_bytes or _is_param(t) or local.device.type == "meta" or not _dense(local)
+
+
+def _is_param(t: Tensor) -> bool:
+    """A parameter or a view of one (a matmul saves ``weight.t()``): in memory anyway."""
+    base = t if t._base is None else t._base
+    return base.requires_grad and base.grad_fn is None
 
 
 def _dense(t: Tensor) -> bool:
@@ -78,28 +92,37 @@ class ActivationOffload:
         self._ids = itertools.count()
         self.moved_bytes = 0  # bytes handed to the tier (each also fetched back once)
         self.kept = 0  # saved tensors left where they were (small, or parameters)
+        # id(tensor) -> (weakref to it, its version, weakref to its payload, layout): a tensor
+        # saved again while its first copy is alive shares that copy
+        self._seen: dict[int, tuple] = {}
         if disk is not None:
             self.dir = disk.path / "activations"
             self.dir.mkdir(exist_ok=True)
 
+    @contextlib.contextmanager
     def context(self):
         """The hooks as a context manager; a no-op where the tier moves nothing."""
         if self.tier == "device" or (self.tier == "host" and not torch.cuda.is_available()):
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            yield
+            return
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._seen.clear()
 
     def pack(self, t: Tensor):
         local = compat.local_tensor(t) if isinstance(t, DTensor) else t
         nbytes = local.numel() * local.element_size()
-        if (
-            nbytes < self.min_bytes
-            or (t.requires_grad and t.grad_fn is None)
-            or local.device.type == "meta"
-            or not _dense(local)
-        ):
+        if nbytes < self.min_bytes or _is_param(t) or local.device.type == "meta" or not _dense(local):
             self.kept += 1
             return ("kept", t)
         spec = (t.device_mesh, tuple(t.placements), t.shape, t.stride()) if isinstance(t, DTensor) else None
+        seen = self._seen.get(id(local))  # one tensor saved by several ops (q, k and v read one input)
+        if seen is not None and seen[0]() is local and seen[1] == local._version:
+            payload = seen[2]()
+            if payload is not None:
+                return (self.tier, payload, seen[3], spec, t.requires_grad)
         self.moved_bytes += nbytes
         # the copy keeps the saved tensor's strides: a compiled backward reads them as saved
         layout = (tuple(local.shape), local.stride(), local.dtype, local.device)
@@ -107,6 +130,7 @@ class ActivationOffload:
             if self.tier == "host":
                 payload = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, pin_memory=True)
                 payload.copy_(local, non_blocking=True)
+                self._seen[id(local)] = (weakref.ref(local), local._version, weakref.ref(payload), layout)
                 return ("host", payload, layout, spec, t.requires_grad)
             path = str(self.dir / f"a{next(self._ids)}.bin")
             data = local.detach()
@@ -114,7 +138,9 @@ class ActivationOffload:
                 data = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype).copy_(local)
             with open(path, "wb") as f:
                 f.write(_bytes(data))
-            return ("disk", _File(path), layout, spec, t.requires_grad)
+            file = _File(path)
+            self._seen[id(local)] = (weakref.ref(local), local._version, weakref.ref(file), layout)
+            return ("disk", file, layout, spec, t.requires_grad)
 
     def unpack(self, packed) -> Tensor:
         kind = packed[0]
@@ -128,9 +154,15 @@ class ActivationOffload:
             with open(payload.path, "rb") as f:
                 f.readinto(_bytes(local))
             local = local if device.type == "cpu" else local.to(device, non_blocking=True)
-        if spec is None:
-            return local
-        mesh, placements, shape, stride = spec
-        with torch.no_grad():
-            out = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-        return out.requires_grad_(rg) if rg and out.is_leaf else out
+        return rebuild(local, spec, rg)
+
+
+def rebuild(local: Tensor, spec, requires_grad: bool) -> Tensor:
+    """A saved tensor back from its local tensor: as is (``spec`` None), or the DTensor of
+    ``spec`` (mesh, placements, global shape and stride) around it."""
+    if spec is None:
+        return local
+    mesh, placements, shape, stride = spec
+    with torch.no_grad():
+        out = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return out.requires_grad_(requires_grad) if requires_grad and out.is_leaf else out

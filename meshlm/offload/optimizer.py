@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
+from meshlm.errors import ConfigError
 from meshlm.offload.store import Swapper
 
 
@@ -40,12 +41,22 @@ def _plain(t: Tensor) -> Tensor:
 class OptimizerOffload:
     """The swapped part of a ``ShardedOptimizer``'s memory (NOTE [offloaded step])."""
 
-    def __init__(self, opt, swapper: Swapper, states_per_master: int = 2):
+    def __init__(self, opt, swapper: Optional[Swapper], params=None, states_per_master: int = 2):
         self.opt = opt
-        self.swapper = swapper
+        self.swapper = swapper  # masters and state (None: on the device)
+        self.params = params  # a ParamOffload (NOTE [offloaded parameters] in params.py), or None
         self._resident = 0  # depth of resident() contexts
         self.step_seconds = 0.0  # wall time of the optimizer's arithmetic in offloaded steps (no transfers)
-        if swapper.disk is not None:  # a full disk fails here, before any step (and any file)
+        if params is not None:
+            copies = [f for f, p, m in opt._pairs if params.manages(p) and m is not p]
+            if copies:
+                raise ConfigError(
+                    f"offload.params={params.swapper.tier}: the optimizer keeps a copy of parameter `{copies[0]}` "
+                    f"(and {len(copies) - 1} more): ZeRO-1/2 masters or float32 masters of lower-precision storage, "
+                    "which offloaded parameters cannot be refreshed from chunk by chunk. Use a layout that updates "
+                    "parameters in place (ddp, fsdp, hsdp, tp, fsdp_tp, ...) or offload.optimizer only"
+                )
+        if swapper is not None and swapper.disk is not None:  # a full disk fails here, before any step
             swapper.disk.need(self.nbytes(states_per_master), "offload.optimizer=disk (optimizer state and masters)")
 
     def nbytes(self, states_per_master: int = 2) -> int:
@@ -73,14 +84,22 @@ class OptimizerOffload:
         return out
 
     def swap_in(self, pms) -> None:
-        for t in self.tensors(pms):
-            self.swapper.swap_in(t)
+        if self.swapper is not None:
+            for t in self.tensors(pms):
+                self.swapper.swap_in(t)
+        if self.params is not None:
+            for t in self.params.tensors(p for p, _m in pms):
+                self.params.swapper.swap_in(t)
 
     def swap_out(self, pms) -> None:
         if self._resident:
             return
-        for t in self.tensors(pms):
-            self.swapper.swap_out(t)
+        if self.swapper is not None:
+            for t in self.tensors(pms):
+                self.swapper.swap_out(t)
+        if self.params is not None:  # the step has written them: written out again
+            for t in self.params.tensors(p for p, _m in pms):
+                self.params.swapper.swap_out(t)
 
     def pairs(self) -> list:
         return [(p, m) for _f, p, m in self.opt._pairs]

@@ -4,6 +4,7 @@ hooks, the disk-space check, and what moved (for metrics and the run summary).""
 
 from __future__ import annotations
 
+import ctypes
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -24,6 +25,23 @@ def shared_run_id() -> str:
     return box[0]
 
 
+#: glibc's mallopt parameter M_MMAP_THRESHOLD, and the size from which meshlm asks for it
+M_MMAP_THRESHOLD, MMAP_FROM = -3, 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make glibc serve allocations of 1 MiB and more with their own memory mappings, so
+    that the memory of a storage swapped out to disk goes back to the operating system when
+    it is freed.  By default glibc raises that threshold as large blocks are freed, and then
+    keeps them in its heap: the process's resident set would not shrink by what the disk
+    tier holds (measured: benchmarks/offload_memory.py, docs/offload.md).  True if set (on
+    glibc; elsewhere nothing happens)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_FROM))
+    except (OSError, AttributeError):
+        return False
+
+
 class Offload:
     """The tiers of one rank.  ``optimizer``: the ``Swapper`` to hand to ``ShardedOptimizer``
     (None: on the device); ``wrap(passes)``: the step's forward and backward under the
@@ -41,8 +59,29 @@ class Offload:
                     "state), or leave offload.dir=null for <run dir>/offload"
                 )
             self.disk = SwapDir(base, rank, run_id=run_id or shared_run_id())
+            return_freed_memory()
         self.optimizer = Swapper(spec.optimizer, self.disk) if spec.optimizer != "device" else None
+        self.params = None  # a ParamOffload, once attach() has met the model
         self.activations = ActivationOffload(spec.activations, self.disk) if spec.activations != "device" else None
+
+    def trim(self) -> None:
+        """Give the heap's free memory back to the system (glibc's ``malloc_trim``): the
+        storages swapped out before ``return_freed_memory`` took effect were in the heap."""
+        if self.disk is not None:
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass
+
+    def attach(self, model) -> Any:
+        """Put ``model``'s block parameters on the params tier (after the blocks are
+        compiled: NOTE [offloaded parameters]); returns the ParamOffload for
+        ``ShardedOptimizer(offload_params=...)``, or None without it."""
+        if self.spec.params != "device":
+            from meshlm.offload.params import ParamOffload
+
+            self.params = ParamOffload(model, Swapper(self.spec.params, self.disk))
+        return self.params
 
     def wrap(self, passes: Callable) -> Callable:
         """``passes`` run under the activation tier's saved-tensor hooks (unchanged without)."""
@@ -67,6 +106,9 @@ class Offload:
             out["offload_optimizer_transfer_s"] = self.optimizer.seconds_in + self.optimizer.seconds_out
             if opt is not None and opt.offload is not None:
                 out["offload_optimizer_step_s"] = opt.offload.step_seconds
+        if self.params is not None:
+            out["offload_params_in_bytes"] = self.params.swapper.bytes_in
+            out["offload_params_prefetched_blocks"] = self.params.prefetched
         if self.activations is not None:
             out["offload_activations_bytes"] = self.activations.moved_bytes
         if self.disk is not None:
@@ -74,5 +116,7 @@ class Offload:
         return out
 
     def close(self) -> None:
+        if self.params is not None:
+            self.params.close()
         if self.disk is not None:
             self.disk.close()

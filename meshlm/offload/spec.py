@@ -10,8 +10,7 @@ A layout may carry an ``offload`` section mapping a kind of state to a tier::
 and the run's ``offload.<kind>=<tier>`` settings override it kind by kind, so an offload
 composes with any layout from the command line.  ``resolve_offload`` merges the two and
 checks every value; ``OffloadSpec.check_supported`` refuses, before any training step,
-what meshlm cannot offload (parameters and gradients stay on the device, for now), naming
-the key.
+what meshlm cannot offload (gradients stay on the device), naming the key.
 """
 
 from __future__ import annotations
@@ -57,24 +56,14 @@ class OffloadSpec:
     def check_supported(self, origin: Optional[Mapping[str, str]] = None) -> None:
         """Raise ConfigError for a kind meshlm cannot put on the tier asked for; ``origin``
         maps a kind to where its value was set (default ``offload``, the run's settings)."""
-        where = dict(origin or {})
-        for kind in ("params", "grads"):
-            tier = getattr(self, kind)
-            if tier == "device":
-                continue
-            key = f"{where.get(kind, 'offload')}.{kind}={tier}"
-            if kind == "params":
-                raise ConfigError(
-                    f"{key}: meshlm cannot offload parameters between uses yet (they stay on the device, "
-                    "sharded as the layout's params section says). Shard them instead (layout=fsdp gathers each "
-                    "block's weights at use), or offload what can move: offload.optimizer=host|disk (optimizer "
-                    "state and master weights) and offload.activations=host|disk; set offload.params=device"
-                )
+        if self.grads != "device":
+            where = dict(origin or {}).get("grads", "offload")
             raise ConfigError(
-                f"{key}: meshlm keeps gradients on the device (the offloaded optimizer step reads each chunk's "
-                "gradients where backward reduced them, so moving them off would only move them back). To free "
-                "device memory offload the optimizer state (offload.optimizer=host|disk, 8-16 bytes a parameter "
-                "under AdamW) or activations (offload.activations=host|disk); set offload.grads=device"
+                f"{where}.grads={self.grads}: meshlm keeps gradients on the device (the offloaded optimizer step "
+                "reads each chunk's gradients where backward reduced them, so moving them off would only move them "
+                "back). To free device memory offload the optimizer state (offload.optimizer=host|disk, 8-16 bytes "
+                "a parameter under AdamW), the parameters (offload.params=host|disk) or activations "
+                "(offload.activations=host|disk); set offload.grads=device"
             )
 
 

@@ -34,7 +34,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -207,6 +207,8 @@ class Swapper:
         self.disk = disk
         self._host: dict[int, Tensor] = {}  # id(tensor) -> pinned host copy
         self._out: dict[int, int] = {}  # id(tensor) -> its storage's bytes, while swapped out
+        self._written: set[int] = set()  # id(tensor): has a copy on the tier
+        self._pending: dict[int, Any] = {}  # id(tensor) -> the future of a read started ahead of use
         self.bytes_out = 0  # bytes written to the tier (a step's traffic: out and back in)
         self.bytes_in = 0
         self.seconds_out = 0.0  # wall time spent moving them (the transfer part of an offloaded step)
@@ -219,40 +221,66 @@ class Swapper:
     def is_out(self, t: Tensor) -> bool:
         return id(t) in self._out
 
-    def swap_out(self, t: Tensor) -> None:
+    def swap_out(self, t: Tensor, clean: bool = False) -> None:
+        """Move ``t``'s bytes to the tier and free its storage.  ``clean``: the caller knows
+        ``t`` has not changed since it came in, so the copy on the tier (if any) is kept
+        and nothing is written (a parameter after its block's forward)."""
+        if id(t) in self._pending:  # read ahead and never used: it is in memory again
+            self.swap_in(t)
         if self.is_out(t) or not self.moves(t) or not owns_storage(t):
             return
         st = t.untyped_storage()
         nbytes = st.nbytes()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            if self.tier == "disk":
-                self.disk.write(t, t if t.device.type == "cpu" else t.cpu())
-            else:
-                h = self._host.get(id(t))
-                if h is None:
-                    h = self._host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                h.copy_(t)
+        if not (clean and id(t) in self._written):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if self.tier == "disk":
+                    self.disk.write(t, t if t.device.type == "cpu" else t.cpu())
+                else:
+                    h = self._host.get(id(t))
+                    if h is None:
+                        h = self._host[id(t)] = torch.empty(
+                            t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()
+                        )
+                    h.copy_(t)
+            self._written.add(id(t))
+            self.bytes_out += nbytes
+            self.seconds_out += time.perf_counter() - t0
         st.resize_(0)
         self._out[id(t)] = nbytes
-        self.bytes_out += nbytes
-        self.seconds_out += time.perf_counter() - t0
 
     def swap_in(self, t: Tensor) -> None:
-        nbytes = self._out.pop(id(t), None)
-        if nbytes is None:
-            return
+        """Bring ``t``'s bytes back into its storage (waiting for a read started by
+        ``swap_in_async``).  The bytes go in under ``.data``: a parameter that autograd saved
+        for backward keeps its version, so backward may read it (NOTE [offloaded parameters])."""
+        pending = self._pending.pop(id(t), None)
         t0 = time.perf_counter()
-        t.untyped_storage().resize_(nbytes)
-        with torch.no_grad():
-            if self.tier == "disk":
-                if t.device.type == "cpu":
-                    self.disk.read(t, t)
+        if pending is not None:
+            pending.result()
+            nbytes = self._out.pop(id(t))
+        else:
+            nbytes = self._out.pop(id(t), None)
+            if nbytes is None:
+                return
+            t.untyped_storage().resize_(nbytes)
+            with torch.no_grad():
+                if self.tier == "disk":
+                    if t.device.type == "cpu":
+                        self.disk.read(t, t)
+                    else:
+                        buf = torch.empty(t.shape, dtype=t.dtype)
+                        self.disk.read(t, buf)
+                        t.data.copy_(buf)
                 else:
-                    buf = torch.empty(t.shape, dtype=t.dtype)
-                    self.disk.read(t, buf)
-                    t.copy_(buf)
-            else:
-                t.copy_(self._host[id(t)], non_blocking=False)
+                    t.data.copy_(self._host[id(t)], non_blocking=False)
         self.bytes_in += nbytes
         self.seconds_in += time.perf_counter() - t0
+
+    def swap_in_async(self, t: Tensor, pool) -> bool:
+        """Start bringing ``t`` back in a thread of ``pool`` (a disk file into a CPU tensor;
+        ``swap_in`` waits for it); False when there is nothing to start."""
+        if id(t) not in self._out or id(t) in self._pending or self.tier != "disk" or t.device.type != "cpu":
+            return False
+        t.untyped_storage().resize_(self._out[id(t)])
+        self._pending[id(t)] = pool.submit(self.disk.read, t, t)
+        return True

@@ -1,6 +1,7 @@
 """``meshlm train`` with offload, as a user runs it (subprocesses, 2 processes on fsdp=2):
 
-- a layout file's ``offload`` section (optimizer state and saved activations on disk) gives
+- a layout file's ``offload`` section (optimizer state, block parameters and saved
+  activations on disk) gives
   the same loss and gradient-norm curve as the same run without offload, bit for bit, and
   leaves no swap file behind; the metrics say what moved;
 - a run that crashes mid-run (``train.inject_crash_step``) removes its swap files, and
@@ -20,7 +21,8 @@ from meshlm.testing.tolerances import INVARIANCE_RTOL
 
 from test_train_cli import TINY, _metrics, meshlm
 
-RUN = [*TINY, "mesh=fsdp2", "train.steps=4", "train.seed=1"]
+# one AdamW implementation for every run, so that runs with and without offload compare bit for bit
+RUN = [*TINY, "mesh=fsdp2", "train.steps=4", "train.seed=1", "train.optimizer_impl=fused"]
 
 
 def _curve(run_dir: Path) -> list[tuple]:
@@ -35,7 +37,7 @@ def test_a_layouts_offload_section_trains_like_no_offload(tmp_path):
     lay = tmp_path / "fsdp_disk.yaml"
     lay.write_text(
         "params:\n  embed: [dp, fsdp]\ncompute:\n  batch: [dp, fsdp]\n"
-        "offload:\n  optimizer: disk\n  activations: disk\n"
+        "offload:\n  optimizer: disk\n  activations: disk\n  params: disk\n"
     )
     ref = meshlm("train", *RUN, "layout=fsdp", f"hydra.run.dir={tmp_path / 'ref'}")
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -47,9 +49,12 @@ def test_a_layouts_offload_section_trains_like_no_offload(tmp_path):
     per_step = [b["offload_optimizer_in_bytes"] - a["offload_optimizer_in_bytes"] for a, b in zip(rows, rows[1:])]
     assert len(set(per_step)) == 1 and per_step[0] > 0
     assert all(r["offload_activations_bytes"] > 0 for r in rows)
-    assert rows[-1]["offload_disk_bytes"] == per_step[0]  # what is on disk between steps
+    assert all(r["offload_params_in_bytes"] > 0 and r["offload_params_prefetched_blocks"] > 0 for r in rows)
+    assert rows[-1]["offload_disk_bytes"] > per_step[0]  # optimizer state and block parameters
     assert _swap_files(tmp_path / "off" / "offload") == []  # removed at the end of the run
-    assert "offload: optimizer=disk,activations=disk" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
+    assert (
+        "offload: optimizer=disk,params=disk,activations=disk" in (tmp_path / "off" / "logs" / "rank0.log").read_text()
+    )
 
 
 def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path):
@@ -93,27 +98,12 @@ def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(t
 def test_an_offloaded_checkpoint_resumes_under_another_layout(tmp_path):
     ref = meshlm("train", *RUN, "layout=zero2", "mesh=dp2", f"hydra.run.dir={tmp_path / 'ref'}")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    saved = meshlm(
-        "train",
-        *RUN,
-        "layout=fsdp",
-        "train.steps=2",
-        "offload.optimizer=disk",
-        "checkpoint.every=2",
-        f"checkpoint.dir={tmp_path / 'ck'}",
-        f"hydra.run.dir={tmp_path / 'a'}",
-    )
+    # the same 4-step run (the same learning-rate schedule) under fsdp with its optimizer on disk
+    saved = meshlm("train", *RUN, "layout=fsdp", "offload.optimizer=disk", "checkpoint.every=2",
+                   f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'a'}")
     assert saved.returncode == 0, saved.stderr[-3000:]
-    res = meshlm(
-        "train",
-        *RUN,
-        "layout=zero2",
-        "mesh=dp2",
-        "offload.optimizer=disk",
-        f"checkpoint.dir={tmp_path / 'ck'}",
-        "checkpoint.resume=auto",
-        f"hydra.run.dir={tmp_path / 'b'}",
-    )
+    res = meshlm("train", *RUN, "layout=zero2", "mesh=dp2", "offload.optimizer=disk",
+                 f"checkpoint.resume={tmp_path / 'ck' / 'step_00000002'}", f"hydra.run.dir={tmp_path / 'b'}")
     assert res.returncode == 0, res.stderr[-3000:]
     want = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref")}
     got = {r["step"]: r["loss"] for r in _metrics(tmp_path / "b")}
@@ -137,8 +127,8 @@ def test_bad_offload_input_stops_before_any_step(tmp_path):
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "a" / "metrics.jsonl").exists() or _metrics(tmp_path / "a") == []
     assert not missing.exists()
-    r = meshlm("train", *RUN, "layout=fsdp", "offload.params=disk", f"hydra.run.dir={tmp_path / 'b'}", timeout=60)
-    assert r.returncode != 0 and "offload.params=disk: meshlm cannot offload parameters" in r.stderr
+    r = meshlm("train", *RUN, "layout=fsdp", "offload.grads=disk", f"hydra.run.dir={tmp_path / 'b'}", timeout=60)
+    assert r.returncode != 0 and "offload.grads=disk: meshlm keeps gradients on the device" in r.stderr
     assert not (tmp_path / "b" / "logs").exists()  # refused by the launcher, before any worker started
     summary = tmp_path / "a" / "summary.json"
     assert not summary.exists() or json.loads(summary.read_text()).get("steps_run", 0) == 0

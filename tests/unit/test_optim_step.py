@@ -128,3 +128,27 @@ def test_a_loaded_state_is_the_one_stepped_and_kept(mesh):
         assert torch.equal(m._local_tensor, r.detach()), step
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.inner.state[m][k]._local_tensor, ref_opt.state[r][k]), (step, k)
+
+
+def test_a_fused_optimizer_steps_a_view_master_without_writing_outside_it(mesh):
+    """NOTE [fused and views]: torch's fused AdamW on the CPU writes outside a tensor that is
+    not contiguous; a master that is a column block of its parameter (ZeRO-1/2 sharding an
+    inner dim) is stepped through a contiguous copy: the view holds what the fused step of a
+    plain tensor gives, and the rest of the parameter is untouched, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(8, 6, generator=gen)  # the parameter's storage; the master: columns 3-5
+    view = whole[:, 3:]
+    assert not view.is_contiguous()
+    master = nn.Parameter(_sharded(mesh, view, (Replicate(), Shard(1)), (8, 12)))
+    ref = nn.Parameter(view.clone())
+    kw = {"lr": 0.1, "weight_decay": 0.1, "fused": True}
+    opt, ref_opt = _opt(torch.optim.AdamW([master], **kw)), torch.optim.AdamW([ref], **kw)
+    outside = whole[:, :3].clone()
+    for _step in range(3):
+        g = torch.randn(8, 3, generator=gen) * torch.rand(8, 3, generator=gen)
+        ref.grad = g.clone()
+        master.grad = _sharded(mesh, g.clone(), master.placements, master.shape)
+        opt._step_local()
+        ref_opt.step()
+        assert torch.equal(whole[:, 3:], ref.detach()) and torch.equal(whole[:, :3], outside)
+        assert torch.equal(opt.inner.state[master]["exp_avg"]._local_tensor, ref_opt.state[ref]["exp_avg"])
