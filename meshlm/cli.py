@@ -35,8 +35,12 @@ def resolve_auto(cfg):
         from meshlm.plan import choose_layout
     except ImportError as e:
         raise ConfigError(f"layout=auto needs meshlm.plan ({e}); name a layout instead, e.g. layout=fsdp_tp") from None
-    name, mesh = choose_layout(cfg)
-    return dataclasses.replace(cfg, layout=LayoutConfig(name=name), mesh=MeshConfig(**dict(mesh)))
+    choice = choose_layout(cfg)
+    name, mesh = choice
+    cfg = dataclasses.replace(cfg, layout=LayoutConfig(name=name), mesh=MeshConfig(**dict(mesh)))
+    if getattr(choice, "offload", None):  # the winner fits only with these offloaded (and says so)
+        cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, **choice.offload))
+    return cfg
 
 
 def _record_error(e: BaseException) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from meshlm.offload.spec import KINDS
+
 
 def fmt_bytes(n: float) -> str:
     if n >= 2**30:
@@ -24,15 +26,38 @@ def effective_layout(cfg, layout, resolved: dict[str, int]):
 
 
 def planned_memory(cfg, layout: str, sizes: dict[str, int]) -> Optional[dict[str, int]]:
-    """What ``meshlm plan`` predicts for this run, per rank: params, grads, optimizer and the
-    total (model state, held activations and gathered copies); None where it cannot (a model
-    loaded from Hugging Face weights, a model other than the shipped Llama)."""
+    """What ``meshlm plan`` predicts for this run, per rank on its device: params, grads,
+    optimizer and the total (model state, held activations and gathered copies), less what
+    the run's offload moves off the device (NOTE [planned offload] in meshlm/plan/offload.py;
+    on a CPU run ``host`` is the device's own memory and moves nothing, so it stays); None
+    where it cannot (a model loaded from Hugging Face weights, a model other than the
+    shipped Llama)."""
     if cfg.model.init_from or not cfg.model.is_llama():
         return None
     from meshlm.plan.main import _from_run_config, formula_plan
 
-    p = formula_plan(_from_run_config(cfg), layout, sizes)
+    kw, spec = _from_run_config(cfg), run_offload(cfg, layout)
+    p = formula_plan(dict(kw, offload=spec), layout, sizes)
     return {k: int(p.memory[k]) for k in ("params", "grads", "optimizer", "total")}
+
+
+def run_offload(cfg, layout: str):
+    """The run's offload tiers (``meshlm.config.offload_spec``) as they act on the run's
+    device: ``host`` is ``device`` where that is the CPU (NOTE [swapped storage] in
+    meshlm/offload/store.py)."""
+    import dataclasses
+
+    import torch
+
+    from meshlm.config import offload_spec
+    from meshlm.layout import load_layout
+
+    spec = offload_spec(cfg, load_layout(layout))
+    t = cfg.train
+    on_cpu = not (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()))
+    if on_cpu:
+        spec = dataclasses.replace(spec, **{k: "device" for k in KINDS if getattr(spec, k) == "host"})
+    return spec
 
 
 def memory_line(s: dict[str, Any]) -> str:

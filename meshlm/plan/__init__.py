@@ -26,6 +26,7 @@ NOTE [plan = lowering]
 Modules, each importing only those above it (and meshlm's core, never the app; measure imports
 meshlm.train's activation checkpointing lazily, until it moves out of the app):
 
+    offload     the tiers of a plan: what offload moves off the device, traffic (NOTE [planned offload])
     report      Plan, CommEntry, the text report, dtype and size helpers
     hardware    hardware profiles
     state       model-state memory from the lowering's per-parameter plans; ZeRO formula
@@ -49,6 +50,7 @@ from meshlm.plan.report import SCHEMA_VERSION, CommEntry, GiB, Plan, format_plan
 from meshlm.plan.search import (
     PREFERENCE,
     Candidate,
+    Choice,
     NothingFits,
     candidates,
     factorisations,
@@ -62,6 +64,7 @@ from meshlm.plan.state import _MODELS, _PLAN_CACHE, model_config
 __all__ = [
     "CommEntry",
     "Candidate",
+    "Choice",
     "GiB",
     "HARDWARE",
     "Hardware",

@@ -13,6 +13,8 @@ from meshlm.errors import ConfigError
 from meshlm.layout import Layout, load_layout
 from meshlm.mesh import MeshSpec
 from meshlm.models import LlamaConfig
+from meshlm.offload.spec import OffloadSpec
+from meshlm.plan import offload as _offload
 from meshlm.plan.activations import activation_bytes
 from meshlm.plan.comm_model import _comm, _comm_formula
 from meshlm.plan.report import Plan, _bytes, _dtype, _name
@@ -44,6 +46,8 @@ def plan(
     grad_accum: int = 1,
     compute_dtype: str | torch.dtype | None = None,
     reduce_dtype: str | torch.dtype | None = None,
+    offload: "OffloadSpec | Mapping[str, Any] | None" = None,
+    device_is_host: bool = False,
 ) -> Plan:
     """Predict per-rank memory and per-step communication (see the module docstring).
 
@@ -58,7 +62,11 @@ def plan(
     (``precision.train_dtypes``, NOTE [mixed precision] in meshlm/precision.py;
     :func:`_from_run_config`): float32 storage used in ``compute_dtype``, or for ZeRO-1/2
     under a narrower ``compute_dtype`` storage in it with float32 main gradients (NOTE
-    [main grads] in meshlm/main_grad.py) and a float32 master."""
+    [main grads] in meshlm/main_grad.py) and a float32 master.  ``offload``: the tiers
+    (an OffloadSpec, or the run's ``offload.*`` settings over the layout's section; None:
+    the layout's section): ``memory`` is then the device's and ``offload``/``tiers`` hold the
+    rest (NOTE [planned offload] in meshlm/plan/offload.py; ``device_is_host``: the device
+    is host memory, which the report notes)."""
     name, cfg = model_config(model)
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
@@ -66,6 +74,7 @@ def plan(
     if activation_checkpointing not in ("none", "selective", "full"):
         raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: choose none, selective or full")
     params_ = _param_plans(cfg, lay, sizes)
+    tiers = _offload.offload_spec_for(lay, offload)
     gdt = None  # main gradients' dtype (NOTE [main grads] in main_grad.py), None: none
     if param_dtype == "auto":
         td = train_dtypes(_dtype(compute_dtype), _dtype(reduce_dtype) if reduce_dtype else None, lay, sizes)
@@ -93,20 +102,33 @@ def plan(
         )
 
     # ---------------------------------------------------------------- model state
-    params = grads = optim = 0
+    params = grads = optim = moved = 0  # moved: what offload.optimizer moves (NOTE [planned offload])
+    in_blocks = one_block = 0  # stored bytes of the blocks' parameters: what offload.params moves
     for prm in params_:
         pp, k = prm.plan, prm.count
         n_store = _local_numel(pp, pp.storage, sizes)
         n_opt = _local_numel(pp, pp.optimizer, sizes)
         params += k * n_store * B
+        if prm.in_block:
+            in_blocks += k * n_store * B
+            one_block += n_store * B
         gplan = pp.grads if pp.grads is not None else pp.storage  # ZeRO-1: whole local grads
         grads += k * _local_numel(pp, gplan, sizes) * GB
         direct = pp.optimizer == pp.storage and pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt
+        if prm.in_block and not direct and tiers.params != "device":
+            raise ConfigError(
+                f"offload.params={tiers.params}: layout {lay.name} keeps optimizer copies of the blocks' parameters "
+                "(ZeRO-1/2 masters, or float32 masters of lower-precision storage), which offloaded parameters "
+                "cannot be refreshed from chunk by chunk; use a layout that updates parameters in place (ddp, "
+                "fsdp, hsdp, tp, fsdp_tp, ...) or offload.optimizer only"
+            )
         # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
         optim += k * (2 * n_opt * MB + 4)
+        moved += k * 2 * n_opt * MB
         if not direct:
             if not (mdt == pdt and _master_is_view(pp, sizes)):
                 optim += k * n_opt * MB  # the master copy
+                moved += k * n_opt * MB
             # the master's gradient is a new buffer unless the grad already is in optimizer
             # placements and dtype (ZeRO-2 in fp32: the same tensor), or main gradients
             # become it (ZeRO-2: the same tensor; ZeRO-1: each chunk's main gradients are
@@ -136,6 +158,8 @@ def plan(
         "recompute": act["recompute"],
     }
     memory["total"] = sum(memory.values())
+    blocks_gathered = _held_gathered([q for q in params_ if q.in_block], sizes, regather, CB, cdt != pdt)
+    kinds = _offload.analytic(tiers, memory, moved, act, blocks_gathered, grad_accum, (in_blocks, one_block))
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing
     # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing
@@ -143,7 +167,7 @@ def plan(
     ckpt = activation_checkpointing != "none"
     comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
-    return Plan(
+    p = Plan(
         name,
         lay.name,
         dict(sizes),
@@ -159,3 +183,4 @@ def plan(
         _name(cdt),
         _name(rdt),
     )
+    return _offload.finish(p, tiers, kinds, device_is_host)

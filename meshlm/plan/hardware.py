@@ -21,12 +21,17 @@ class Hardware:
     inter_bw: float  # bytes/s per device, across nodes (InfiniBand)
     node_size: int  # devices per node
     memory: float  # bytes per device
+    #: bytes/s each way between a device and host memory (offload.*=host; NOTE [planned
+    #: offload] in offload.py), and to and from the node's disks per device (offload.*=disk)
+    host_bw: float = 50e9
+    disk_bw: float = 2e9
 
 
 HARDWARE = {
     "h100_nvlink_ib": Hardware("h100_nvlink_ib", 989e12, 0.40, 450e9, 50e9, 8, 80 * GiB),
     "h200_nvlink_ib": Hardware("h200_nvlink_ib", 989e12, 0.40, 450e9, 50e9, 8, 141 * GiB),
-    "cpu": Hardware("cpu", 1e11, 0.5, 5e9, 1e9, 1, 24 * GiB),
+    # the device is host memory: offload=host moves nothing
+    "cpu": Hardware("cpu", 1e11, 0.5, 5e9, 1e9, 1, 24 * GiB, host_bw=float("inf"), disk_bw=1e9),
 }
 
 

@@ -15,6 +15,7 @@ from meshlm.errors import ConfigError
 from meshlm.mesh import MeshSpec
 from meshlm.plan import search
 from meshlm.plan.analytic import plan
+from meshlm.plan.hardware import _hardware
 from meshlm.plan.measure import Build
 from meshlm.plan.measured import plan_model
 from meshlm.plan.report import Plan, format_plan
@@ -83,7 +84,21 @@ def _from_run_config(cfg) -> dict[str, Any]:
         "format": pc.format,
         "method": method,
         "headroom": headroom,
+        # the run's offload.* settings (None: the layout's offload section), checked; each
+        # candidate layout's own section is under them (meshlm.config.offload_spec)
+        "offload": _offload_settings(cfg),
+        "device_is_host": _hardware(pc.profile).name == "cpu",
     }
+
+
+def _offload_settings(cfg) -> dict[str, Any]:
+    """The run's ``offload.*`` settings, checked against the layout when it is one
+    (``meshlm.config.offload_spec``: a ConfigError naming the key)."""
+    from meshlm.config import offload_spec
+    from meshlm.layout import load_layout
+
+    offload_spec(cfg, None if cfg.layout.name == "auto" else load_layout(cfg.layout.name))
+    return dataclasses.asdict(cfg.offload)
 
 
 def _measured(cfg) -> Any:
@@ -92,8 +107,9 @@ def _measured(cfg) -> Any:
     from meshlm.precision import shard_dtypes
 
     build, t = build_model(cfg.model), cfg.train
+    settings, host = _offload_settings(cfg), _hardware(cfg.plan.profile).name == "cpu"
 
-    def plan_one(layout: str, sizes: dict) -> Any:
+    def plan_one(layout: str, sizes: dict, offload: Any = None) -> Any:
         kw = shard_dtypes(t, load_layout(layout), sizes)
         return plan_model(
             build,
@@ -106,18 +122,30 @@ def _measured(cfg) -> Any:
             shard_kw=kw,
             name=cfg.model.label,
             pipeline=dataclasses.asdict(cfg.pipeline),
+            offload=settings if offload is None else offload,
+            device_is_host=host,
         )
 
     return plan_one
 
 
-def train_command(layout: str, mesh: dict, argv: Sequence[str] = ()) -> str:
+def train_command(layout: str, mesh: dict, argv: Sequence[str] = (), offload: Optional[dict] = None) -> str:
     """The ``meshlm train`` command that runs ``layout`` on ``mesh``: the overrides
     ``meshlm plan`` was given (``argv``) less those of the layout, the mesh and the plan,
-    then the winner's layout and every mesh axis it uses."""
+    then ``offload``'s settings (``{"optimizer": "host"}``: ``offload.optimizer=host``, over
+    any the overrides set), the winner's layout and every mesh axis it uses."""
     from meshlm.axes import MESH_AXES
 
-    keep = [a for a in argv if a.split("=", 1)[0].lstrip("+~").split(".", 1)[0] not in ("layout", "mesh", "plan")]
+    def key(a: str) -> str:
+        return a.split("=", 1)[0].lstrip("+~")
+
+    added = [f"offload.{k}={v}" for k, v in (offload or {}).items()]
+    keep = [
+        a
+        for a in argv
+        if key(a).split(".", 1)[0] not in ("layout", "mesh", "plan") and key(a) not in {key(b) for b in added}
+    ]
+    keep += added
     # every mesh axis the planner enumerates, so none keeps the configured mesh's size
     mesh_args = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES if a in ("dp", "fsdp", "tp") or mesh.get(a, 1) != 1]
     return " ".join(["meshlm", "train", *keep, f"layout={layout}", *mesh_args])
@@ -141,16 +169,20 @@ def plan_main(cfg, argv: Optional[Sequence[str]] = None) -> int:
     if layout == "auto":
         png = kw["png"] or str(Path("outputs", "plan", *time.strftime("%Y-%m-%d %H-%M-%S").split(), "plan.png"))
         out = sys.stdout if kw["format"] == "text" else io.StringIO()
-        layout, mesh = search.choose_layout(**{**_search_kwargs(kw), "png": png, "planner": measured, "out": out})
+        choice = search.choose_layout(**{**_search_kwargs(kw), "png": png, "planner": measured, "out": out})
+        (layout, mesh), offload = choice, getattr(choice, "offload", None)
         if kw["format"] == "text":
             print(f"(memory breakdown of these candidates: {png})\n")
-    spec = MeshSpec.parse(mesh, kw["devices"])
-    if measured is not None:
-        p = measured(layout, dict(spec.axes))
     else:
-        p = formula_plan(kw, layout, spec)
+        offload = None  # the run's own settings
+    spec = MeshSpec.parse(mesh, kw["devices"])
+    settings = {**kw["offload"], **(offload or {})}
+    if measured is not None:
+        p = measured(layout, dict(spec.axes), settings)
+    else:
+        p = formula_plan(dict(kw, offload=settings), layout, spec)
     p.model = name
-    cmd = train_command(p.layout, dict(spec.axes), list(argv or ()))
+    cmd = train_command(p.layout, dict(spec.axes), list(argv or ()), offload)
     if kw["format"] == "json":
         print(json.dumps(dict(p.to_json(), train_command=cmd), indent=1))
     else:
@@ -178,6 +210,7 @@ def _search_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
         "png": "png",
         "top": "top",
         "headroom": "headroom",
+        "offload": "offload",
     }
     return {arg: kw[key] for arg, key in names.items()}
 
@@ -196,13 +229,18 @@ def formula_plan(kw: dict[str, Any], layout: str, mesh) -> Plan:
         compute_dtype=kw["compute_dtype"],
         reduce_dtype=kw["reduce_dtype"],
         grad_accum=kw["grad_accum"],
+        offload=kw.get("offload"),
+        device_is_host=kw.get("device_is_host", False),
     )
 
 
 def choose_layout(cfg=None, **kwargs) -> tuple[str, dict[str, int]]:
     """``layout=auto``: :func:`meshlm.plan.search.choose_layout`, whose keywords the model,
-    train and plan sections of ``cfg`` (a :class:`meshlm.config.RunConfig`) replace when it
-    is given (``kwargs`` then only add to them: ``png``, ``out``, ``planner``)."""
+    train, plan and offload sections of ``cfg`` (a :class:`meshlm.config.RunConfig`) replace
+    when it is given (``kwargs`` then only add to them: ``png``, ``out``, ``planner``).  The
+    (layout, mesh) pair it returns has an ``offload`` attribute: the offload settings the
+    winner needs besides the run's (``{"optimizer": "host"}`` when nothing fits on the
+    device alone), None when it needs none."""
     if cfg is None:
         return search.choose_layout(**kwargs)
     kw = _from_run_config(cfg)

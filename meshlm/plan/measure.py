@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -56,6 +56,8 @@ class Measured:
     comm: CommCounter
     flops: int
     psi: int  # parameters of the model
+    #: offloaded kinds: {kind: {bytes, in_bytes, out_bytes}} per rank (NOTE [planned offload])
+    offload: dict = field(default_factory=dict)
 
 
 def _local(t):
@@ -125,11 +127,14 @@ def measure(
     grad_accum: int = 1,
     activation_checkpointing: str = "none",
     shard_kw: "Mapping[str, Any] | None" = None,
+    offload: Any = None,
 ) -> Measured:
     """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
-    ``meshlm.shard``'s dtype arguments (``meshlm.precision.shard_dtypes``)."""
+    ``meshlm.shard``'s dtype arguments (``meshlm.precision.shard_dtypes``); ``offload`` an
+    OffloadSpec whose optimizer and activations tiers the step runs with, on fake tensors
+    (NOTE [planned offload] in meshlm/plan/offload.py)."""
     import torch.distributed as dist
 
     import meshlm
@@ -151,7 +156,15 @@ def measure(
     try:
         mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
         return _measure(
-            build, layout, mesh, global_batch // grad_accum, seq, grad_accum, activation_checkpointing, shard_kw
+            build,
+            layout,
+            mesh,
+            global_batch // grad_accum,
+            seq,
+            grad_accum,
+            activation_checkpointing,
+            shard_kw,
+            offload,
         )
     except compat.fake_unsupported_errors() as e:
         # a step that runs for real but not on fake tensors (an op that reads data back to
@@ -169,34 +182,43 @@ def measure(
             dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)
 
 
-def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw) -> Measured:
+def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw, offload) -> Measured:
     from torch.utils.flop_counter import FlopCounterMode
 
     import meshlm
     from meshlm.activation_checkpointing import apply_activation_checkpointing
     from meshlm.memory import PeakStorage, model_state_bytes
+    from meshlm.offload.params import ParamOffload
     from meshlm.optim import ShardedOptimizer
+    from meshlm.plan.offload import FakeActivations, FakeTier
 
     with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
         model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
         apply_activation_checkpointing(model, activation_checkpointing)
-        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        tier = FakeTier(offload.optimizer) if offload is not None and offload.optimizer != "device" else None
+        acts = FakeActivations() if offload is not None and offload.activations != "device" else None
+        ptier = FakeTier(offload.params) if offload is not None and offload.params != "device" else None
+        poff = ParamOffload(model, ptier, prefetch=False) if ptier is not None else None
+        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, offload=tier, offload_params=poff)
         psi = sum(p.numel() for p in model.parameters())
         toks = torch.zeros(micro, seq + 1, dtype=torch.long)
         x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
         y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
         inputs = {_key(x), _key(y)}
+        moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
 
         def step(cc=None, made=None) -> tuple[int, int]:
             """One step as meshlm train runs it; (held activations, grads after backward)."""
             held = 0
             for i in range(grad_accum):
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
-                with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
-                    loss = model(x, y)
-                if made is not None and i == 0:
-                    held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
-                (loss / grad_accum).backward()
+                with acts.context() if acts is not None else contextlib.nullcontext():
+                    with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
+                        loss = model(x, y)
+                    if made is not None and i == 0:
+                        held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
+                        moved[0] = acts.out_bytes if acts is not None else 0
+                    (loss / grad_accum).backward()
             grads = model_state_bytes(model, opt)["grads"]
             with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                 opt.step()
@@ -211,6 +233,11 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         flops = FlopCounterMode(display=False)
         with flops:
             step()
+        if acts is not None:
+            acts.out_bytes = acts.in_bytes = 0
+        for t in (tier, ptier):
+            if t is not None:
+                t.bytes_in = t.bytes_out = 0
         seed = (
             list(model.parameters())
             + list(opt.masters().values())
@@ -221,6 +248,14 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         with cc, peak:
             held, grads = step(cc, made)
         state = model_state_bytes(model, opt)
+    kinds = {}
+    if tier is not None:  # what moves (NOTE [offloaded step]) and what moved in the measured step
+        kinds["optimizer"] = {"bytes": opt.offload.nbytes(), "in_bytes": tier.bytes_in, "out_bytes": tier.bytes_out}
+    if ptier is not None:  # every block's parameters; the measured peak holds one block's, no read-ahead
+        nbytes = sum(t.numel() * t.element_size() for g in poff.groups for t in g)
+        kinds["params"] = {"bytes": nbytes, "in_bytes": ptier.bytes_in, "out_bytes": ptier.bytes_out}
+    if acts is not None:
+        kinds["activations"] = {"bytes": moved[0], "in_bytes": acts.in_bytes, "out_bytes": acts.out_bytes}
     memory = {
         "params": state["params"],
         "grads": grads,
@@ -228,4 +263,4 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         "activations": held,
         "peak": peak.peak,
     }
-    return Measured(memory, cc, int(flops.get_total_flops()), psi)
+    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds)

@@ -5,11 +5,13 @@ model state."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping
+from typing import Any, Mapping
 
+from meshlm.errors import ConfigError
 from meshlm.layout import is_pipelined, load_layout
 from meshlm.mesh import MeshSpec
 from meshlm.plan.measure import Build, measure
+from meshlm.plan.offload import finish, kind_entry, offload_spec_for
 from meshlm.plan.report import CommEntry, Plan, _name
 from meshlm.plan.state import _shard_n, _zero_formula
 
@@ -26,6 +28,8 @@ def plan_model(
     shard_kw: "Mapping | None" = None,
     name: str = "model",
     pipeline: "Mapping | None" = None,
+    offload: Any = None,
+    device_is_host: bool = False,
 ) -> Plan:
     """Measure ``build`` under ``layout`` on ``mesh`` (:func:`meshlm.plan.measure.measure`)
     and report it as a :class:`Plan`: ``memory`` holds ``params``, ``grads``,
@@ -33,13 +37,24 @@ def plan_model(
     included) and ``peak`` (the most storage alive at once in the step); ``total`` is the
     peak, the figure ``layout=auto`` compares with the limit.  A pipeline layout on a mesh
     with pp > 1 is planned per pp rank (:func:`meshlm.plan.pipeline.plan_pipeline`, with
-    ``pipeline``: the ``schedule``, ``stages_per_rank`` and ``split`` of the run)."""
+    ``pipeline``: the ``schedule``, ``stages_per_rank`` and ``split`` of the run).
+    ``offload``: the tiers (an OffloadSpec, or the run's ``offload.*`` settings over the
+    layout's section; None: the layout's section), run on fake tensors as ``meshlm train``
+    runs them: ``memory`` is then the device's, ``offload`` and ``tiers`` hold the rest
+    (NOTE [planned offload] in meshlm/plan/offload.py)."""
     import torch
 
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
     sizes = {a: n for a, n in spec.axes if n > 1} or {"dp": 1}  # the mesh meshlm train builds
+    tiers = offload_spec_for(lay, offload)
     if is_pipelined(lay) and sizes.get("pp", 1) > 1:
+        if tiers.active:
+            raise ConfigError(
+                f"offload {tiers.label()}: meshlm plan does not plan offload under a pipeline (layout {lay.name}, "
+                f"mesh {dict(sizes)}); plan it without offload (offload.optimizer=null, offload.activations=null) "
+                "or plan a layout without pp"
+            )
         from meshlm.plan.pipeline import plan_pipeline
 
         return plan_pipeline(
@@ -64,6 +79,7 @@ def plan_model(
         grad_accum=grad_accum,
         activation_checkpointing=activation_checkpointing,
         shard_kw=kw,
+        offload=tiers if tiers.active else None,
     )
     memory = dict(m.memory, total=m.memory["peak"])
     comm: dict[tuple, CommEntry] = {}
@@ -85,7 +101,7 @@ def plan_model(
     by = defaultdict(int)
     for c in comm.values():
         by[c.phase] += 1
-    return Plan(
+    p = Plan(
         name,
         lay.name,
         sizes,
@@ -101,3 +117,5 @@ def plan_model(
         _name(cd),
         _name(rd),
     )
+    kinds = {k: kind_entry(getattr(tiers, k), v["bytes"], v["in_bytes"], v["out_bytes"]) for k, v in m.offload.items()}
+    return finish(p, tiers, kinds, device_is_host)

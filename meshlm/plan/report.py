@@ -9,6 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
+from meshlm.offload.spec import KINDS
+from meshlm.plan.offload import lines as _offload_lines
 from meshlm.precision import DTYPES as _DTYPES
 
 SCHEMA_VERSION = 1
@@ -59,6 +61,19 @@ class Plan:
     comm: list[CommEntry] = field(default_factory=list)
     compute_dtype: str = "float32"  # parameters at use, activations
     reduce_dtype: str = "float32"  # gradient reductions
+    #: the tier of each kind of state and the offloaded kinds' figures (NOTE [planned offload]
+    #: in meshlm/plan/offload.py); empty: every kind on the device
+    offload: dict[str, Any] = field(default_factory=dict)
+    #: bytes per rank on each tier (device, host, disk); empty: all on the device (``tier_bytes``)
+    tiers: dict[str, int] = field(default_factory=dict)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes per rank on each tier: ``device`` is ``memory["total"]``."""
+        return self.tiers or {"device": int(self.memory.get("total", 0)), "host": 0, "disk": 0}
+
+    def offload_json(self) -> dict[str, Any]:
+        """``offload`` of the JSON: the tier of each kind and the offloaded kinds' figures."""
+        return self.offload or {**dict.fromkeys(KINDS, "device"), "kinds": {}, "device_is_host": False}
 
     def comm_summary(self, by_phase: bool = False) -> dict[tuple, dict[str, float]]:
         out: dict[tuple, dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0})
@@ -77,6 +92,7 @@ class Plan:
         d["schema"] = SCHEMA_VERSION
         d["comm"] = [dict(asdict(c), axes=list(c.axes)) for c in self.comm]
         d["comm_wire_bytes_total"] = self.comm_bytes()
+        d["offload"], d["tiers"] = self.offload_json(), self.tier_bytes()
         return d
 
 
@@ -114,6 +130,7 @@ def format_plan(p: Plan) -> str:
         f"{'gathered weights':<20}{_gib(m['gathered']):>14}   (at-use copies kept for backward: output head, final norm)",
         f"{'recompute (peak)':<20}{_gib(m['recompute']):>14}   (one checkpointed block recomputed in backward)",
         f"{'total':<20}{_gib(m['total']):>14}",
+        *_offload_lines(p),
         "",
         "",
         "communication per rank per step",
@@ -162,6 +179,7 @@ def _format_measured(p: Plan) -> str:
         f"{'activations':<20}{_gib(m['activations']):>14}   (held from forward to backward, at-use parameter copies "
         "included)",
         f"{'peak':<20}{_gib(m['peak']):>14}   (the most tensor storage alive at once in a step, model state included)",
+        *_offload_lines(p),
         "",
         "",
         "communication per rank per step (counted)",

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.layout import is_pipelined, load_layout, shipped_layouts
 from meshlm.models import LlamaConfig
+from meshlm.offload.spec import resolve_offload
 from meshlm.plan.analytic import plan
 from meshlm.plan.hardware import Hardware, _hardware
+from meshlm.plan.offload import check_plannable, offload_seconds, optimizer_host
 from meshlm.plan.plot import _plot
 from meshlm.plan.report import GiB, Plan, _mesh_str, _parts
 from meshlm.plan.state import model_config
@@ -37,7 +39,8 @@ def step_time(p: Plan, cfg: "LlamaConfig | None", hw: Hardware, overlap: bool = 
     bandwidth of the link its axis crosses (the innermost axes that fit in a node use the
     intra-node link, the rest the inter-node one); step = max of the two when they overlap,
     else their sum.  A pipeline's compute is its fullest rank's over (1 - the schedule's
-    bubble), point-to-point sends included in the communication."""
+    bubble), point-to-point sends included in the communication.  Offloaded state adds, not
+    overlapped, its traffic over the profile's host or disk bandwidth (``offload_s``)."""
     tokens = p.global_batch * p.seq
     if "flops" in p.formulas:  # measured (NOTE [fake measurement]): this rank's, recompute included
         flops = p.formulas["flops"]
@@ -59,7 +62,10 @@ def step_time(p: Plan, cfg: "LlamaConfig | None", hw: Hardware, overlap: bool = 
     for c in p.comm:
         t_comm += c.wire_bytes / (hw.intra_bw if all(a in inner for a in c.axes) else hw.inter_bw)
     total = max(t_comp, t_comm) if overlap else t_comp + t_comm
-    return {"compute_s": t_comp, "comm_s": t_comm, "step_s": total, "tokens_per_s": tokens / total if total else 0.0}
+    t_off = offload_seconds(p, hw)  # not overlapped (NOTE [planned offload])
+    total += t_off
+    out = {"compute_s": t_comp, "comm_s": t_comm, "step_s": total, "tokens_per_s": tokens / total if total else 0.0}
+    return dict(out, offload_s=t_off) if t_off else out
 
 
 # The order candidates are tried in: of two that plan identically (hsdp with dp=1 is fsdp,
@@ -129,13 +135,19 @@ def candidates(
     compute_dtype: str | None = None,
     reduce_dtype: str | None = None,
     planner: Optional[Callable[[str, dict], Plan]] = None,
+    offload: "Mapping[str, Any] | None" = None,
+    device_is_host: bool = False,
+    replan: bool = False,
 ) -> list[Candidate]:
     """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp), and
     (dp, fsdp, tp, pp > 1) for a pipeline layout with the measured planner, that
     applies (dims divide, the batch splits, every axis of size > 1 is one the layout uses),
     planned and timed; duplicates (identical plans) dropped, keeping the PREFERENCE order.
     ``planner(layout, mesh) -> Plan`` plans each (``meshlm plan``: the measured planner);
-    None: the analytic :func:`plan` of ``model``."""
+    None: the analytic :func:`plan` of ``model``.  ``offload``: the run's ``offload.*``
+    settings over each layout's own section (NOTE [planned offload]); with ``replan``,
+    ``planner`` is called as ``planner(layout, mesh, offload)`` (``layout=auto`` planning
+    again with ``offload.optimizer=host``)."""
     hw = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
     name, mcfg = model_config(model)
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
@@ -157,7 +169,7 @@ def candidates(
                 continue
             try:
                 p = (
-                    planner(lay, m)
+                    (planner(lay, m, offload) if replan else planner(lay, m))
                     if planner is not None
                     else plan(
                         mcfg,
@@ -171,6 +183,8 @@ def candidates(
                         master_dtype=master_dtype,
                         compute_dtype=compute_dtype,
                         reduce_dtype=reduce_dtype,
+                        offload=offload,
+                        device_is_host=device_is_host,
                     )
                 )
             except MeshlmError:  # a dim does not divide, or the batch does not split
@@ -215,6 +229,7 @@ def choose_layout(
     reduce_dtype: str | None = None,
     headroom: float = 0.0,
     planner: Optional[Callable[[str, dict], Plan]] = None,
+    offload: "Mapping[str, Any] | None" = None,
 ) -> tuple[str, dict[str, int]]:
     """``layout=auto``: plan every candidate (:func:`candidates`), drop what does not fit
     ``max_memory`` per device (default: the hardware profile's memory) less the
@@ -225,10 +240,10 @@ def choose_layout(
     :func:`meshlm.plan.main.choose_layout`."""
     out = out or sys.stdout
     hw = _hardware(hardware)
+    # an offload the plan cannot account stops here, not as every candidate dropped
+    check_plannable(resolve_offload(None, dict(offload or {})))
     cap = (parse_memory(max_memory) if max_memory is not None else hw.memory) * (1.0 - headroom)
-    rows = candidates(
-        model,
-        devices,
+    kw = dict(
         global_batch=global_batch,
         seq=seq,
         activation_checkpointing=activation_checkpointing,
@@ -240,32 +255,69 @@ def choose_layout(
         compute_dtype=compute_dtype,
         reduce_dtype=reduce_dtype,
         planner=planner,
+        device_is_host=hw.name == "cpu",
     )
+    rows = candidates(model, devices, **kw, offload=offload)
     fits = sorted((r for r in rows if r.plan.memory["total"] <= cap), key=rank_key)
+    extra, note, rows_off = None, None, []
+    alt = optimizer_host(offload) if not fits else None
+    if alt is not None:  # nothing fits on the device alone: the optimizer state on the host
+        rows_off = candidates(model, devices, **kw, offload=alt, replan=True)
+        fits = sorted((r for r in rows_off if r.plan.memory["total"] <= cap), key=rank_key)
+        if fits:
+            extra = {"optimizer": "host"}
+            note = "nothing fits on the device alone; with offload.optimizer=host (optimizer state and masters in " + (
+                "host memory, which on this profile is the device's: counted as host, as on a GPU)"
+                if hw.name == "cpu"
+                else "host memory)"
+            )
     if png:
         shown = fits[:top] or sorted(rows, key=lambda r: r.plan.memory["total"])[:top]
         _plot([r.plan for r in shown], png, cap)
     if not fits:
-        raise NothingFits(nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing))
-    out.write(format_candidates(fits[:top], hw, cap, overlap, len(rows), len(fits), headroom) + "\n")
+        off = [r.plan for r in rows_off]
+        raise NothingFits(nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing, off))
+    n_all = len(rows_off) if extra else len(rows)
+    out.write(format_candidates(fits[:top], hw, cap, overlap, n_all, len(fits), headroom, note) + "\n")
     best = fits[0].plan
-    return best.layout, {k: v for k, v in best.mesh.items() if v > 1} or {"dp": 1}
+    return Choice(best.layout, {k: v for k, v in best.mesh.items() if v > 1} or {"dp": 1}, extra)
+
+
+class Choice(tuple):
+    """``layout=auto``'s winner: the pair (layout name, mesh sizes), and ``offload``: the
+    offload settings it needs besides the run's (``{"optimizer": "host"}``), None: none."""
+
+    def __new__(cls, layout: str, mesh: dict, offload: Optional[dict] = None):
+        self = super().__new__(cls, (layout, mesh))
+        self.offload = offload
+        return self
 
 
 def rank_key(r: Candidate) -> tuple:
-    """Fastest step first; of equal steps, the lower memory, then the less communication
-    time (with overlap, a step that compute dominates hides its communication)."""
-    return (r.time["step_s"], r.plan.memory["total"], r.time["comm_s"])
+    """A candidate that keeps every kind of state on the device before one that offloads;
+    then the fastest step first; of equal steps, the lower memory, then the less
+    communication time (with overlap, a step that compute dominates hides its communication)."""
+    offloads = bool((getattr(r.plan, "offload", None) or {}).get("kinds"))
+    return (offloads, r.time["step_s"], r.plan.memory["total"], r.time["comm_s"])
 
 
 def format_candidates(
-    rows: list[Candidate], hw: Hardware, cap: float, overlap: bool, n_all: int, n_fit: int, headroom: float = 0.0
+    rows: list[Candidate],
+    hw: Hardware,
+    cap: float,
+    overlap: bool,
+    n_all: int,
+    n_fit: int,
+    headroom: float = 0.0,
+    note: Optional[str] = None,
 ) -> str:
+    """The ranked table; ``note`` goes before the count of those that fit (``layout=auto``
+    with ``offload.optimizer=host``: nothing fit on the device alone)."""
     p0 = rows[0].plan
     lines = [
         f"meshlm plan: layout=auto for {p0.model} on {p0.world_size} devices ({hw.name}, "
         f"{cap / GiB:.1f} GiB each{f' after {headroom:.0%} headroom' if headroom else ''}), global batch {p0.global_batch} x seq {p0.seq}: "
-        f"{n_fit} of {n_all} candidates fit; step = {'max' if overlap else 'sum'}(compute, comm)",
+        f"{f'{note} ' if note else ''}{n_fit} of {n_all} candidates fit; step = {'max' if overlap else 'sum'}(compute, comm)",
         f"{'rank':<5}{'layout':<12}{'mesh':<20}{'state GiB':>10}{'act GiB':>9}{'total GiB':>10}"
         f"{'compute s':>11}{'comm s':>10}{'step s':>10}{'tok/s/dev':>11}",
     ]
@@ -278,10 +330,20 @@ def format_candidates(
             f"{m['total'] / GiB:>10.2f}{t['compute_s']:>11.4f}{t['comm_s']:>10.4f}{t['step_s']:>10.4f}"
             f"{t['tokens_per_s'] / p.world_size:>11.0f}"
         )
+    if any(r.time.get("offload_s") for r in rows):
+        lines.append(
+            f"(step s adds moving the offloaded state, not overlapped: {hw.host_bw / 1e9:g} GB/s to host, "
+            f"{hw.disk_bw / 1e9:g} GB/s to disk per device)"
+        )
     return "\n".join(lines)
 
 
-def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "none") -> str:
+def nothing_fits(
+    plans: list[Plan], cap: float, devices: int = 0, ac: str = "none", offloaded: Optional[list[Plan]] = None
+) -> str:
+    """Why nothing fits in ``cap``: the smallest candidate, what dominates it and what to
+    change.  ``offloaded``: the same candidates planned with ``offload.optimizer=host``; where
+    the optimizer state dominates, the message says how small they get."""
     if not plans:
         return (
             f"no layout applies to this model on {devices} devices: no factorisation into (dp, fsdp, tp) divides "
@@ -306,8 +368,15 @@ def nothing_fits(plans: list[Plan], cap: float, devices: int = 0, ac: str = "non
         "params": "shard the parameters (fsdp or tp) over more ranks, or add devices",
         "grads": "shard the gradients (zero2/fsdp) over more ranks, or add devices",
     }[dom]
-    return (
+    msg = (
         f"nothing fits in {cap / GiB:.1f} GiB per device. The smallest any candidate reaches is "
         f"{p.memory['total'] / GiB:.2f} GiB ({p.layout}, {_mesh_str(p.mesh)}), dominated by {dom} "
         f"({parts[dom] / GiB:.2f} GiB): {advice}."
     )
+    if dom == "optimizer" and offloaded:
+        q = min(offloaded, key=lambda q: q.memory["total"])
+        msg += (
+            f" With the optimizer state in host memory (offload.optimizer=host) the smallest is "
+            f"{q.memory['total'] / GiB:.2f} GiB ({q.layout}, {_mesh_str(q.mesh)})."
+        )
+    return msg
