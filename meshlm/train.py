@@ -35,6 +35,7 @@ from meshlm.activation_checkpointing import apply_activation_checkpointing  # no
 from meshlm.config import RunConfig, TrainConfig
 from meshlm.errors import ConfigError, MeshError
 from meshlm.mesh import MeshSpec
+from meshlm.offload.runtime import adamw_impl, open_offload
 from meshlm.pipeline import is_pipelined
 from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
 from meshlm.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
@@ -141,7 +142,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     _setup_logging(run_dir, rank)
     # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py), checked before any step; made before
     # the model, since a disk tier sets how freed memory goes back to the system (offload.runtime.return_freed_memory)
-    offload = _offload(cfg, layout, run_dir, rank)
+    offload = open_offload(cfg, layout, run_dir, rank)
     if "OMP_NUM_THREADS" not in os.environ and device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -171,7 +172,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         lr=t.lr,
         betas=(t.beta1, t.beta2),
         weight_decay=t.weight_decay,
-        **_adamw_impl(t, offload, device),
+        **adamw_impl(t, offload, device),
         offload=offload.optimizer if offload else None,
         offload_params=offload.attach(model) if offload else None,
     )
@@ -376,35 +377,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
-
-
-def _offload(cfg: RunConfig, layout, run_dir: Path, rank: int):
-    """This rank's offload tiers (meshlm.offload.runtime.Offload), or None when every kind
-    of state stays on the device."""
-    from meshlm.config import offload_spec
-
-    spec = offload_spec(cfg, layout)
-    if not spec.active:
-        return None
-    if spec.params != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
-        raise ConfigError(
-            f"offload.params={spec.params} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
-            "offload parameters inside pipeline stages yet; offload the optimizer state (offload.optimizer) or "
-            "activations instead, or use a layout without pp"
-        )
-    from meshlm.offload.runtime import Offload
-
-    return Offload(spec, run_dir, rank)
-
-
-def _adamw_impl(t: TrainConfig, offload, device: torch.device) -> dict[str, bool]:
-    """torch.optim.AdamW's implementation keywords for ``train.optimizer_impl``; auto: fused
-    where the offloaded step runs on the CPU (the offloaded state's arithmetic is then the
-    step's cost: benchmarks/offload_memory.py), else torch's default."""
-    impl = t.optimizer_impl
-    if impl == "auto":
-        impl = "fused" if offload is not None and offload.optimizer is not None and device.type == "cpu" else ""
-    return {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})
 
 
 def _progress_bar(t: TrainConfig, start: int, life):

@@ -120,3 +120,32 @@ class Offload:
             self.params.close()
         if self.disk is not None:
             self.disk.close()
+
+
+def open_offload(cfg, layout, run_dir: "str | Path", rank: int) -> Optional[Offload]:
+    """``meshlm train``'s offload tiers for this rank (``cfg``: the RunConfig, ``layout``: a
+    meshlm Layout), checked; None when every kind of state stays on the device."""
+    from meshlm.config import offload_spec
+    from meshlm.layout import is_pipelined
+
+    spec = offload_spec(cfg, layout)
+    if not spec.active:
+        return None
+    if spec.params != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
+        raise ConfigError(
+            f"offload.params={spec.params} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
+            "offload parameters inside pipeline stages yet; offload the optimizer state (offload.optimizer) or "
+            "activations instead, or use a layout without pp"
+        )
+    return Offload(spec, run_dir, rank)
+
+
+def adamw_impl(t, offload: Optional[Offload], device) -> dict[str, bool]:
+    """torch.optim.AdamW's implementation keywords for ``train.optimizer_impl`` (``t``: the
+    TrainConfig); auto: fused where the offloaded step runs on the CPU (the offloaded
+    state's arithmetic is then the step's cost: benchmarks/offload_memory.py), else torch's
+    default."""
+    impl = t.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if offload is not None and offload.optimizer is not None and device.type == "cpu" else ""
+    return {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})

@@ -201,3 +201,14 @@ def test_a_read_ahead_is_waited_for_and_a_clean_tensor_is_not_written_again(tmp_
         sw.swap_out(t, clean=True)
         sw.swap_in(t)
     assert torch.equal(t, want + 1)
+
+
+def test_meshlm_train_refuses_parameters_offloaded_in_a_pipeline(tmp_path):
+    from meshlm.layout import load_layout
+    from meshlm.offload.runtime import open_offload
+
+    cfg = load_config(["layout=pp", "mesh=pp2", "offload.params=disk"])
+    with pytest.raises(ConfigError, match=r"offload.params=disk with the pipeline layout pp \(pp=2\): meshlm does not"):
+        open_offload(cfg, load_layout("pp"), tmp_path, 0)
+    assert not (tmp_path / "offload").exists()  # refused before any file
+    assert open_offload(load_config(["layout=pp", "mesh=pp2"]), load_layout("pp"), tmp_path, 0) is None
