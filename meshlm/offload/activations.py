@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from meshlm import _torch_compat as compat
+from meshlm.memory import local_data
 from meshlm.offload.store import SwapDir, _bytes
 
 MIN_BYTES = 64 * 2**10
@@ -112,7 +112,7 @@ class ActivationOffload:
             self._seen.clear()
 
     def pack(self, t: Tensor):
-        local = compat.local_tensor(t) if isinstance(t, DTensor) else t
+        local = local_data(t)
         nbytes = local.numel() * local.element_size()
         if nbytes < self.min_bytes or _is_param(t) or local.device.type == "meta" or not _dense(local):
             self.kept += 1

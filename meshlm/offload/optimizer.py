@@ -27,15 +27,11 @@ from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
 from meshlm.errors import ConfigError
+from meshlm.memory import local_data
 from meshlm.offload.store import Swapper
-
-
-def _plain(t: Tensor) -> Tensor:
-    return compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 class OptimizerOffload:
@@ -65,8 +61,8 @@ class OptimizerOffload:
         made or not yet."""
         total = 0
         for p, m in self.pairs():
-            local = _plain(m)
-            own = m is not p and not _shares(local, _plain(p))
+            local = local_data(m)
+            own = m is not p and not _shares(local, local_data(p))
             total += local.numel() * local.element_size() * (states_per_master + own)
         return total
 
@@ -76,11 +72,11 @@ class OptimizerOffload:
         out = []
         state = self.opt.inner.state
         for p, m in pms:
-            if m is not p and not _shares(_plain(m), _plain(p)):  # a view of p holds no memory
-                out.append(_plain(m))
+            if m is not p and not _shares(local_data(m), local_data(p)):  # a view of p holds no memory
+                out.append(local_data(m))
             for v in state.get(m, {}).values():
                 if torch.is_tensor(v) and v.ndim > 0:
-                    out.append(_plain(v))
+                    out.append(local_data(v))
         return out
 
     def swap_in(self, pms) -> None:

@@ -37,20 +37,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
 from meshlm.annotate import outer_blocks
 from meshlm.errors import ConfigError
 from meshlm.lowering.shard import variant_class
+from meshlm.memory import local_data
 from meshlm.offload.store import Swapper, owns_storage
 from meshlm.tree import map_tensors
 
 _ATTR = "_meshlm_param_offload"  # a block's (ParamOffload, index), in its __dict__
-
-
-def _local(p: Tensor) -> Tensor:
-    return compat.local_tensor(p) if isinstance(p, DTensor) else p
 
 
 class ParamOffload:
@@ -69,7 +65,7 @@ class ParamOffload:
         for blk in blocks:
             if _ATTR in blk.__dict__:
                 raise ConfigError(f"offload.params: block {type(blk).__name__} is offloaded already")
-            self.groups.append([_local(p) for p in blk.parameters() if owns_storage(_local(p))])
+            self.groups.append([local_data(p) for p in blk.parameters() if owns_storage(local_data(p))])
             blk.__dict__[_ATTR] = (self, len(self.groups) - 1)
             blk.__class__ = variant_class(type(blk), __call__=_call)
         self._managed = {id(t) for g in self.groups for t in g}
@@ -89,7 +85,7 @@ class ParamOffload:
             self._pool = None
 
     def manages(self, p: Tensor) -> bool:
-        return id(_local(p)) in self._managed
+        return id(local_data(p)) in self._managed
 
     def swap_in(self, i: int) -> None:
         for t in self.groups[i]:
@@ -111,7 +107,7 @@ class ParamOffload:
 
     def tensors(self, params) -> list[Tensor]:
         """The managed local tensors among ``params``."""
-        return [_local(p) for p in params if self.manages(p)]
+        return [local_data(p) for p in params if self.manages(p)]
 
     # -- around a block's call (NOTE [offloaded parameters])
     def call(self, blk: nn.Module, i: int, args: tuple, kwargs: dict) -> Any:

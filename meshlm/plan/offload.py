@@ -266,10 +266,10 @@ class FakeActivations:
     def pack(self, t):
         from torch.distributed.tensor import DTensor
 
-        from meshlm import _torch_compat as compat
+        from meshlm.memory import local_data
         from meshlm.offload.activations import stays
 
-        local = compat.local_tensor(t) if isinstance(t, DTensor) else t
+        local = local_data(t)
         nbytes = local.numel() * local.element_size()
         if stays(t, local, self.min_bytes):  # as ActivationOffload.pack
             return ("kept", t)
