@@ -345,8 +345,6 @@ def offload_spec(cfg: RunConfig, layout: Any):
 
     given = dataclasses.asdict(cfg.offload)
     spec = resolve_offload(getattr(layout, "offload", None), given)
-    from_layout = {k: f"{layout.source}: offload" for k, v in given.items() if v is None and layout is not None}
-    spec.check_supported(from_layout)
     return spec
 
 

@@ -80,6 +80,7 @@ class ShardedOptimizer:
         bucket_mb: Optional[float] = None,
         offload: Any = None,
         offload_params: Any = None,
+        offload_grads: Any = None,
         **kwargs: Any,
     ):
         if bucket_mb is not None and not bucket_mb > 0:
@@ -131,12 +132,17 @@ class ShardedOptimizer:
         self._locals: dict[int, nn.Parameter] = {}
         self._wrapped: dict[tuple[int, str], Tensor] = {}  # (id(master), state key) -> DTensor state
         # offload: a meshlm.offload.store.Swapper for masters and state (NOTE [offloaded step]);
-        # offload_params: a meshlm.offload.params.ParamOffload, whose blocks the step moves too
-        self.offload = None
-        if offload is not None or offload_params is not None:
+        # offload_params: a meshlm.offload.params.ParamOffload, whose blocks the step moves too;
+        # offload_grads: a Swapper for the gradients (NOTE [offloaded gradients])
+        self.offload = self.grad_offload = None
+        if offload_grads is not None:
+            from meshlm.offload.grads import GradOffload
+
+            self.grad_offload = GradOffload(self, offload_grads)
+        if offload is not None or offload_params is not None or offload_grads is not None:
             from meshlm.offload.optimizer import OptimizerOffload
 
-            self.offload = OptimizerOffload(self, offload, offload_params)
+            self.offload = OptimizerOffload(self, offload, offload_params, grads=self.grad_offload)
             self.offload.swap_out(self.offload.pairs())
 
     @property
@@ -155,6 +161,10 @@ class ShardedOptimizer:
         # skips decorated functions.
         with torch.no_grad():
             if self._ready:
+                return
+            if self.grad_offload is not None:  # NOTE [offloaded gradients]
+                self.grad_offload.reduce(self)
+                self._ready = True
                 return
             moving: dict = {}  # chunk -> [(param, master)]
             for (_fqn, p, m), key in zip(self._pairs, self._keys):
@@ -179,6 +189,13 @@ class ShardedOptimizer:
                     main_grad.release(p)
             self._ready = True
 
+    def each_grad(self, dirty: bool = False):
+        """The gradients the optimizer steps with (``grads()``), each in memory while the
+        caller has it (offloaded gradients are swapped in one at a time; ``dirty``: the caller
+        changes them, so they are written back)."""
+        grads = self.grads()
+        return grads if self.grad_offload is None else self.grad_offload.each(grads, dirty=dirty)
+
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
         return [
@@ -192,7 +209,8 @@ class ShardedOptimizer:
         with torch.no_grad():
             self.reduce_grads()
             grads = [m.grad for _f, _p, m in self._pairs if m.grad is not None]
-            return grad_norm(grads, self.mesh, self.norm_groups)
+            go = self.grad_offload
+            return grad_norm(grads, self.mesh, self.norm_groups, visit=None if go is None else go.each)
 
     def clip_grad_norm_(self, max_norm: float, norm: Tensor | float | None = None) -> Tensor:
         """Clip the global gradient norm (over all shards) to ``max_norm``; return the norm
@@ -202,7 +220,7 @@ class ShardedOptimizer:
             total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
             coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
             if coef < 1.0:
-                for g in self.grads():
+                for g in self.each_grad(dirty=True):
                     g.mul_(coef)
             return total
 
@@ -303,6 +321,8 @@ class ShardedOptimizer:
             main_grad.release(p)
             if m is not p:
                 m.grad = None
+        if self.grad_offload is not None:
+            self.grad_offload.release()
         self._ready = False
 
     def state_dict(self) -> dict:
@@ -394,7 +414,7 @@ _ELEMENTWISE = {
 }
 
 
-def grad_norm(grads: list[Tensor], mesh, extra_groups=()) -> Tensor:
+def grad_norm(grads: list[Tensor], mesh, extra_groups=(), visit=None) -> Tensor:
     """Global L2 norm of DTensor gradients (no Partial placements): each rank's sum of
     squares, divided by how many ranks hold a replica of it, summed over the mesh.
 
@@ -404,9 +424,11 @@ def grad_norm(grads: list[Tensor], mesh, extra_groups=()) -> Tensor:
     gloo and NCCL both reduce: the squares of float32 gradients stay finite there, so the
     norm is Inf or NaN only when a gradient is (``LossScaler`` relies on it).
     ``extra_groups``: process groups whose ranks hold the other parts of the model (a
-    pipeline's stages), over which the sum of squares is all-reduced as well."""
+    pipeline's stages), over which the sum of squares is all-reduced as well.  ``visit``:
+    a generator over ``grads`` that has each in memory while it is read (offloaded
+    gradients, NOTE [offloaded gradients])."""
     parts = []
-    for g in grads:
+    for g in grads if visit is None else visit(grads):
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):
                 raise RuntimeError("grad_norm needs reduced gradients; call reduce_grads() first")

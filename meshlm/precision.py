@@ -145,7 +145,7 @@ class LossScaler:
         return their global norm: non-finite iff some gradient on some rank is."""
         opt.reduce_grads()
         inv = 1.0 / self.scale
-        for g in opt.grads():
+        for g in opt.each_grad(dirty=True):
             g.mul_(inv)
         return opt.grad_norm()
 

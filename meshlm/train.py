@@ -175,6 +175,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         **adamw_impl(t, offload, device),
         offload=offload.optimizer if offload else None,
         offload_params=offload.attach(model) if offload else None,
+        offload_grads=offload.grads if offload else None,
     )
     if pipe is not None:
         opt.norm_groups = [pipe.group]  # the other stages' gradients count in the norm

@@ -37,9 +37,10 @@ from meshlm.offload.store import Swapper
 class OptimizerOffload:
     """The swapped part of a ``ShardedOptimizer``'s memory (NOTE [offloaded step])."""
 
-    def __init__(self, opt, swapper: Optional[Swapper], params=None, states_per_master: int = 2):
+    def __init__(self, opt, swapper: Optional[Swapper], params=None, states_per_master: int = 2, grads=None):
         self.opt = opt
         self.swapper = swapper  # masters and state (None: on the device)
+        self.grads = grads  # a GradOffload (NOTE [offloaded gradients] in grads.py), or None
         self.params = params  # a ParamOffload (NOTE [offloaded parameters] in params.py), or None
         self._resident = 0  # depth of resident() contexts
         self.step_seconds = 0.0  # wall time of the optimizer's arithmetic in offloaded steps (no transfers)
@@ -86,6 +87,12 @@ class OptimizerOffload:
         if self.params is not None:
             for t in self.params.tensors(p for p, _m in pms):
                 self.params.swapper.swap_in(t)
+        if self.grads is not None:
+            for t in self._grads(pms):
+                self.grads.swapper.swap_in(t)
+
+    def _grads(self, pms) -> list[Tensor]:
+        return [local_data(m.grad) for _p, m in pms if m.grad is not None]
 
     def swap_out(self, pms) -> None:
         if self._resident:
@@ -96,6 +103,9 @@ class OptimizerOffload:
         if self.params is not None:  # the step has written them: written out again
             for t in self.params.tensors(p for p, _m in pms):
                 self.params.swapper.swap_out(t)
+        if self.grads is not None:  # read, not written (clipping and unscaling wrote theirs back)
+            for t in self._grads(pms):
+                self.grads.swapper.swap_out(t, clean=True)
 
     def pairs(self) -> list:
         return [(p, m) for _f, p, m in self.opt._pairs]

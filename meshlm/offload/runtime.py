@@ -61,6 +61,7 @@ class Offload:
             self.disk = SwapDir(base, rank, run_id=run_id or shared_run_id())
             return_freed_memory()
         self.optimizer = Swapper(spec.optimizer, self.disk) if spec.optimizer != "device" else None
+        self.grads = Swapper(spec.grads, self.disk) if spec.grads != "device" else None
         self.params = None  # a ParamOffload, once attach() has met the model
         self.activations = ActivationOffload(spec.activations, self.disk) if spec.activations != "device" else None
 
@@ -106,6 +107,9 @@ class Offload:
             out["offload_optimizer_transfer_s"] = self.optimizer.seconds_in + self.optimizer.seconds_out
             if opt is not None and opt.offload is not None:
                 out["offload_optimizer_step_s"] = opt.offload.step_seconds
+        if self.grads is not None:
+            out["offload_grads_out_bytes"] = self.grads.bytes_out
+            out["offload_grads_in_bytes"] = self.grads.bytes_in
         if self.params is not None:
             out["offload_params_in_bytes"] = self.params.swapper.bytes_in
             out["offload_params_prefetched_blocks"] = self.params.prefetched
@@ -131,12 +135,14 @@ def open_offload(cfg, layout, run_dir: "str | Path", rank: int) -> Optional[Offl
     spec = offload_spec(cfg, layout)
     if not spec.active:
         return None
-    if spec.params != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
-        raise ConfigError(
-            f"offload.params={spec.params} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
-            "offload parameters inside pipeline stages yet; offload the optimizer state (offload.optimizer) or "
-            "activations instead, or use a layout without pp"
-        )
+    for kind in ("params", "grads"):
+        tier = getattr(spec, kind)
+        if tier != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
+            raise ConfigError(
+                f"offload.{kind}={tier} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
+                f"offload {'parameters' if kind == 'params' else 'gradients'} inside pipeline stages yet; offload "
+                "the optimizer state (offload.optimizer) or activations instead, or use a layout without pp"
+            )
     return Offload(spec, run_dir, rank)
 
 

@@ -9,8 +9,9 @@ A layout may carry an ``offload`` section mapping a kind of state to a tier::
 
 and the run's ``offload.<kind>=<tier>`` settings override it kind by kind, so an offload
 composes with any layout from the command line.  ``resolve_offload`` merges the two and
-checks every value; ``OffloadSpec.check_supported`` refuses, before any training step,
-what meshlm cannot offload (gradients stay on the device), naming the key.
+checks every value.  What a given layout cannot offload is refused where it is known,
+before any training step, naming the key (meshlm.offload.runtime.open_offload, the
+optimizer's offloads: meshlm/offload/optimizer.py, grads.py, params.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ TIERS = ("device", "host", "disk")
 #: kind of state -> what it is (for messages and docs)
 KINDS = {
     "optimizer": "optimizer state and master weights (the step runs where they live)",
-    "grads": "reduced gradients between backward and the step",
+    "grads": "gradients, from backward (each as autograd stores it) to the step",
     "params": "parameters between uses",
     "activations": "activations saved for backward",
 }
@@ -52,19 +53,6 @@ class OffloadSpec:
     def label(self) -> str:
         """``optimizer=disk,activations=host`` (or ``none``)."""
         return ",".join(f"{k}={getattr(self, k)}" for k in KINDS if getattr(self, k) != "device") or "none"
-
-    def check_supported(self, origin: Optional[Mapping[str, str]] = None) -> None:
-        """Raise ConfigError for a kind meshlm cannot put on the tier asked for; ``origin``
-        maps a kind to where its value was set (default ``offload``, the run's settings)."""
-        if self.grads != "device":
-            where = dict(origin or {}).get("grads", "offload")
-            raise ConfigError(
-                f"{where}.grads={self.grads}: meshlm keeps gradients on the device (the offloaded optimizer step "
-                "reads each chunk's gradients where backward reduced them, so moving them off would only move them "
-                "back). To free device memory offload the optimizer state (offload.optimizer=host|disk, 8-16 bytes "
-                "a parameter under AdamW), the parameters (offload.params=host|disk) or activations "
-                "(offload.activations=host|disk); set offload.grads=device"
-            )
 
 
 def parse_offload(data: Any, where: str, error: type = ConfigError) -> OffloadSpec:

@@ -26,6 +26,7 @@ NOTE [swapped storage]
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -117,6 +118,13 @@ class SwapDir:
             f = self._files[id(t)] = str(self.path / f"t{self._n}.bin")
             self._n += 1
         return f
+
+    def drop(self, t: Tensor) -> None:
+        """Remove ``t``'s file, if it has one."""
+        f = self._files.pop(id(t), None)
+        if f is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
 
     def write(self, t: Tensor, data: Tensor) -> None:
         """Write CPU tensor ``data`` (``t``'s bytes) to ``t``'s file."""
@@ -275,6 +283,18 @@ class Swapper:
                     t.data.copy_(self._host[id(t)], non_blocking=False)
         self.bytes_in += nbytes
         self.seconds_in += time.perf_counter() - t0
+
+    def forget(self, t: Tensor) -> None:
+        """``t`` is done with (a step's gradient at ``zero_grad``): its copy on the tier is
+        dropped (its file removed), and a later tensor with the same ``id`` starts afresh."""
+        pending = self._pending.pop(id(t), None)
+        if pending is not None:
+            pending.result()
+        self._out.pop(id(t), None)
+        self._written.discard(id(t))
+        self._host.pop(id(t), None)
+        if self.disk is not None:
+            self.disk.drop(t)
 
     def swap_in_async(self, t: Tensor, pool) -> bool:
         """Start bringing ``t`` back in a thread of ``pool`` (a disk file into a CPU tensor;

@@ -103,6 +103,8 @@ def plan(
 
     # ---------------------------------------------------------------- model state
     params = grads = optim = moved = 0  # moved: what offload.optimizer moves (NOTE [planned offload])
+    master_grads = 0  # of ``grads``: the masters' gradients that are buffers of their own
+    grad_one = 0  # the largest parameter's gradient as accumulated (offload.grads keeps two of them)
     in_blocks = one_block = 0  # stored bytes of the blocks' parameters: what offload.params moves
     for prm in params_:
         pp, k = prm.plan, prm.count
@@ -114,6 +116,7 @@ def plan(
             one_block += n_store * B
         gplan = pp.grads if pp.grads is not None else pp.storage  # ZeRO-1: whole local grads
         grads += k * _local_numel(pp, gplan, sizes) * GB
+        grad_one = max(grad_one, _local_numel(pp, gplan, sizes) * GB)
         direct = pp.optimizer == pp.storage and pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt
         if prm.in_block and not direct and tiers.params != "device":
             raise ConfigError(
@@ -135,6 +138,7 @@ def plan(
             # released as it is reduce-scattered, so the shards never add to their peak)
             if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt) and gdt is None:
                 grads += k * n_opt * MB
+                master_grads += k * n_opt * MB
 
     psi = cfg.num_params()
     t = sizes.get("tp", 1)
@@ -159,7 +163,23 @@ def plan(
     }
     memory["total"] = sum(memory.values())
     blocks_gathered = _held_gathered([q for q in params_ if q.in_block], sizes, regather, CB, cdt != pdt)
-    kinds = _offload.analytic(tiers, memory, moved, act, blocks_gathered, grad_accum, (in_blocks, one_block))
+    if tiers.grads != "device" and gdt is not None:
+        raise ConfigError(
+            f"offload.grads={tiers.grads}: layout {lay.name} with {_name(pdt)} storage accumulates {_name(gdt)} main "
+            "gradients outside autograd's .grad (ZeRO-1/2 under mixed precision), which meshlm does not offload; "
+            "use train.param_dtype=float32, a layout that shards parameters (fsdp, fsdp_tp, hsdp), or "
+            "offload.grads=device"
+        )
+    kinds = _offload.analytic(
+        tiers,
+        memory,
+        moved,
+        act,
+        blocks_gathered,
+        grad_accum,
+        (in_blocks, one_block),
+        (grads - master_grads, master_grads, grad_one),
+    )
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing
     # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing

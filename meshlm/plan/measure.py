@@ -133,7 +133,7 @@ def measure(
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
     ``meshlm.shard``'s dtype arguments (``meshlm.precision.shard_dtypes``); ``offload`` an
-    OffloadSpec whose optimizer and activations tiers the step runs with, on fake tensors
+    OffloadSpec whose tiers the step runs with, on fake tensors
     (NOTE [planned offload] in meshlm/plan/offload.py)."""
     import torch.distributed as dist
 
@@ -199,13 +199,17 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         acts = FakeActivations() if offload is not None and offload.activations != "device" else None
         ptier = FakeTier(offload.params) if offload is not None and offload.params != "device" else None
         poff = ParamOffload(model, ptier, prefetch=False) if ptier is not None else None
-        opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, offload=tier, offload_params=poff)
+        gtier = FakeTier(offload.grads) if offload is not None and offload.grads != "device" else None
+        opt = ShardedOptimizer(
+            model, torch.optim.AdamW, lr=1e-3, offload=tier, offload_params=poff, offload_grads=gtier
+        )
         psi = sum(p.numel() for p in model.parameters())
         toks = torch.zeros(micro, seq + 1, dtype=torch.long)
         x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
         y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
         inputs = {_key(x), _key(y)}
         moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
+        on_tier = [0]  # bytes of gradients on their tier at the step (offload.grads)
 
         def step(cc=None, made=None) -> tuple[int, int]:
             """One step as meshlm train runs it; (held activations, grads after backward)."""
@@ -225,6 +229,8 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             # ZeRO-1 releases main gradients as the step reduces them into the masters'
             # (NOTE [main grads] in main_grad.py): whichever point holds more
             grads = max(grads, model_state_bytes(model, opt)["grads"])
+            if gtier is not None:
+                on_tier[0] = sum(t.numel() * t.element_size() for t in opt.grad_offload.held)
             opt.zero_grad()
             return held, grads
 
@@ -235,7 +241,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             step()
         if acts is not None:
             acts.out_bytes = acts.in_bytes = 0
-        for t in (tier, ptier):
+        for t in (tier, ptier, gtier):
             if t is not None:
                 t.bytes_in = t.bytes_out = 0
         seed = (
@@ -254,6 +260,8 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
     if ptier is not None:  # every block's parameters; the measured peak holds one block's, no read-ahead
         nbytes = sum(t.numel() * t.element_size() for g in poff.groups for t in g)
         kinds["params"] = {"bytes": nbytes, "in_bytes": ptier.bytes_in, "out_bytes": ptier.bytes_out}
+    if gtier is not None:  # every gradient as accumulated, and ZeRO-1's shards; the peak holds what the hook holds
+        kinds["grads"] = {"bytes": on_tier[0], "in_bytes": gtier.bytes_in, "out_bytes": gtier.bytes_out}
     if acts is not None:
         kinds["activations"] = {"bytes": moved[0], "in_bytes": acts.in_bytes, "out_bytes": acts.out_bytes}
     memory = {

@@ -37,7 +37,16 @@ NOTE [planned offload]
       (in = the blocks' bytes x (2 x micro-batches + 1)) and are written once, after the
       step changed them (out = the blocks' bytes).  Layouts whose optimizer keeps copies of
       the parameters are refused, as by the runtime.
-    - ``grads``: refused (``OffloadSpec.check_supported``), as by ``meshlm train``.
+    - ``grads`` (NOTE [offloaded gradients] in meshlm/offload/grads.py): every gradient as
+      accumulated, and the masters' gradients that are buffers of their own (ZeRO-1's
+      shards), move; the device keeps two of the largest parameter's (the one autograd just
+      made and the one it is added to).  Per step each micro-batch writes the parameters'
+      gradients and every micro-batch after the first reads them back to add to them; the
+      step (ZeRO-1: the reduce-scatter) reads them once more and ZeRO-1's shards are written
+      and read once (in = out = the accumulated bytes x micro-batches + the masters').  A
+      clipped step reads them once more for the norm (and rewrites them when it clips): not
+      counted, as the plan does not know ``train.grad_clip``.  Main gradients (bf16 storage
+      under ZeRO-1/2) are refused, as by the runtime.
 """
 
 from __future__ import annotations
@@ -45,7 +54,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Mapping, Optional
 
-from meshlm.errors import ConfigError
 from meshlm.offload.spec import KINDS, TIERS, OffloadSpec, resolve_offload
 
 MiB = 2**20
@@ -55,33 +63,11 @@ def offload_spec_for(layout, offload: "OffloadSpec | Mapping[str, Any] | None" =
     """The tiers a plan of ``layout`` (a meshlm Layout) uses, checked: ``offload`` as is (an
     OffloadSpec), or the run's ``offload.*`` settings (a mapping, None: not set) over the
     layout's own ``offload`` section, or None: the layout's section (else every kind on the
-    device).  Raises ConfigError naming the key for a kind meshlm cannot move."""
+    device).  Raises ConfigError naming the key for a tier that is not one."""
     if isinstance(offload, OffloadSpec):
-        spec, origin = offload, {}
-    else:
-        given = {k: v for k, v in dict(offload or {}).items() if k in (*KINDS, "dir")}
-        spec = resolve_offload(getattr(layout, "offload", None), given)
-        origin = {k: f"{layout.source}: offload" for k in KINDS if given.get(k) is None}
-    spec.check_supported(origin)
-    check_plannable(spec, origin)
-    return spec
-
-
-#: kinds the plan accounts off the device (NOTE [planned offload]); others must stay there
-PLANNED = ("optimizer", "params", "activations")
-
-
-def check_plannable(spec: OffloadSpec, origin: Optional[Mapping[str, str]] = None) -> None:
-    """Raise ConfigError, naming the key, for a kind on a tier the plan cannot account
-    (``offload.params``: the runtime may move parameters; the plan does not model it yet)."""
-    for kind in KINDS:
-        if kind not in PLANNED and getattr(spec, kind) != "device":
-            where = dict(origin or {}).get(kind, "offload")
-            raise ConfigError(
-                f"{where}.{kind}={getattr(spec, kind)}: meshlm plan does not account {kind} off the device yet; "
-                f"plan with offload.{kind}=device (the device's figures are then an upper bound), or leave "
-                f"{kind} on the device"
-            )
+        return offload
+    given = {k: v for k, v in dict(offload or {}).items() if k in (*KINDS, "dir")}
+    return resolve_offload(getattr(layout, "offload", None), given)
 
 
 def kind_entry(tier: str, nbytes: int, in_bytes: int, out_bytes: int, **extra) -> dict[str, Any]:
@@ -114,14 +100,24 @@ def analytic(
     gathered_blocks: int,
     grad_accum: int,
     block_params: tuple[int, int] = (0, 0),
+    grad_bytes: tuple[int, int, int] = (0, 0, 0),
 ) -> dict[str, dict]:
     """The formula's offload (NOTE [planned offload]): moves the offloaded kinds' bytes out of
     ``memory`` (the device's; updated, ``total`` too) and returns their figures by kind.
     ``optimizer_moved``: the bytes of the masters of their own and AdamW's two states;
     ``act``: ``activation_bytes``'s dict; ``gathered_blocks``: the at-use copies the blocks
     keep (the rest of ``memory["gathered"]`` is the head's); ``block_params``: (the stored
-    bytes of every block's parameters, of the largest block's)."""
+    bytes of every block's parameters, of the largest block's); ``grad_bytes``: (the
+    parameters' gradients as accumulated, the masters' gradients that are buffers of their
+    own, the largest parameter's gradient)."""
     kinds: dict[str, dict] = {}
+    if spec.grads != "device":
+        acc, masters, one = grad_bytes
+        kept = min(acc + masters, 2 * one)  # the gradient autograd just made and the one it is added to
+        memory["grads"] = kept
+        kinds["grads"] = kind_entry(
+            spec.grads, acc + masters, acc * grad_accum + masters, acc * grad_accum + masters, kept_on_device=kept
+        )
     if spec.params != "device":
         moved, one = block_params
         kept = min(moved, 2 * one)  # the block running and the one read ahead
@@ -165,6 +161,13 @@ def lines(p) -> list[str]:
         )
         if kind == "optimizer":
             line += " (masters of their own, exp_avg, exp_avg_sq; the step counters stay)"
+        elif kind == "grads":
+            line += (
+                f" (each gradient as autograd stores it, each micro-batch; the device keeps two of the largest, "
+                f"{size(k['kept_on_device'])})"
+                if "kept_on_device" in k
+                else " (each gradient as autograd stores it, each micro-batch)"
+            )
         elif kind == "params":
             line += " (each block's, in for its forward and backward and its step, written after the step"
             if "kept_on_device" in k:  # the formula's; the measured figures hold it in the peak
@@ -234,6 +237,10 @@ class FakeTier:
             self.bytes_out += st.nbytes()
             self._written.add(id(t))
         st.resize_(0)
+
+    def forget(self, t) -> None:
+        self._out.pop(id(t), None)
+        self._written.discard(id(t))
 
     def swap_in_async(self, t, pool) -> bool:
         return False  # no read ahead: the peak counts the block read ahead by formula

@@ -13,7 +13,7 @@ from meshlm.models import LlamaConfig
 from meshlm.offload.spec import resolve_offload
 from meshlm.plan.analytic import plan
 from meshlm.plan.hardware import Hardware, _hardware
-from meshlm.plan.offload import check_plannable, offload_seconds, optimizer_host
+from meshlm.plan.offload import offload_seconds, optimizer_host
 from meshlm.plan.plot import _plot
 from meshlm.plan.report import GiB, Plan, _mesh_str, _parts
 from meshlm.plan.state import model_config
@@ -240,8 +240,8 @@ def choose_layout(
     :func:`meshlm.plan.main.choose_layout`."""
     out = out or sys.stdout
     hw = _hardware(hardware)
-    # an offload the plan cannot account stops here, not as every candidate dropped
-    check_plannable(resolve_offload(None, dict(offload or {})))
+    # a bad offload setting stops here, not as every candidate dropped
+    resolve_offload(None, dict(offload or {}))
     cap = (parse_memory(max_memory) if max_memory is not None else hw.memory) * (1.0 - headroom)
     kw = dict(
         global_batch=global_batch,

@@ -154,6 +154,39 @@ def test_measured_plan_runs_the_offloaded_step(no_pg):
     assert f"offload: activations=host: {size(a['bytes'])} on host" in text and "measured on fake tensors" in text
 
 
+@pytest.mark.parametrize(
+    "layout,sizes", [("fsdp", {"fsdp": 2}), ("ddp", {"dp": 2}), ("zero1", {"dp": 2}), ("fsdp_tp", {"fsdp": 2, "tp": 2})]
+)
+def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, no_pg):
+    """offload.grads: the formula's bytes on the tier and traffic (each micro-batch writes the
+    gradients, the later ones read them to add to them, the step reads them; ZeRO-1's
+    shards are written and read once) equal what the runtime's GradOffload moves in the
+    measured step on fake tensors; the device keeps two of the largest gradient, and the
+    measured peak drops."""
+    from meshlm.models import Llama, llama_config
+    from meshlm.plan import plan, plan_model
+
+    kw = dict(global_batch=8, seq=32, grad_accum=2)
+    formula = plan("llama_tiny", layout, sizes, offload={"grads": "disk"}, **kw)
+    base_f = plan("llama_tiny", layout, sizes, **kw)
+    k = formula.offload["kinds"]["grads"]
+    assert k["tier"] == "disk" and k["bytes"] == formula.tiers["disk"] > 0
+    assert formula.memory["grads"] == k["kept_on_device"] < base_f.memory["grads"]
+    assert base_f.memory["total"] - formula.memory["total"] == base_f.memory["grads"] - k["kept_on_device"]
+
+    def build(device):
+        return Llama(llama_config("llama_tiny"), device=device)
+
+    base = plan_model(build, layout, sizes, **kw)
+    meas = plan_model(build, layout, sizes, offload={"grads": "disk"}, **kw)
+    m = meas.offload["kinds"]["grads"]
+    assert (m["bytes"], m["in_bytes"], m["out_bytes"]) == (k["bytes"], k["in_bytes"], k["out_bytes"])
+    if layout != "zero1":  # no master gradients of their own: written and read once per micro-batch
+        assert k["in_bytes"] == k["out_bytes"] == 2 * k["bytes"] == 2 * base_f.memory["grads"]
+    assert meas.memory["grads"] == 0 < base.memory["grads"]  # after backward and after the step: none held
+    assert meas.memory["peak"] < base.memory["peak"]
+
+
 def test_step_time_adds_the_traffic():
     """The cost model adds the offloaded bytes over the profile's host bandwidth, not
     overlapped; a plan without offload is timed as before."""
@@ -363,10 +396,19 @@ def test_offload_refusals_name_the_key():
     from meshlm.errors import ConfigError
     from meshlm.plan import choose_layout, plan, plan_model
 
-    with pytest.raises(ConfigError, match=r"offload\.grads=host.*set offload\.grads=device"):
-        plan("llama_tiny", "fsdp", {"fsdp": 2}, global_batch=B, seq=S, offload={"grads": "host"})
-    with pytest.raises(ConfigError, match=r"offload\.grads=disk"):
-        choose_layout(**_auto_kwargs(2**40), out=io.StringIO(), offload={"grads": "disk"})
+    with pytest.raises(ConfigError, match=r"offload\.grads=host: layout zero1 with bfloat16 storage accumulates"):
+        plan(
+            "llama_tiny",
+            "zero1",
+            {"dp": 2},
+            global_batch=B,
+            seq=S,
+            param_dtype="auto",
+            compute_dtype="bfloat16",
+            offload={"grads": "host"},
+        )
+    with pytest.raises(ConfigError, match=r"offload\.grads='nvme' is not a tier"):
+        choose_layout(**_auto_kwargs(2**40), out=io.StringIO(), offload={"grads": "nvme"})
     with pytest.raises(
         ConfigError, match=r"offload optimizer=disk: meshlm plan does not plan offload under a pipeline"
     ):

@@ -1,0 +1,176 @@
+"""Gradients on another tier from the moment backward makes them until the step reads them.
+
+NOTE [offloaded gradients]
+    With ``offload.grads`` on ``host`` or ``disk``, a parameter's gradient does not stay in
+    ``.grad`` through the backward pass: a post-accumulate-grad hook on each parameter the
+    optimizer steps takes it as soon as autograd has stored it (after the layout's reduction
+    made it: a block's reduce-scatter under FSDP, its all-reduce under DDP) and swaps it out
+    (NOTE [swapped storage] in store.py).  The next micro-batch's gradient of the same
+    parameter is added into it: swapped in, added, swapped out.  So the backward pass holds
+    at most the gradients that are being made, not the whole model's, when it ends (the end
+    of backward is where a step's memory peaks once activations are freed: ZeRO-Offload
+    moves gradients off the device during backward for this reason).
+
+    ``ShardedOptimizer.reduce_grads`` then makes each master's ``.grad`` from the swapped
+    gradient, chunk by chunk (a ZeRO-1 chunk is swapped in, reduce-scattered and its shard
+    swapped out); the gradient norm, clipping and the loss scaler's unscale visit one
+    gradient at a time (``each``); the optimizer's chunked step (NOTE [offloaded step] in
+    optimizer.py) swaps a chunk's gradients in with its state.  The sums are the same
+    additions in the same order as autograd's accumulation into ``.grad``, so an offloaded
+    run's gradients and weights equal the run's without offload bit for bit
+    (tests/dist/test_offload_grads.py).
+
+    Between backward and ``reduce_grads`` a parameter's ``.grad`` is None (its gradient is
+    on the tier); readers go through the optimizer (``opt.reduce_grads()``, then
+    ``opt.masters()[fqn].grad`` inside ``opt.resident()``).  Not supported, and refused
+    with the key named: main gradients (bf16 storage under ZeRO-1/2, NOTE [main grads] in
+    meshlm/main_grad.py), which bypass ``.grad``, and pipeline stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from meshlm import _torch_compat as compat
+from meshlm.bucket import redistribute_flat
+from meshlm.errors import ConfigError
+from meshlm.lower import shard_state
+from meshlm.offload.store import Swapper, owns_storage
+
+
+class GradOffload:
+    """The swapped gradients of a ``ShardedOptimizer``'s parameters (NOTE [offloaded gradients])."""
+
+    def __init__(self, opt, swapper: Swapper):
+        st = shard_state(opt.model)
+        mains = [f for f, p, _m in opt._pairs if st.grad_dtype is not None and st.grad_dtype != p.dtype]
+        if mains:
+            raise ConfigError(
+                f"offload.grads={swapper.tier}: parameter `{mains[0]}` (and {len(mains) - 1} more) is stored in "
+                f"{opt._pairs[0][1].dtype} with {st.grad_dtype} main gradients (ZeRO-1/2 under mixed precision), "
+                "which are accumulated outside autograd's .grad; offload.grads needs gradients in .grad: use "
+                "train.param_dtype=float32, a layout that shards parameters (fsdp, fsdp_tp, hsdp), or offload.grads=device"
+            )
+        self.swapper = swapper
+        self.acc: dict[int, Tensor] = {}  # id(param) -> its gradient so far this step (DTensor or tensor), swapped
+        self.held: list[Tensor] = []  # every plain tensor swapped this step, alive until zero_grad
+        self._handles = [p.register_post_accumulate_grad_hook(self._take) for _f, p, _m in opt._pairs]
+        self.peak_resident = 0  # the most gradient bytes in memory at once inside the hook (for tests)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- during backward
+    def _take(self, p: Tensor) -> None:
+        """The hook: ``p.grad`` (just accumulated) goes to the tier, added to what is there."""
+        g = p.grad
+        p.grad = None
+        if g is None:
+            return
+        local = _settled(g)
+        with torch.no_grad():
+            acc = self.acc.get(id(p))
+            if acc is None:
+                if not owns_storage(local):
+                    local = local.clone(memory_format=torch.contiguous_format)
+                acc = self.acc[id(p)] = _wrap_like(local, g)
+                local = _local(acc)  # from_local may wrap a view: the wrapper's own tensor is what moves
+                self.held.append(local)
+            else:
+                loc = _local(acc)
+                self.swapper.swap_in(loc)
+                loc.add_(local)
+                local = loc
+            self.peak_resident = max(self.peak_resident, 2 * local.numel() * local.element_size())
+            self.swapper.swap_out(local)
+
+    def grad_of(self, p: Tensor) -> Optional[Tensor]:
+        """``p``'s accumulated gradient of this step (swapped out), or None."""
+        return self.acc.get(id(p))
+
+    def put(self, g: Tensor) -> Tensor:
+        """``g`` (a master's gradient made by ``reduce_grads``) swapped out and kept; returns it."""
+        if not owns_storage(_local(g)):
+            g = _wrap_like(_local(g).clone(memory_format=torch.contiguous_format), g)
+        local = _local(g)
+        self.held.append(local)
+        self.swapper.swap_out(local)
+        return g
+
+    def reduce(self, opt) -> None:
+        """``opt.reduce_grads()`` with the gradients here: each master's ``.grad`` made from
+        its parameter's swapped gradient, chunk by chunk (NOTE [optimizer chunks] in
+        meshlm/optim.py), each chunk's gradients swapped in for its reduction and the results
+        swapped out."""
+        moving: dict = {}
+        for (_fqn, p, m), key in zip(opt._pairs, opt._keys):
+            g = self.grad_of(p)
+            if m is p:
+                p.grad = g
+            elif g is None:
+                m.grad = None
+            elif tuple(g.placements) != tuple(m.placements) or g.dtype != m.dtype:
+                moving.setdefault(key, []).append((p, m))
+            else:
+                m.grad = g
+        for key, pms in moving.items():
+            gs = [self.grad_of(p) for p, _m in pms]
+            with self.resident(gs):
+                gs = [g.to(m.dtype) for g, (_p, m) in zip(gs, pms)]
+                out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
+                del gs
+                for (_p, m), g in zip(pms, out):
+                    m.grad = self.put(g)
+
+    # -- readers
+    @contextlib.contextmanager
+    def resident(self, grads, dirty: bool = False) -> Iterator[None]:
+        """``grads`` (tensors or DTensors, None skipped) in memory inside the context, out
+        after it (``dirty``: written again; else the tier's copy is kept)."""
+        locs = [_local(g) for g in grads if g is not None]
+        for t in locs:
+            self.swapper.swap_in(t)
+        try:
+            yield
+        finally:
+            for t in locs:
+                self.swapper.swap_out(t, clean=not dirty)
+
+    def each(self, grads, dirty: bool = False) -> Iterator[Tensor]:
+        """Each gradient of ``grads`` in memory in turn (one at a time)."""
+        for g in grads:
+            with self.resident([g], dirty=dirty):
+                yield g
+
+    def release(self) -> None:
+        """The step's gradients are done with (``zero_grad``): their copies on the tier go."""
+        for t in self.held:
+            self.swapper.forget(t)
+        self.held = []
+        self.acc = {}
+
+
+def _settled(g: Tensor) -> Tensor:
+    """The local tensor of gradient ``g``, waited for if its reduction is in flight (NOTE
+    [overlapped reduction] in meshlm/bucket/op.py)."""
+    local = compat.local_tensor(g) if isinstance(g, DTensor) else g
+    if compat.in_flight(local):
+        local = local.wait()
+    return local
+
+
+def _local(g: Tensor) -> Tensor:
+    return compat.local_tensor(g) if isinstance(g, DTensor) else g
+
+
+def _wrap_like(local: Tensor, g: Tensor) -> Tensor:
+    if not isinstance(g, DTensor):
+        return local
+    return DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride())

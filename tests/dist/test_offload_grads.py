@@ -1,0 +1,165 @@
+"""Offloaded gradients (NOTE [offloaded gradients] in meshlm/offload/grads.py): the same layout
+with and without ``offload.grads=disk`` gives the same losses, reduced gradients, gradient
+norms, weights and AdamW state after three steps of two micro-batches each, with a loss
+scale unscaled and the norm clipped (so every path that reads or writes gradients between
+backward and the step runs), bit for bit, on 1, 2 and 4 gloo processes.  At the end of each
+backward no gradient is in memory: ``.grad`` is None and every accumulated gradient holds 0
+bytes, its bytes in a file; after ``zero_grad`` the files are gone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from meshlm.testing import dist_pool_fixture
+
+pool1 = dist_pool_fixture(1, timeout_s=90)
+pool2 = dist_pool_fixture(2, timeout_s=90)
+pool4 = dist_pool_fixture(4, timeout_s=90)
+
+STEPS, ACCUM = 3, 2
+
+
+def _batches(vocab: int):
+    g = torch.Generator().manual_seed(5)
+    return [
+        [
+            (torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g))
+            for _ in range(ACCUM)
+        ]
+        for _ in range(STEPS)
+    ]
+
+
+def _job(layout: str, shape: str, grads: str | None, optimizer: str | None, base: str, compiled: bool = False):
+    import meshlm
+    from meshlm.memory import local_data
+    from meshlm.models import Llama, llama_config
+    from meshlm.offload.store import SwapDir, Swapper
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.precision import LossScaler
+    from meshlm.testing.recipes import full_many
+
+    torch._dynamo.reset()
+    cfg = llama_config("llama_tiny")
+    mesh = meshlm.make_mesh(shape)
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
+    if compiled:
+        import meshlm.compile
+
+        meshlm.compile.compile_blocks(model, "aot_eager")
+    rank = torch.distributed.get_rank()
+    disk = SwapDir(base, rank, run_id="g") if "disk" in (grads, optimizer) else None
+    gswap = Swapper(grads, disk) if grads else None
+    oswap = Swapper(optimizer, disk) if optimizer else None
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, offload=oswap, offload_grads=gswap)
+    scaler = LossScaler(init_scale=2.0**6)
+    rec = {"loss": [], "grad": [], "norm": [], "state": [], "after_backward": [], "files": []}
+    for micro in _batches(cfg.vocab):
+        for x, y in micro:
+            loss = model(meshlm.shard_batch(x, layout, mesh), meshlm.shard_batch(y, layout, mesh)) / ACCUM
+            scaler.scale_loss(loss).backward()
+            rec["loss"].append(float(loss))
+        if gswap is not None:  # nothing of the gradients in memory between backward and the step
+            go = opt.grad_offload
+            rec["after_backward"].append(
+                (
+                    [p.grad is None for p in model.parameters()],
+                    [gswap.is_out(t) for t in go.held],
+                    [t.untyped_storage().nbytes() for t in go.held],
+                    len(go.held),
+                )
+            )
+        norm, stepped = scaler.step(opt, max_norm=0.5)  # unscale, norm, clip (0.5: it clips), step
+        assert stepped
+        rec["norm"].append(norm)
+        with opt.resident():
+            rec["grad"].append({k: g.clone() for k, g in full_many({k: m.grad for k, m in opt.masters().items()}).items()})
+        opt.zero_grad()
+        if disk is not None:
+            rec["files"].append(len([f for f in os.listdir(disk.path) if f.endswith(".bin")]))
+        with opt.resident():
+            sd = {f"param/{k}": v.detach().clone() for k, v in full_many(dict(model.named_parameters())).items()}
+            for fqn, m in opt.masters().items():
+                for k, v in full_many(dict(opt.inner.state.get(m, {}))).items():
+                    sd[f"state/{fqn}/{k}"] = v.clone()
+        rec["state"].append(sd)
+    rec["peak_resident"] = opt.grad_offload.peak_resident if gswap is not None else 0
+    rec["largest"] = max(local_data(p).numel() * 4 for p in model.parameters())
+    if disk is not None:
+        disk.close()
+    return rec
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a["loss"] == b["loss"], what
+    assert a["norm"] == b["norm"], f"{what}: gradient norms differ"
+    for k in range(STEPS):
+        for kind in ("grad", "state"):
+            assert sorted(a[kind][k]) == sorted(b[kind][k]), (what, kind)
+            for n, v in a[kind][k].items():
+                assert torch.equal(v, b[kind][k][n]), f"{what}: step {k + 1} {kind} {n} differs"
+
+
+CASES = [
+    (1, "single", "dp=1", None, False),
+    (2, "fsdp", "fsdp=2", None, False),
+    (2, "ddp", "dp=2", "disk", True),  # with the optimizer on disk too, blocks compiled
+    (2, "zero1", "dp=2", None, False),  # gradients reduce-scattered into the masters' at the step
+    (2, "zero2", "dp=2", None, False),
+    (4, "fsdp_tp", "fsdp=2,tp=2", None, False),
+]
+
+
+@pytest.mark.parametrize("world,layout,shape,optimizer,compiled", CASES)
+def test_disk_grads_equal_no_offload(world, layout, shape, optimizer, compiled, tmp_path, pool1, pool2, pool4):
+    pool = {1: pool1, 2: pool2, 4: pool4}[world]
+    base = pool.run(_job, layout, shape, None, None, str(tmp_path), compiled)
+    off = pool.run(_job, layout, shape, "disk", optimizer, str(tmp_path), compiled)
+    for r in range(world):
+        _same(off[r], base[r], f"{layout} {shape} rank {r}")
+        for none, out, nbytes, n in off[r]["after_backward"]:
+            assert all(none), "a parameter kept its .grad after backward"
+            assert n > 0 and all(out) and set(nbytes) == {0}, "a gradient stayed in memory after backward"
+        # while taking one gradient, at most it and the accumulated one are in memory
+        assert 0 < off[r]["peak_resident"] <= 2 * off[r]["largest"]
+        if optimizer is None:
+            assert off[r]["files"] == [0] * STEPS  # zero_grad removed every gradient's file
+
+
+def test_host_grads_on_cpu_equal(tmp_path, pool2):
+    base = pool2.run(_job, "fsdp", "fsdp=2", None, None, str(tmp_path))
+    host = pool2.run(_job, "fsdp", "fsdp=2", "host", None, str(tmp_path))
+    for r in range(2):
+        _same(host[r], base[r], f"host rank {r}")
+
+
+def _refused(base: str):
+    import meshlm
+    from meshlm.errors import ConfigError
+    from meshlm.models import Llama, llama_config
+    from meshlm.offload.store import Swapper
+    from meshlm.optim import ShardedOptimizer
+
+    mesh = meshlm.make_mesh("dp=2")
+    model = meshlm.shard(
+        Llama(llama_config("llama_tiny"), device="meta"),
+        "zero2",
+        mesh,
+        seed=0,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        grad_dtype=torch.float32,
+    )
+    try:
+        ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, offload_grads=Swapper("disk", None))
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_main_grads_are_refused(tmp_path, pool2):
+    msg = pool2.run(_refused, str(tmp_path))[0]
+    assert msg is not None and "offload.grads=disk" in msg and "main gradients" in msg and "param_dtype=float32" in msg
