@@ -189,12 +189,15 @@ class ShardedOptimizer:
                     main_grad.release(p)
             self._ready = True
 
-    def each_grad(self, dirty: bool = False):
-        """The gradients the optimizer steps with (``grads()``), each in memory while the
-        caller has it (offloaded gradients are swapped in one at a time; ``dirty``: the caller
-        changes them, so they are written back)."""
-        grads = self.grads()
-        return grads if self.grad_offload is None else self.grad_offload.each(grads, dirty=dirty)
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the gradients the optimizer steps with by ``factor`` (after
+        ``reduce_grads``; offloaded ones without reading them: NOTE [offloaded gradients])."""
+        with torch.no_grad():
+            if self.grad_offload is not None:
+                self.grad_offload.scale(self.grads(), factor)
+            else:
+                for g in self.grads():
+                    g.mul_(factor)
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer steps with (after ``reduce_grads``)."""
@@ -220,8 +223,7 @@ class ShardedOptimizer:
             total = self.grad_norm() if norm is None else torch.as_tensor(norm, dtype=torch.float32)
             coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
             if coef < 1.0:
-                for g in self.each_grad(dirty=True):
-                    g.mul_(coef)
+                self.scale_grads(coef)
             return total
 
     def resident(self):

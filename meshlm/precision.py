@@ -144,9 +144,7 @@ class LossScaler:
         """Divide every gradient by the scale (in the optimizer's placements and dtype) and
         return their global norm: non-finite iff some gradient on some rank is."""
         opt.reduce_grads()
-        inv = 1.0 / self.scale
-        for g in opt.each_grad(dirty=True):
-            g.mul_(inv)
+        opt.scale_grads(1.0 / self.scale)
         return opt.grad_norm()
 
     def step(self, opt, max_norm: float = 0.0) -> tuple[float, bool]:

@@ -15,7 +15,10 @@ NOTE [offloaded gradients]
     gradient, chunk by chunk (a ZeRO-1 chunk is swapped in, reduce-scattered and its shard
     swapped out); the gradient norm, clipping and the loss scaler's unscale visit one
     gradient at a time (``each``); the optimizer's chunked step (NOTE [offloaded step] in
-    optimizer.py) swaps a chunk's gradients in with its state.  The sums are the same
+    optimizer.py) swaps a chunk's gradients in with its state.  Multiplying every gradient
+    (the loss scaler's unscale, clipping) does not read and rewrite them: the factor is kept
+    and applied each time a gradient comes in (``GradOffload.scale``), so a clipped step
+    reads the gradients twice (the norm, the step) and writes them once.  The sums are the same
     additions in the same order as autograd's accumulation into ``.grad``, so an offloaded
     run's gradients and weights equal the run's without offload bit for bit
     (tests/dist/test_offload_grads.py).
@@ -59,6 +62,8 @@ class GradOffload:
         self.swapper = swapper
         self.acc: dict[int, Tensor] = {}  # id(param) -> its gradient so far this step (DTensor or tensor), swapped
         self.held: list[Tensor] = []  # every plain tensor swapped this step, alive until zero_grad
+        self.pending: dict[int, list[float]] = {}  # id(tensor) -> factors not in its copy on the tier
+        self.dirty: set[int] = set()  # id(tensor): in memory and changed since its copy on the tier
         self._handles = [p.register_post_accumulate_grad_hook(self._take) for _f, p, _m in opt._pairs]
         self.peak_resident = 0  # the most gradient bytes in memory at once inside the hook (for tests)
 
@@ -109,6 +114,7 @@ class GradOffload:
         its parameter's swapped gradient, chunk by chunk (NOTE [optimizer chunks] in
         meshlm/optim.py), each chunk's gradients swapped in for its reduction and the results
         swapped out."""
+        assert not self.pending and not self.dirty, "gradients scaled before they were reduced"
         moving: dict = {}
         for (_fqn, p, m), key in zip(opt._pairs, opt._keys):
             g = self.grad_of(p)
@@ -130,23 +136,51 @@ class GradOffload:
                     m.grad = self.put(g)
 
     # -- readers
+    def bring_in(self, t: Tensor) -> None:
+        """Plain tensor ``t`` in memory, with the factors its copy on the tier lacks applied."""
+        if self.swapper.is_out(t):
+            self.swapper.swap_in(t)
+            for f in self.pending.get(id(t), ()):
+                t.mul_(f)
+
+    def send_out(self, t: Tensor) -> None:
+        """Plain tensor ``t`` back to the tier: written if it changed, else its copy kept."""
+        if id(t) in self.dirty:
+            self.dirty.discard(id(t))
+            self.pending.pop(id(t), None)  # the copy written holds them
+            self.swapper.swap_out(t, clean=False)
+        else:
+            self.swapper.swap_out(t, clean=True)
+
+    def scale(self, grads, factor: float) -> None:
+        """Multiply ``grads`` (plain tensors) by ``factor`` (the loss scaler's unscale,
+        clipping): a gradient on the tier is not read and rewritten for it; the factor is
+        kept and applied, in order, each time it comes in (the same multiplications as on
+        a gradient in memory, so the same bits)."""
+        for t in grads:
+            if self.swapper.is_out(t):
+                self.pending.setdefault(id(t), []).append(factor)
+            else:
+                t.mul_(factor)
+                self.dirty.add(id(t))
+
     @contextlib.contextmanager
-    def resident(self, grads, dirty: bool = False) -> Iterator[None]:
+    def resident(self, grads) -> Iterator[None]:
         """``grads`` (tensors or DTensors, None skipped) in memory inside the context, out
-        after it (``dirty``: written again; else the tier's copy is kept)."""
+        after it."""
         locs = [_local(g) for g in grads if g is not None]
         for t in locs:
-            self.swapper.swap_in(t)
+            self.bring_in(t)
         try:
             yield
         finally:
             for t in locs:
-                self.swapper.swap_out(t, clean=not dirty)
+                self.send_out(t)
 
-    def each(self, grads, dirty: bool = False) -> Iterator[Tensor]:
+    def each(self, grads) -> Iterator[Tensor]:
         """Each gradient of ``grads`` in memory in turn (one at a time)."""
         for g in grads:
-            with self.resident([g], dirty=dirty):
+            with self.resident([g]):
                 yield g
 
     def release(self) -> None:
@@ -155,6 +189,8 @@ class GradOffload:
             self.swapper.forget(t)
         self.held = []
         self.acc = {}
+        self.pending = {}
+        self.dirty = set()
 
 
 def _settled(g: Tensor) -> Tensor:

@@ -89,7 +89,7 @@ class OptimizerOffload:
                 self.params.swapper.swap_in(t)
         if self.grads is not None:
             for t in self._grads(pms):
-                self.grads.swapper.swap_in(t)
+                self.grads.bring_in(t)
 
     def _grads(self, pms) -> list[Tensor]:
         return [local_data(m.grad) for _p, m in pms if m.grad is not None]
@@ -103,9 +103,9 @@ class OptimizerOffload:
         if self.params is not None:  # the step has written them: written out again
             for t in self.params.tensors(p for p, _m in pms):
                 self.params.swapper.swap_out(t)
-        if self.grads is not None:  # read, not written (clipping and unscaling wrote theirs back)
+        if self.grads is not None:  # read, not written (NOTE [offloaded gradients])
             for t in self._grads(pms):
-                self.grads.swapper.swap_out(t, clean=True)
+                self.grads.send_out(t)
 
     def pairs(self) -> list:
         return [(p, m) for _f, p, m in self.opt._pairs]

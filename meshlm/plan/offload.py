@@ -43,9 +43,10 @@ NOTE [planned offload]
       made and the one it is added to).  Per step each micro-batch writes the parameters'
       gradients and every micro-batch after the first reads them back to add to them; the
       step (ZeRO-1: the reduce-scatter) reads them once more and ZeRO-1's shards are written
-      and read once (in = out = the accumulated bytes x micro-batches + the masters').  A
-      clipped step reads them once more for the norm (and rewrites them when it clips): not
-      counted, as the plan does not know ``train.grad_clip``.  Main gradients (bf16 storage
+      and read once (in = out = the accumulated bytes x micro-batches + the masters').  With
+      clipping the norm reads them once more (clipping itself and the loss scaler's unscale
+      write nothing: their factors are deferred); not counted, as the plan does not know
+      ``train.grad_clip``.  Main gradients (bf16 storage
       under ZeRO-1/2) are refused, as by the runtime.
 """
 

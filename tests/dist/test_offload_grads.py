@@ -4,7 +4,9 @@ norms, weights and AdamW state after three steps of two micro-batches each, with
 scale unscaled and the norm clipped (so every path that reads or writes gradients between
 backward and the step runs), bit for bit, on 1, 2 and 4 gloo processes.  At the end of each
 backward no gradient is in memory: ``.grad`` is None and every accumulated gradient holds 0
-bytes, its bytes in a file; after ``zero_grad`` the files are gone."""
+bytes, its bytes in a file; after ``zero_grad`` the files are gone.  A step moves each
+gradient out once per micro-batch and in once per later micro-batch, for the norm and for
+the step: unscaling and clipping defer their factors rather than rewrite the files."""
 
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ def _job(layout: str, shape: str, grads: str | None, optimizer: str | None, base
     oswap = Swapper(optimizer, disk) if optimizer else None
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, offload=oswap, offload_grads=gswap)
     scaler = LossScaler(init_scale=2.0**6)
-    rec = {"loss": [], "grad": [], "norm": [], "state": [], "after_backward": [], "files": []}
+    rec = {"loss": [], "grad": [], "norm": [], "state": [], "after_backward": [], "files": [], "traffic": []}
     for micro in _batches(cfg.vocab):
+        moved = (gswap.bytes_in, gswap.bytes_out) if gswap is not None else (0, 0)
         for x, y in micro:
             loss = model(meshlm.shard_batch(x, layout, mesh), meshlm.shard_batch(y, layout, mesh)) / ACCUM
             scaler.scale_loss(loss).backward()
@@ -75,6 +78,9 @@ def _job(layout: str, shape: str, grads: str | None, optimizer: str | None, base
         norm, stepped = scaler.step(opt, max_norm=0.5)  # unscale, norm, clip (0.5: it clips), step
         assert stepped
         rec["norm"].append(norm)
+        if gswap is not None:  # (bytes read, bytes written, bytes of the gradients held) this step
+            held = sum(t.numel() * t.element_size() for t in opt.grad_offload.held)
+            rec["traffic"].append((gswap.bytes_in - moved[0], gswap.bytes_out - moved[1], held))
         with opt.resident():
             rec["grad"].append({k: g.clone() for k, g in full_many({k: m.grad for k, m in opt.masters().items()}).items()})
         opt.zero_grad()
@@ -127,6 +133,10 @@ def test_disk_grads_equal_no_offload(world, layout, shape, optimizer, compiled, 
         assert 0 < off[r]["peak_resident"] <= 2 * off[r]["largest"]
         if optimizer is None:
             assert off[r]["files"] == [0] * STEPS  # zero_grad removed every gradient's file
+        if layout != "zero1":  # (zero1 also writes and reads its reduce-scattered shards)
+            # written once per micro-batch, read back by the second, by the norm and by the step;
+            # unscaling and clipping rewrite nothing (NOTE [offloaded gradients])
+            assert all(i == 3 * g and o == 2 * g > 0 for i, o, g in off[r]["traffic"]), off[r]["traffic"]
 
 
 def test_host_grads_on_cpu_equal(tmp_path, pool2):
@@ -163,3 +173,42 @@ def _refused(base: str):
 def test_main_grads_are_refused(tmp_path, pool2):
     msg = pool2.run(_refused, str(tmp_path))[0]
     assert msg is not None and "offload.grads=disk" in msg and "main gradients" in msg and "param_dtype=float32" in msg
+
+
+def _scaled(grads: str | None, base: str):
+    """Gradients scaled inside ``opt.resident()`` (in memory: multiplied and written back)
+    and outside it (on the tier: the factor deferred), then read."""
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.offload.store import SwapDir, Swapper
+    from meshlm.optim import ShardedOptimizer
+    from meshlm.testing.recipes import full_many
+
+    cfg = llama_config("llama_tiny")
+    mesh = meshlm.make_mesh("fsdp=2")
+    model = meshlm.shard(Llama(cfg, device="meta"), "fsdp", mesh, seed=0)
+    swap = Swapper(grads, SwapDir(base, torch.distributed.get_rank(), run_id="s")) if grads else None
+    opt = ShardedOptimizer(model, torch.optim.SGD, lr=1.0, offload_grads=swap)
+    (x, y), _ = _batches(cfg.vocab)[0]
+    model(meshlm.shard_batch(x, "fsdp", mesh), meshlm.shard_batch(y, "fsdp", mesh)).backward()
+    opt.reduce_grads()
+    opt.scale_grads(0.75)  # deferred
+    with opt.resident():
+        opt.scale_grads(0.5)  # in memory: applied and written back with the deferred one
+    opt.scale_grads(0.25)  # deferred again
+    opt.step()
+    with opt.resident():
+        out = {k: g.clone() for k, g in full_many({k: m.grad for k, m in opt.masters().items()}).items()}
+    out |= {f"param/{k}": v.detach().clone() for k, v in full_many(dict(model.named_parameters())).items()}
+    if swap is not None:
+        swap.disk.close()
+    return out
+
+
+def test_scaling_inside_and_outside_resident_is_applied_once(tmp_path, pool2):
+    base = pool2.run(_scaled, None, str(tmp_path))
+    off = pool2.run(_scaled, "disk", str(tmp_path))
+    for r in range(2):
+        assert sorted(off[r]) == sorted(base[r])
+        for k, v in base[r].items():
+            assert torch.equal(off[r][k], v), f"rank {r}: {k} differs"
