@@ -408,8 +408,9 @@ def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> N
     the launcher prints once) and in ``logs/rank<N>.log``, and exits quietly with status 1."""
     if launch_t0 is not None:  # a forkserver's environment is that of the job it first served
         os.environ[lifecycle.LAUNCH_T0] = str(launch_t0)
+    summary: dict = {}
     try:
-        run(cfg, run_dir)
+        summary = run(cfg, run_dir) or {}
     except BaseException as e:  # noqa: BLE001 - everything must reach the error file
         tb = traceback.format_exc()
         try:
@@ -426,6 +427,17 @@ def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> N
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if summary.get("stopped_by"):
+        # Stopped on a signal, saved (NOTE [stopping on a signal] in lifecycle.py).  The agent
+        # that passed the signal on is shutting down and reads no return value: returning
+        # would leave this process waiting for it until the agent's 30 s grace period ends in
+        # SIGKILL, past a scheduler's own grace period (Kubernetes: 30 s).  Leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if "meshlm.offload.store" in sys.modules:
+            sys.modules["meshlm.offload.store"].close_all()
+        os._exit(0)
 
 
 if __name__ == "__main__":
