@@ -197,6 +197,7 @@ def test_plans_printed_command_runs(tmp_path):
         "plan.devices=2",
         "plan.profile=cpu",
         "plan.top=1",
+        "plan.method=formula",  # the measured plan's command: tests/fake/test_plan_cli.py
         f"plan.png={tmp_path / 'plan.png'}",
         timeout=600,
     )

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
+
+import pytest
 
 from meshlm.testing.tolerances import INVARIANCE_RTOL
 
@@ -33,17 +36,25 @@ def _swap_files(base: Path) -> list[str]:
     return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file()) if base.exists() else []
 
 
-def test_a_layouts_offload_section_trains_like_no_offload(tmp_path):
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> Path:
+    """The run without offload that the others are held to (layout=fsdp, saving at step 2:
+    saving does not change the losses)."""
+    d = tmp_path_factory.mktemp("ref")
+    r = meshlm("train", *RUN, "layout=fsdp", "checkpoint.every=2", f"checkpoint.dir={d / 'ck'}", f"hydra.run.dir={d}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_a_layouts_offload_section_trains_like_no_offload(tmp_path, ref):
     lay = tmp_path / "fsdp_disk.yaml"
     lay.write_text(
         "params:\n  embed: [dp, fsdp]\ncompute:\n  batch: [dp, fsdp]\n"
         "offload:\n  optimizer: disk\n  activations: disk\n  params: disk\n  grads: disk\n"
     )
-    ref = meshlm("train", *RUN, "layout=fsdp", f"hydra.run.dir={tmp_path / 'ref'}")
-    assert ref.returncode == 0, ref.stderr[-3000:]
     off = meshlm("train", *RUN, f"layout.name={lay}", f"hydra.run.dir={tmp_path / 'off'}")
     assert off.returncode == 0, off.stderr[-3000:]
-    assert _curve(tmp_path / "off") == _curve(tmp_path / "ref")  # the same arithmetic, bit for bit
+    assert _curve(tmp_path / "off") == _curve(ref)  # the same arithmetic, bit for bit
     rows = _metrics(tmp_path / "off")
     # from the second step on, the whole optimizer state comes in and goes out once a step
     per_step = [b["offload_optimizer_in_bytes"] - a["offload_optimizer_in_bytes"] for a, b in zip(rows, rows[1:])]
@@ -58,28 +69,27 @@ def test_a_layouts_offload_section_trains_like_no_offload(tmp_path):
     )
 
 
-def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path):
+def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path, ref):
     ck = ["checkpoint.every=2", "layout=fsdp"]
-    ref = meshlm("train", *RUN, *ck, f"checkpoint.dir={tmp_path / 'ck_ref'}", f"hydra.run.dir={tmp_path / 'ref'}")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref")}
+    want = {r["step"]: r["loss"] for r in _metrics(ref)}
     swap = tmp_path / "swap"
     swap.mkdir()
+    crash = meshlm(
+        "train",
+        *RUN,
+        *ck,
+        "offload.optimizer=disk",
+        f"offload.dir={swap}",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "train.inject_crash_step=3",
+        "train.inject_crash_rank=1",
+        f"hydra.run.dir={tmp_path / 'crashed'}",
+    )
+    assert crash.returncode != 0 and "injected crash on rank 1 at step 3" in crash.stderr, crash.stderr[-3000:]
+    assert _swap_files(swap) == [], "the crashed run left swap files"
     for resume_offload, name in ((["offload.optimizer=disk", f"offload.dir={swap}"], "with"), ([], "without")):
-        ckdir = tmp_path / f"ck_{name}"
-        crash = meshlm(
-            "train",
-            *RUN,
-            *ck,
-            "offload.optimizer=disk",
-            f"offload.dir={swap}",
-            f"checkpoint.dir={ckdir}",
-            "train.inject_crash_step=3",
-            "train.inject_crash_rank=1",
-            f"hydra.run.dir={tmp_path / name}",
-        )
-        assert crash.returncode != 0 and "injected crash on rank 1 at step 3" in crash.stderr, crash.stderr[-3000:]
-        assert _swap_files(swap) == [], "the crashed run left swap files"
+        ckdir = tmp_path / f"ck_{name}"  # each resume from its own copy of the crashed run's checkpoints
+        shutil.copytree(tmp_path / "ck", ckdir)
         res = meshlm(
             "train",
             *RUN,
