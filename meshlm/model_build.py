@@ -14,15 +14,18 @@ from meshlm.lowering import shard
 from meshlm.model_config import ModelConfig, build_model
 
 
-def build_sharded(cfg: ModelConfig, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs: Any) -> nn.Module:
+def build_sharded(
+    cfg: ModelConfig, layout: Any, mesh: Any, *, seed: int = 0, after_block: Any = None, **shard_kwargs: Any
+) -> nn.Module:
     """The model of ``cfg`` sharded under ``layout`` on ``mesh``: built on the meta device
     and initialised from ``seed`` shard by shard, or, with ``init_from``, the Hugging Face
-    model in that directory (its ``config.json`` gives the architecture) with its weights."""
+    model in that directory (its ``config.json`` gives the architecture) with its weights.
+    ``after_block``: ``meshlm.shard``'s, for a model initialised from the seed."""
     if cfg.init_from:
         from meshlm.hf import load_hf
 
         return load_hf(cfg.init_from, layout, mesh, **shard_kwargs)
-    return shard(build_model(cfg, "meta"), layout, mesh, seed=seed, **shard_kwargs)
+    return shard(build_model(cfg, "meta"), layout, mesh, seed=seed, after_block=after_block, **shard_kwargs)
 
 
 def build_pipelined(cfg, mcfg: ModelConfig, layout: Any, device_type: str, *, seed: int = 0, **shard_kwargs: Any):

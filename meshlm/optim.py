@@ -96,7 +96,7 @@ class ShardedOptimizer:
         # stages (meshlm/pipeline/), whose squared norms grad_norm adds up too
         self.norm_groups: list = []
         self._pairs: list[tuple[str, nn.Parameter, nn.Parameter]] = []
-        masters = []
+        masters, specs = [], []
         for fqn, _m, _n, p in iter_params(model):
             if not p.requires_grad:
                 continue
@@ -110,6 +110,14 @@ class ShardedOptimizer:
                 and plan.grads is not None
                 and placements(plan.grads, st.mesh) == opt_pl
             )
+            specs.append((fqn, p, opt_pl, mdt, direct))
+        if offload_params is not None:  # before any master is made from a parameter that may be on its tier
+            from meshlm.offload.params import refuse_copies
+
+            refuse_copies(
+                offload_params, [f for f, p, _o, _d, direct in specs if not direct and offload_params.manages(p)]
+            )
+        for fqn, p, opt_pl, mdt, direct in specs:
             init = main_grad.take_init_master(p)  # the unrounded initial weights (NOTE [main grads])
             if direct:
                 master = p

@@ -157,7 +157,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         pipe = build_pipelined(cfg, mcfg, layout, device.type, seed=t.seed, **shard_kw)
         model, mesh = pipe.model, pipe.mesh
     else:
-        model = build_sharded(mcfg, layout, mesh, seed=t.seed, **shard_kw)
+        # offloaded parameters go to their tier block by block as they are made (NOTE [offloaded parameters])
+        spill = offload.spill if offload is not None and offload.spills else None
+        model = build_sharded(mcfg, layout, mesh, seed=t.seed, after_block=spill, **shard_kw)
     n_ckpt = apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
         # a pipeline keeping its parameters gathered through the step compiles the blocks' math

@@ -3,7 +3,7 @@ one module at a time) or sliced from real weights that every rank holds."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ def materialize(
     param_dtype: Optional[torch.dtype] = None,
     master_dtype: Optional[torch.dtype] = None,
     keep: Optional[set[str]] = None,
+    after_block: Optional[Callable[[nn.Module], None]] = None,
 ) -> None:
     """Each rank's shards.  With a ``master_dtype`` other than the storage dtype (main
     gradients, NOTE [main grads] in meshlm/main_grad.py), each parameter also gets this rank's
@@ -34,7 +35,12 @@ def materialize(
 
     ``keep``: the FQNs this rank holds (a pipeline stage's, NOTE [absent values] in
     meshlm/absent.py); every other parameter is still drawn, so that the init order is the
-    one-device one, then becomes an ``Absent`` attribute of its modules."""
+    one-device one, then becomes an ``Absent`` attribute of its modules.
+
+    ``after_block(block)``: called for each outer ``@meshlm.block`` as soon as its parameters
+    are made, before the next module's are (the offload of parameters moves them to their
+    tier there, so the whole model is never in memory: NOTE [offloaded parameters] in
+    meshlm/offload/params.py)."""
     dev = torch.device(mesh.device_type)
     owner: dict[int, str] = {}
     for fqn, _m, _n, p in iter_params(model):
@@ -43,6 +49,8 @@ def materialize(
     first: dict[int, tuple[nn.Module, str]] = {}  # NOTE [ties] in ties.py: each parameter's first slot
     any_meta = any(p.is_meta for p in model.parameters())
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    # each outer block's last module in the walk below: the block is complete once it is done
+    ends = {id(list(b.modules())[-1]): b for b in annotate.outer_blocks(model)} if after_block else {}
     dropped: set[int] = set()  # ids of the parameters another stage holds (``keep``)
     for mname, m in model.named_modules():
         # every slot draws (the stream does not depend on ties); its first slot's draw is kept
@@ -99,6 +107,8 @@ def materialize(
                         init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape), stride=stride
                     ),
                 )
+        if id(m) in ends:
+            after_block(ends[id(m)])
     for m in model.modules(remove_duplicate=False):  # NOTE [absent values] in meshlm/absent.py
         for n, p in list(m._parameters.items()):
             if p is not None and id(p) in dropped:

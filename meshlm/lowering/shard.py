@@ -3,7 +3,7 @@ docstring, in order), and the sharded classes it swaps in."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ def shard(
     overlap: Optional[bool] = None,
     bucket: bool = True,
     keep: Optional[set[str]] = None,
+    after_block: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
     """Lower ``model`` in place onto ``mesh`` under ``layout`` and return it.
 
@@ -64,6 +65,8 @@ def shard(
     (NOTE [block buckets]): every parameter then moves on its own, a reference for the
     benchmarks.  ``keep``: the FQNs of the parameters this rank holds, the others becoming
     ``Absent`` attributes (a pipeline stage: NOTE [absent values] in meshlm/absent.py).
+    ``after_block(block)`` is called as soon as each outer block's shards are made (offloaded
+    parameters go to their tier there: NOTE [offloaded parameters] in meshlm/offload/params.py).
     """
     dtensor_ops.install()
     layout = load_layout(layout)
@@ -71,7 +74,7 @@ def shard(
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep)
+    materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep, after_block)
     if keep is not None:
         plans = {fqn: pp for fqn, pp in plans.items() if fqn in keep}
     if reduce_dtype is None:

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from meshlm import _torch_compat as compat
-from meshlm.errors import ConfigError
 from meshlm.memory import local_data
 from meshlm.offload.store import Swapper
 
@@ -44,15 +43,6 @@ class OptimizerOffload:
         self.params = params  # a ParamOffload (NOTE [offloaded parameters] in params.py), or None
         self._resident = 0  # depth of resident() contexts
         self.step_seconds = 0.0  # wall time of the optimizer's arithmetic in offloaded steps (no transfers)
-        if params is not None:
-            copies = [f for f, p, m in opt._pairs if params.manages(p) and m is not p]
-            if copies:
-                raise ConfigError(
-                    f"offload.params={params.swapper.tier}: the optimizer keeps a copy of parameter `{copies[0]}` "
-                    f"(and {len(copies) - 1} more): ZeRO-1/2 masters or float32 masters of lower-precision storage, "
-                    "which offloaded parameters cannot be refreshed from chunk by chunk. Use a layout that updates "
-                    "parameters in place (ddp, fsdp, hsdp, tp, fsdp_tp, ...) or offload.optimizer only"
-                )
         if swapper is not None and swapper.disk is not None:  # a full disk fails here, before any step
             swapper.disk.need(self.nbytes(states_per_master), "offload.optimizer=disk (optimizer state and masters)")
 

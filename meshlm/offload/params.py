@@ -23,6 +23,11 @@ NOTE [offloaded parameters]
     (activation checkpointing) runs inside the block's backward, with the parameters in.
     Without autograd (validation) a block's parameters go out right after its forward.
 
+    ``meshlm train`` builds the model onto the tier: ``meshlm.shard(..., after_block=
+    Offload.spill)`` moves each block's parameters out as soon as they are made, before the
+    next block's are, so the whole model is never in memory at once (otherwise building it is
+    the run's peak once everything is offloaded: docs/offload.md).
+
     Parameters outside blocks (embeddings, the head, a final norm) stay on the device.  The
     optimizer must update parameters in place (their master is the parameter), so that the
     step moves one block's parameters in and out with its state: layouts whose optimizer
@@ -65,7 +70,8 @@ class ParamOffload:
         for blk in blocks:
             if _ATTR in blk.__dict__:
                 raise ConfigError(f"offload.params: block {type(blk).__name__} is offloaded already")
-            self.groups.append([local_data(p) for p in blk.parameters() if owns_storage(local_data(p))])
+            # a parameter moved out as the model was built (Offload.spill) is on the tier already
+            self.groups.append([t for t in map(local_data, blk.parameters()) if owns_storage(t) or swapper.is_out(t)])
             blk.__dict__[_ATTR] = (self, len(self.groups) - 1)
             blk.__class__ = variant_class(type(blk), __call__=_call)
         self._managed = {id(t) for g in self.groups for t in g}
@@ -129,6 +135,19 @@ class ParamOffload:
     def _before_backward(self, i: int) -> None:
         self.swap_in(i)
         self.prefetch(i - 1)
+
+
+def refuse_copies(off: "ParamOffload", copies: list) -> None:
+    """Raise ConfigError when the optimizer would keep copies (``copies``: FQNs) of offloaded
+    parameters: ZeRO-1/2 masters or float32 masters of narrower storage cannot be refreshed
+    chunk by chunk (NOTE [offloaded parameters])."""
+    if copies:
+        raise ConfigError(
+            f"offload.params={off.swapper.tier}: the optimizer keeps a copy of parameter `{copies[0]}` "
+            f"(and {len(copies) - 1} more): ZeRO-1/2 masters or float32 masters of lower-precision storage, "
+            "which offloaded parameters cannot be refreshed from chunk by chunk. Use a layout that updates "
+            "parameters in place (ddp, fsdp, hsdp, tp, fsdp_tp, ...) or offload.optimizer only"
+        )
 
 
 def _through(action, tree):

@@ -63,6 +63,7 @@ class Offload:
         self.optimizer = Swapper(spec.optimizer, self.disk) if spec.optimizer != "device" else None
         self.grads = Swapper(spec.grads, self.disk) if spec.grads != "device" else None
         self.params = None  # a ParamOffload, once attach() has met the model
+        self.param_swapper = Swapper(spec.params, self.disk) if spec.params != "device" else None
         self.activations = ActivationOffload(spec.activations, self.disk) if spec.activations != "device" else None
 
     def trim(self) -> None:
@@ -81,8 +82,25 @@ class Offload:
         if self.spec.params != "device":
             from meshlm.offload.params import ParamOffload
 
-            self.params = ParamOffload(model, Swapper(self.spec.params, self.disk))
+            self.params = ParamOffload(model, self.param_swapper)
         return self.params
+
+    def spill(self, block) -> None:
+        """``meshlm.shard(after_block=...)`` with parameters offloaded: ``block``'s parameters
+        go to their tier as soon as they are made, so the model is never whole in memory
+        (NOTE [offloaded parameters]); ``attach`` then finds them there."""
+        from meshlm.memory import local_data
+        from meshlm.offload.store import owns_storage
+
+        for p in block.parameters():
+            t = local_data(p)
+            if owns_storage(t):
+                self.param_swapper.swap_out(t)
+
+    @property
+    def spills(self) -> bool:
+        """Whether the model should be built with ``spill`` (parameters offloaded)."""
+        return self.param_swapper is not None
 
     def wrap(self, passes: Callable) -> Callable:
         """``passes`` run under the activation tier's saved-tensor hooks (unchanged without)."""

@@ -5,7 +5,9 @@ for bit, on 1, 2 and 4 gloo processes: under ZeRO-3 (the stored shard re-gathere
 backward), tensor parallel and ddp (the stored weight saved by autograd for backward),
 compiled per block (aot_eager), under full activation checkpointing (the recompute inside
 backward), and with the optimizer state on disk too.  Between steps, and after a forward
-without autograd, every block parameter is out (0 bytes); the next block's are read ahead."""
+without autograd, every block parameter is out (0 bytes); the next block's are read ahead.
+The model is built onto the tier as ``meshlm train`` builds it (``meshlm.shard(...,
+after_block=...)``): each block's parameters leave memory before the next block's are made."""
 
 from __future__ import annotations
 
@@ -27,21 +29,35 @@ def _run(layout, shape, base, compile, ckpt, params, optimizer):
     from meshlm.activation_checkpointing import apply_activation_checkpointing
     from meshlm.lower import full_state_dict
     from meshlm.models import Llama, llama_config
+    from meshlm.annotate import outer_blocks
+    from meshlm.memory import local_data
     from meshlm.offload.params import ParamOffload
-    from meshlm.offload.store import SwapDir, Swapper
+    from meshlm.offload.store import SwapDir, Swapper, owns_storage
     from meshlm.optim import ShardedOptimizer
     from meshlm.testing.recipes import full_many
 
     torch._dynamo.reset()
     cfg = llama_config("llama_tiny")
     mesh = meshlm.make_mesh(shape)
-    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
+    rank = torch.distributed.get_rank()
+    disk = SwapDir(base, rank, run_id=f"p{int(params)}{int(optimizer)}") if params or optimizer else None
+    pswap = Swapper("disk", disk) if params else None
+    meta = Llama(cfg, device="meta")
+    built = []  # after each block is made: bytes in memory of the block parameters made so far
+
+    def spill(blk):  # as meshlm train builds with offloaded parameters (Offload.spill)
+        for p in blk.parameters():
+            if owns_storage(local_data(p)):
+                pswap.swap_out(local_data(p))
+        made = [local_data(p) for b in outer_blocks(meta) for p in b.parameters() if not p.is_meta]
+        built.append((len(made), sum(t.untyped_storage().nbytes() for t in made)))
+
+    # the library's other path (tp here): a model built whole, its blocks moved out afterwards
+    model = meshlm.shard(meta, layout, mesh, seed=0, after_block=spill if params and layout != "tp" else None)
     apply_activation_checkpointing(model, ckpt)
     if compile != "none":
         meshlm.compile.compile_blocks(model, compile)
-    rank = torch.distributed.get_rank()
-    disk = SwapDir(base, rank, run_id=f"p{int(params)}{int(optimizer)}") if params or optimizer else None
-    poff = ParamOffload(model, Swapper("disk", disk)) if params else None
+    poff = ParamOffload(model, pswap) if params else None
     opt = ShardedOptimizer(
         model,
         torch.optim.AdamW,
@@ -55,7 +71,7 @@ def _run(layout, shape, base, compile, ckpt, params, optimizer):
         return sum(t.untyped_storage().nbytes() for g in poff.groups for t in g) if poff else None
 
     g = torch.Generator().manual_seed(11)
-    rec = {"loss": [], "grads": [], "state": [], "held": []}
+    rec = {"loss": [], "grads": [], "state": [], "held": [], "built": built, "blocks": len(outer_blocks(model))}
     for _step in range(STEPS):
         for _ in range(ACCUM):
             x, y = (torch.randint(0, cfg.vocab, (4, 16), generator=g) for _ in range(2))
@@ -115,6 +131,10 @@ def test_offloaded_parameters_equal_no_offload(
         assert off["n_params"] > 0
         assert off["held"] == [0] * STEPS and off["held_after_resident"] == 0 and off["held_after_eval"] == 0
         assert off["prefetched"] > 0  # the next block's parameters were read ahead
+        if layout != "tp":  # built onto the tier: each block's out before the next block's were made
+            assert len(off["built"]) == off["blocks"] > 1
+            assert [n for n, _b in off["built"]] == sorted({n for n, _b in off["built"]}) and off["built"][0][0] > 0
+            assert all(nbytes == 0 for _n, nbytes in off["built"]), off["built"]
 
 
 def _refused(shape):
