@@ -137,3 +137,25 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
                 )
             local.copy_(block.to(local.dtype))
     return model
+
+
+def load_hf_local(path: str) -> nn.Module:
+    """The meshlm model of the Hugging Face directory ``path`` on this process's CPU, whole
+    and unsharded (no process group): for one-device inference and tests."""
+    from meshlm.lowering import iter_params
+
+    path = _strip(path)
+    fam, cfg = _read_config(path)
+    reader = _HFReader(path, fam.canonical)
+    model = fam.build(cfg)
+    _check_names(path, fam, cfg, model, reader)
+    from meshlm.ties import aliases
+
+    tied = aliases(model)
+    model = model.to_empty(device="cpu")  # gives each slot of a tied parameter its own tensor:
+    for m, name, first, first_name in tied:  # tie them again (NOTE [ties])
+        setattr(m, name, getattr(first, first_name))
+    with torch.no_grad():
+        for fqn, _m, _n, p in iter_params(model):
+            p.copy_(fam.read_block(reader.read, cfg, fqn, tuple(p.shape), [(0, n) for n in p.shape]).to(p.dtype))
+    return model.eval()

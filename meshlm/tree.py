@@ -5,7 +5,9 @@ mappings), lists, tuples, named tuples and dataclass instances, nested to any de
 lowering treats every tensor leaf by the input rules (and lifts every output leaf), so it
 must see them all; an object it cannot look inside that holds tensors is an error, never a
 tensor silently left out (which would run as if replicated: each rank's slice taken for the
-whole batch).
+whole batch).  The exception is an object whose class sets ``__meshlm_passthrough__ = True``
+(meshlm's KV cache, NOTE [KV cache] in meshlm/infer/cache.py): it places its own tensors,
+and is handed to the forward as it is.
 
 A leaf's *path* names it from the argument (or the output) down: ``batch.tokens`` for
 ``forward(batch={"tokens": t})``, ``inputs.1`` for the second item of a tuple argument,
@@ -66,7 +68,7 @@ def _rebuild(x: Any, items: list[tuple[Any, Any]]) -> Any:
 
 def _holds_tensor(x: Any, depth: int = 3) -> bool:
     """Whether an object meshlm does not look inside keeps a tensor in its attributes."""
-    if depth < 0:
+    if depth < 0 or getattr(type(x), "__meshlm_passthrough__", False):
         return False
     if isinstance(x, Tensor):
         return True

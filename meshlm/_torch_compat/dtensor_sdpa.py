@@ -1,7 +1,9 @@
 """Sharding rules for CPU flash attention (part of the adapter in
 ``meshlm/_torch_compat/dtensor_ops.py``, installed by its ``install``; NOTE [private torch]
 there): ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward have none in
-torch 2.11-2.13.  Heads (dim 1) or batch (dim 0) sharded in, the same out, or all replicated."""
+torch 2.11-2.13.  Heads (dim 1) or batch (dim 0) sharded in, the same out, or all replicated.
+An attention mask (decoding with a KV cache, NOTE [KV cache] in meshlm/infer/cache.py) is
+sharded like the query where it has that dim, and replicated where it broadcasts (size 1)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,18 @@ def _register_sdpa_cpu() -> None:
     if fwd is None:
         return
 
+    def _mask(attn_mask, d):
+        if attn_mask is None:
+            return []
+        return [Shard(d) if d is not None and attn_mask.shape[d] > 1 else Replicate()]
+
     @register_sharding(fwd.default)
     def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
         out = []
         for d in (0, 1):  # batch or heads
-            out.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None]))
-        out.append(([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None]))
+            out.append(([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None] + _mask(attn_mask, d)))
+        r = Replicate()
+        out.append(([r, r], [r, r, r, None, None] + _mask(attn_mask, None)))
         return out
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -31,7 +39,7 @@ def _register_sdpa_cpu() -> None:
         res = []
         for d in (0, 1):
             s = Shard(d)
-            res.append(([s, s, s], [s, s, s, s, s, s, None, None]))
+            res.append(([s, s, s], [s, s, s, s, s, s, None, None] + _mask(attn_mask, d)))
         r = Replicate()
-        res.append(([r, r, r], [r, r, r, r, r, r, None, None]))
+        res.append(([r, r, r], [r, r, r, r, r, r, None, None] + _mask(attn_mask, None)))
         return res

@@ -116,13 +116,19 @@ class CausalSelfAttention(nn.Module):
             device=device,
         )
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+    def forward(self, x: Tensor, cache=None) -> Tensor:  # x: (batch, seq, embed)
+        """``cache``: this layer's view of a KV cache when decoding (NOTE [KV cache] in
+        meshlm/infer/cache.py)."""
         x = constrain(x, ("batch", WHOLE, "embed"))
         qkv = constrain(self.c_attn(x), ("batch", WHOLE, "heads"))  # (batch, seq, heads * 3 * head_dim)
         qkv = qkv.unflatten(-1, (self.heads, 3 * self.head_dim)).transpose(1, 2)
         qkv = constrain(qkv, ("batch", "heads", WHOLE, None))  # (batch, heads, seq, 3 * head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask, causal = None, True
+        if cache is not None:  # every position so far: (batch, heads, cached + seq, head_dim)
+            k, v = cache.update(k, v)
+            mask, causal = cache.mask, cache.causal
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = constrain(y, ("batch", "heads", WHOLE, "head_dim")).transpose(1, 2).flatten(2, 3)
         return constrain(self.c_proj(y), ("batch", "seq", "embed"))
 
@@ -162,9 +168,9 @@ class Block(nn.Module):
         self.ln_2 = mnn.LayerNorm(cfg.embed, cfg.norm_eps, bias=cfg.bias, device=device)
         self.mlp = MLP(cfg, device)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+    def forward(self, x: Tensor, cache=None) -> Tensor:  # x: (batch, seq, embed)
         axes = ("batch", "seq", "embed")
-        x = x + dropout(self.attn(self.ln_1(x)), self.dropout, axes, self.training)
+        x = x + dropout(self.attn(self.ln_1(x), cache), self.dropout, axes, self.training)
         x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, axes, self.training)
         return constrain(x, axes)
 
@@ -198,21 +204,24 @@ class GPT2(nn.Module):
         if seed is not None and torch.device(device or "cpu").type != "meta":
             init_params(self, seed)
 
-    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Optional[Tensor] = None, cache=None) -> Tensor:
+        """``cache``: a KV cache when decoding (NOTE [KV cache] in meshlm/infer/cache.py);
+        ``tokens`` are then the new tokens only, at positions ``cache.positions``."""
         s = tokens.shape[1]
-        if s > self.cfg.block_size:
+        n = s if cache is None else cache.max_len  # a cache holds no more positions than there are
+        if n > self.cfg.block_size:
             from meshlm.errors import ConfigError
 
             raise ConfigError(
-                f"GPT2: a sequence of {s} tokens is longer than model.block_size="
+                f"GPT2: a sequence of {n} tokens (a KV cache's max_len when decoding) is longer than model.block_size="
                 f"{self.cfg.block_size} (the learned positions): shorten the sequence "
                 "(train.seq_len) or build the model with a larger block_size"
             )
-        pos = torch.arange(s, dtype=torch.long, device=tokens.device)
+        pos = torch.arange(s, dtype=torch.long, device=tokens.device) if cache is None else cache.positions
         x = constrain(self.transformer.wte(tokens) + self.transformer.wpe(pos), ("batch", "seq", "embed"))
         x = dropout(x, self.cfg.dropout, ("batch", "seq", "embed"), self.training)
-        for blk in self.transformer.h:
-            x = blk(x)
+        for i, blk in enumerate(self.transformer.h):
+            x = blk(x) if cache is None else blk(x, cache=cache.layer(i))
         # The output head needs every position (a vocab-parallel head is column-parallel).
         x = constrain(self.transformer.ln_f(x), ("batch", WHOLE, "embed"))
         logits = constrain(self.lm_head(x), ("batch", "seq", "vocab"))

@@ -137,6 +137,14 @@ def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[T
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+def rope_at(positions: Tensor, head_dim: int, theta: float, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (batch, 1, seq, head_dim // 2) at each row's own ``positions``
+    (batch, seq): decoding with a KV cache, where left-padded rows are at different positions."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.float()[..., None] * inv
+    return ang.cos().to(dtype)[:, None], ang.sin().to(dtype)[:, None]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate halves (the Hugging Face Llama convention). x: (batch, heads, seq, head_dim)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -170,7 +178,9 @@ class Attention(nn.Module):
             nn.init.normal_(w, std=self.cfg.init_std, generator=gen)
         nn.init.normal_(self.wo, std=self.cfg.init_std / math.sqrt(2 * self.cfg.layers), generator=gen)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+    def forward(self, x: Tensor, cache=None) -> Tensor:  # x: (batch, seq, embed)
+        """``cache``: this layer's view of a KV cache when decoding (NOTE [KV cache] in
+        meshlm/infer/cache.py)."""
         cfg = self.cfg
         b, s, _ = x.shape
         x = constrain(x, ("batch", WHOLE, "embed"))
@@ -180,13 +190,21 @@ class Attention(nn.Module):
         q = constrain(q, ("batch", "heads", WHOLE, "head_dim"))
         k = constrain(k, ("batch", "kv_heads", WHOLE, "head_dim"))
         v = constrain(v, ("batch", "kv_heads", WHOLE, "head_dim"))
-        cos, sin = rope_tables(s, cfg.hd, cfg.rope_theta, x.device, q.dtype)
+        if cache is None:
+            cos, sin = rope_tables(s, cfg.hd, cfg.rope_theta, x.device, q.dtype)
+        else:
+            cos, sin = rope_at(cache.positions, cfg.hd, cfg.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:  # every position so far: (batch, kv_heads, cached + s, head_dim)
+            k, v = cache.update(k, v)
+            mask, causal = cache.mask, cache.causal
         rep = cfg.heads // cfg.kv_heads
         if rep > 1:  # each kv head serves `rep` consecutive query heads
-            k = k[:, :, None].expand(b, cfg.kv_heads, rep, s, cfg.hd).flatten(1, 2)
-            v = v[:, :, None].expand(b, cfg.kv_heads, rep, s, cfg.hd).flatten(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            n = k.shape[2]
+            k = k[:, :, None].expand(b, cfg.kv_heads, rep, n, cfg.hd).flatten(1, 2)
+            v = v[:, :, None].expand(b, cfg.kv_heads, rep, n, cfg.hd).flatten(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         o = constrain(o, ("batch", "heads", WHOLE, "head_dim"))
         o = o.transpose(1, 2).flatten(2, 3)  # (batch, seq, heads * head_dim)
         return constrain(F.linear(o, self.wo.flatten(1, 2)), ("batch", "seq", "embed"))
@@ -233,9 +251,9 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.embed, cfg.norm_eps, device)
         self.mlp = MLP(cfg, device)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (batch, seq, embed)
+    def forward(self, x: Tensor, cache=None) -> Tensor:  # x: (batch, seq, embed)
         axes = ("batch", "seq", "embed")
-        x = x + dropout(self.attn(self.attn_norm(x)), self.dropout, axes, self.training)
+        x = x + dropout(self.attn(self.attn_norm(x), cache), self.dropout, axes, self.training)
         x = x + dropout(self.mlp(self.mlp_norm(x)), self.dropout, axes, self.training)
         return constrain(x, axes)
 
@@ -270,10 +288,12 @@ class Llama(nn.Module):
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head, std=self.cfg.init_std, generator=gen)
 
-    def forward(self, tokens: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, labels: Optional[Tensor] = None, cache=None) -> Tensor:
+        """``cache``: a KV cache when decoding (NOTE [KV cache] in meshlm/infer/cache.py);
+        ``tokens`` are then the new tokens only."""
         x = constrain(F.embedding(tokens, self.tok_emb), ("batch", "seq", "embed"))
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
         # The output head needs every position (a vocab-parallel head is column-parallel).
         x = constrain(self.norm(x), ("batch", WHOLE, "embed"))
         head = self.tok_emb if self.cfg.tie_embeddings else self.lm_head  # one at-use gather, not two

@@ -215,6 +215,17 @@ NORM_RTOL = 1e-5
 HF_LOGIT_RTOL = 1e-4
 HF_LOGIT_ATOL = 1e-5
 
+# Logits of decoding with a KV cache against one forward over the whole sequence, the same
+# model (tests/unit/test_generate.py).  The ops are the same; attention differs in what
+# SDPA is given (the cached keys with a mask or none, against the whole sequence with
+# is_causal), so its kernel blocks the softmax and the sums over keys differently: a few u
+# (6e-8) relative to the terms, through 2 layers and a head whose logits are up to 0.7
+# (Llama) and 3.4 (GPT-2).  Measured worst |diff|: 2.1e-7 (Llama), 2.7e-7 (GPT-2); we allow
+# 1e-6 + 1e-5 relative.  A wrong position (RoPE or learned) or a pad slot attended to moves
+# logits by 1e-3 or more.
+KV_LOGIT_RTOL = 1e-5
+KV_LOGIT_ATOL = 1e-6
+
 # Mixed precision: bf16 compute, fp32 reduction and accumulation (NOTE [mixed precision] in
 # meshlm/precision.py).  Unit roundoffs (round to nearest): bf16 keeps 8 significant bits,
 # u = 2^-8; fp32 keeps 24, u = 2^-24.

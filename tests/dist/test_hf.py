@@ -25,17 +25,9 @@ LAYOUT_MESH = {
 
 
 def _hf_model():
-    cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=128, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        max_position_embeddings=128, attention_bias=False, mlp_bias=False)
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # HF inits norms to ones; make them non-trivial so a mix-up shows
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
+    from meshlm.testing.hf_tiny import tiny_llama
+
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

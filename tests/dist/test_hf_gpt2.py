@@ -43,17 +43,9 @@ FORMS = ("single", "sharded", "bin", "headless")  # the file forms, spread over 
 
 
 def _hf_model(tie: bool = True):
-    # initializer_range 0.1, not GPT-2's 0.02: activations of order 1, so that GELU's variant or
-    # LayerNorm's eps shows in the logits (44x and 45x the tolerance), as it would in a trained model
-    cfg = transformers.GPT2Config(n_embd=EMBED, n_layer=2, n_head=HEADS, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie, initializer_range=0.1)
-    torch.manual_seed(0)
-    m = transformers.GPT2LMHeadModel(cfg).float().eval()
-    with torch.no_grad():  # HF starts biases at 0 and LayerNorm at (1, 0): make them non-trivial so a mix-up shows
-        for n, p in m.named_parameters():
-            if "ln_" in n or n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
+    from meshlm.testing.hf_tiny import tiny_gpt2
+
+    return tiny_gpt2(EMBED, HEADS, VOCAB, tie=tie)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,62 @@
+"""Tiny random Hugging Face models, made locally with transformers (no download), for the
+tests that hold meshlm's Llama and GPT-2 against transformers' own (import, export,
+generation).  Their norms and biases are moved off HF's (1, 0) start, so that a mix-up of
+them shows in the logits."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(vocab: int = 256, kv_heads: int = 4, tie: bool = False):
+    """A 2-layer grouped-query LlamaForCausalLM: embed 64, 8 heads of 8, mlp 128."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        intermediate_size=128,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=128,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def tiny_gpt2(embed: int = 64, heads: int = 4, vocab: int = 256, tie: bool = True, positions: int = 64):
+    """A 2-layer GPT2LMHeadModel.  initializer_range 0.1, not GPT-2's 0.02: activations of
+    order 1, so that GELU's variant or LayerNorm's eps shows in the logits (44x and 45x the
+    tolerance of tests/dist/test_hf_gpt2.py), as it would in a trained model."""
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        n_embd=embed,
+        n_layer=2,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "ln_" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
