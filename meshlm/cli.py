@@ -4,6 +4,7 @@ DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
     meshlm train [key=value ...]          train (a Hydra app over conf/); -m for a sweep
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
+    meshlm generate SOURCE --prompt TEXT  text from a Hugging Face directory or a checkpoint
     meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2 [model.KEY=VALUE ...]
     meshlm layout list                    the layouts by name, and the files they are in
 """
@@ -256,7 +257,19 @@ def layout_list() -> str:
     return "\n".join(out)
 
 
-COMMANDS = {"train": train_main, "plan": plan_cmd, "convert": convert_cmd, "layout": layout_cmd}
+def generate_cmd(argv: list[str]) -> int:
+    from meshlm.infer.cli import generate_main
+
+    return generate_main(argv)
+
+
+COMMANDS = {
+    "train": train_main,
+    "plan": plan_cmd,
+    "convert": convert_cmd,
+    "generate": generate_cmd,
+    "layout": layout_cmd,
+}
 
 
 def main(argv: "list[str] | None" = None) -> int:

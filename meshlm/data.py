@@ -43,10 +43,18 @@ class ByteTokenizer:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def decode(self, ids: Tensor | Sequence[int]) -> str:
-        """Bytes back to text; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD."""
+        """Bytes back to text; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD, and
+        so does an id that is no byte (a model with a larger vocabulary may generate one)."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
-        return bytes(ids).decode("utf-8", errors="replace")
+        parts, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                parts += [run.decode("utf-8", errors="replace"), "\ufffd"]
+                run = bytearray()
+        return "".join(parts) + run.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

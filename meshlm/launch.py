@@ -193,10 +193,28 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
                 dist.destroy_process_group()
     check_world(cfg, n)
     from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from meshlm.train import worker
+
+    try:
+        run_workers(n, worker, cfg, str(run_dir), t0)
+    except SignalException as e:
+        # SIGTERM/SIGINT to this process: the agent has passed it on to the workers and waited
+        # for them to save and stop (NOTE [stopping on a signal] in meshlm/lifecycle.py)
+        p = run_dir / "summary.json"
+        out = json.loads(p.read_text()) if p.exists() else {}
+        out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
+        return out
+    p = run_dir / "summary.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def run_workers(n: int, fn: Any, *args: Any) -> None:
+    """``fn(*args)`` in ``n`` worker processes started as ``torchrun --standalone
+    --nproc-per-node n`` would; a worker's failure raises :class:`JobFailedError` with the
+    root cause (``fn`` must be importable: the workers import it by name)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The agent logs every failure and stack at ERROR level; we report the root cause once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -218,15 +236,6 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
     )
     try:
         with _worker_threads(n):
-            elastic_launch(lc, worker)(cfg, str(run_dir), t0)
+            elastic_launch(lc, fn)(*args)
     except ChildFailedError as e:
         raise JobFailedError(_root_cause(e)) from None
-    except SignalException as e:
-        # SIGTERM/SIGINT to this process: the agent has passed it on to the workers and waited
-        # for them to save and stop (NOTE [stopping on a signal] in meshlm/lifecycle.py)
-        p = run_dir / "summary.json"
-        out = json.loads(p.read_text()) if p.exists() else {}
-        out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
-        return out
-    p = run_dir / "summary.json"
-    return json.loads(p.read_text()) if p.exists() else None

@@ -1,0 +1,159 @@
+"""``meshlm generate``: prompts in, text out, from a Hugging Face directory or a meshlm
+checkpoint, on one process or tensor parallel over several (``--layout tp --mesh tp=2``
+starts one worker per rank, as ``meshlm train`` does; under torchrun each process is one).
+
+One prompt streams its text as it is made; several are generated as one left-padded batch
+and printed in order.  Every rank computes the same tokens; rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshlm.errors import ConfigError
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshlm generate", description=DESCRIPTION)
+    p.add_argument(
+        "source",
+        help="a Hugging Face directory (config.json + safetensors; hf: prefix allowed), "
+        "or a meshlm checkpoint (a step_* directory, or a run's checkpoint directory: its latest)",
+    )
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", help="a file of prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of probability >= p")
+    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (the same on every rank)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a text that ends a completion when generated as one token (repeatable); default: the "
+        "model's end-of-sequence token, if its config.json names one",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="auto",
+        help="auto (the source's tokenizer.json if it has one, else UTF-8 bytes), bytes, or a "
+        "directory or file holding tokenizer.json",
+    )
+    p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
+    p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    return p
+
+
+def _tokenizer(name: str, source: Path) -> Any:
+    from meshlm.data import ByteTokenizer, HFTokenizer
+
+    if name == "bytes" or (name == "auto" and not (source / "tokenizer.json").is_file()):
+        return ByteTokenizer()
+    return HFTokenizer(str(source) if name == "auto" else name, key="--tokenizer")
+
+
+def _load(source: Path, layout: str, mesh_shape: str) -> Any:
+    from meshlm.mesh import make_mesh
+
+    if (source / "config.json").is_file():
+        from meshlm.hf import load_hf
+
+        return load_hf(str(source), layout, make_mesh(mesh_shape))
+    from meshlm.checkpoint import load_checkpoint
+    from meshlm.hf_convert import _model_for_checkpoint
+
+    ckpt, model = _model_for_checkpoint(str(source), layout, mesh_shape)
+    load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
+    return model
+
+
+def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
+    import json
+
+    out = []
+    for s in a.stop:
+        s = s.encode().decode("unicode_escape")  # --stop '\n'
+        ids = tok.encode(s).tolist()
+        if len(ids) != 1:
+            raise ConfigError(f"--stop {s!r} is {len(ids)} tokens under this tokenizer; a stop text must be one token")
+        out += ids
+    cfg = source / "config.json"
+    if not a.stop and cfg.is_file():
+        eos = json.loads(cfg.read_text()).get("eos_token_id")
+        out += [eos] if isinstance(eos, int) else list(eos or [])
+    return out
+
+
+def run(a: argparse.Namespace, out=None) -> int:
+    """Load, generate, and (rank 0) print."""
+    import torch.distributed as dist
+
+    from meshlm.infer.generate import stream
+    from meshlm.infer.sample import Sampling
+
+    out = sys.stdout if out is None else out
+    source = Path(a.source.removeprefix("hf:"))
+    sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    tok = _tokenizer(a.tokenizer, source)
+    prompts = list(a.prompt)
+    if a.prompt_file:
+        prompts += [line.rstrip("\n") for line in Path(a.prompt_file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("generate: no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE")
+    ids = [tok.encode(p).tolist() for p in prompts]
+    stops = _stops(a, tok, source)
+    model = _load(source, a.layout, a.mesh or "dp=1")
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    if vocab is not None and tok.vocab_size > vocab:
+        raise ConfigError(
+            f"--tokenizer: its vocabulary of {tok.vocab_size} tokens is larger than the model's {vocab}: "
+            "this tokenizer is not the model's (pass the model's with --tokenizer)"
+        )
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    new: list[list[int]] = [[] for _ in prompts]
+    shown = ""
+    if main and len(prompts) == 1:
+        out.write(prompts[0])
+        out.flush()
+    for step in stream(model, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop=stops):
+        for i, t in step:
+            new[i].append(t)
+        if main and len(prompts) == 1:  # stream: print what is now whole text
+            text = tok.decode([t for t in new[0] if t not in stops])
+            if not text.endswith("\ufffd"):
+                out.write(text[len(shown) :])
+                out.flush()
+                shown = text
+    if main:
+        if len(prompts) == 1:
+            out.write(tok.decode([t for t in new[0] if t not in stops])[len(shown) :] + "\n")
+        else:
+            for i, (p, n) in enumerate(zip(prompts, new)):
+                out.write(f"[{i}] {p}{tok.decode([t for t in n if t not in stops])}\n")
+        out.flush()
+    return 0
+
+
+def _worker(argv: list[str]) -> int:
+    """One rank (its failure is reported once, by the launching process)."""
+    return run(parser().parse_args(argv))
+
+
+def generate_main(argv: list[str]) -> int:
+    from meshlm.launch import in_torchrun
+    from meshlm.mesh import MeshSpec
+
+    a = parser().parse_args(argv)
+    n = MeshSpec.parse(a.mesh).size if a.mesh else 1
+    if n == 1 or in_torchrun():
+        return run(a)
+    from meshlm.launch import run_workers
+
+    run_workers(n, _worker, argv)
+    return 0

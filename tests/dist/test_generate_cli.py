@@ -1,0 +1,114 @@
+"""`meshlm generate` as a user runs it: a tiny GPT-2 with a BPE tokenizer (both made
+locally), from its Hugging Face directory and from a meshlm checkpoint converted from it,
+on one process and tensor parallel over 2 workers it launches itself: the same text, which
+is transformers' greedy continuation; one prompt streams; bad input exits non-zero with the
+reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshlm.testing import dist_pool_fixture
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+PROMPTS = ["the quick brown", "a lazy dog"]
+NEW = 10
+pool1 = dist_pool_fixture(1, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from meshlm.testing.hf_tiny import tiny_gpt2
+    from meshlm.testing.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("gpt2")
+    tok = train_bpe(d, vocab=300)
+    m = tiny_gpt2(vocab=300)
+    m.save_pretrained(d, safe_serialization=True)
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p).ids])
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        new = [t for t in out[0, ids.shape[1] :].tolist() if t != m.config.eos_token_id]
+        want.append(p + tok.decode(new))
+    return d, want
+
+
+def _meshlm(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "meshlm.cli", "generate", *map(str, args)],
+                          capture_output=True, text=True, timeout=240, cwd=cwd)
+
+
+def test_text_equals_transformers_single_and_tp2(model_dir):
+    d, want = model_dir
+    prompts = [a for p in PROMPTS for a in ("--prompt", p)]
+    one = _meshlm(d, *prompts, "--max-new-tokens", NEW)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines() == [f"[{i}] {w}" for i, w in enumerate(want)]
+    tp = _meshlm(d, *prompts, "--max-new-tokens", NEW, "--layout", "tp", "--mesh", "tp=2")
+    assert tp.returncode == 0, tp.stderr
+    assert tp.stdout == one.stdout
+
+
+def test_from_a_meshlm_checkpoint(model_dir, tmp_path):
+    d, want = model_dir
+    conv = subprocess.run([sys.executable, "-m", "meshlm.cli", "convert", str(d), str(tmp_path / "ck")],
+                          capture_output=True, text=True, timeout=240)
+    assert conv.returncode == 0, conv.stderr
+    r = _meshlm(tmp_path / "ck", "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--tokenizer", d)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want[0] + "\n"
+
+
+def _streamed(path, prompt, n):
+    from meshlm.infer.cli import parser, run
+
+    class Writes(list):
+        def write(self, s):
+            self.append(s)
+
+        def flush(self):
+            pass
+
+    out = Writes()
+    run(parser().parse_args([str(path), "--prompt", prompt, "--max-new-tokens", str(n)]), out=out)
+    return list(out)
+
+
+def test_one_prompt_streams(pool1, model_dir):
+    d, want = model_dir
+    writes = pool1.run(_streamed, d, PROMPTS[1], NEW)[0]
+    assert "".join(writes) == want[1] + "\n"
+    assert writes[0] == PROMPTS[1]
+    assert len([w for w in writes if w]) >= 4  # the prompt, then pieces as they were made
+
+
+def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
+    d, _ = model_dir
+    r = _meshlm(d, "--prompt", "the " * 40, "--max-new-tokens", 30)
+    assert r.returncode == 1 and "exceeds the model's context of 64 tokens" in r.stderr
+    r = _meshlm(d, "--prompt", "x", "--temprature", "1")
+    assert r.returncode == 2 and "unrecognized arguments: --temprature" in r.stderr
+    r = _meshlm(d, "--prompt", "x", "--top-p", "0")
+    assert r.returncode == 1 and "sampling.top_p=0.0 must be in (0, 1]" in r.stderr
+    r = _meshlm(d, "--prompt", "x", "--tokenizer", "bytes", "--max-new-tokens", 2)
+    assert r.returncode == 0  # 256 byte ids fit the model's 300
+    bad = tmp_path / "mismatch"
+    bad.mkdir()
+    for f in d.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["n_layer"] = 3
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = _meshlm(bad, "--prompt", "x")
+    assert r.returncode == 1 and "meshlm generate: error:" in r.stderr and "transformer.h.2" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = _meshlm(d, "--prompt", "x", "--layout", "fsdp", "--mesh", "fsdp=2")
+    assert r.returncode == 1 and "splits the batch over fsdp=2" in r.stderr
