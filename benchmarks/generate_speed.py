@@ -18,7 +18,11 @@ static cache (`generate(..., compile="inductor")`; compiled before timing, in a 
 same shapes).  Both sides must produce the same tokens (checked: the script fails otherwise),
 so the ratio compares the same work.  The end-of-sequence token is disabled on both sides.
 
-Writes <out>/generate_speed.json and .md.  Figures are for this machine only.
+Writes <out>/generate_speed_e<embed>_l<layers>_n<new>.json and .md.  Figures are for this machine
+only.  Run it at two sizes: where a decode step's weights take most of its time (the
+default, 34M parameters), the ratio is the overhead each side adds around the same matmuls;
+with a small model (`--embed 256 --layers 4 --vocab 256`, llama_small's shape) that overhead
+is most of the step.
 """
 
 from __future__ import annotations
@@ -150,7 +154,8 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generate_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tag = f"generate_speed_e{a.embed}_l{a.layers}_n{a.new}"
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
         f"# Generation speed ({meta['date']}; {meta['machine']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']})",
@@ -169,7 +174,7 @@ def main() -> None:
             lines.append(
                 f"| {r['batch']} | {k} | {x['prefill_tok_s']:,.0f} | {x['decode_tok_s']:,.1f} | {ratio[0]} | {ratio[1]} |"
             )
-    (out / "generate_speed.md").write_text("\n".join(lines) + "\n")
+    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
