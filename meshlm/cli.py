@@ -5,6 +5,7 @@ DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
     meshlm generate SOURCE --prompt TEXT  text from a Hugging Face directory or a checkpoint
+    meshlm serve SOURCE [--port 8000]     an OpenAI-compatible completions server
     meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2 [model.KEY=VALUE ...]
     meshlm layout list                    the layouts by name, and the files they are in
 """
@@ -263,11 +264,18 @@ def generate_cmd(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def serve_cmd(argv: list[str]) -> int:
+    from meshlm.infer.serve_cli import serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS = {
     "train": train_main,
     "plan": plan_cmd,
     "convert": convert_cmd,
     "generate": generate_cmd,
+    "serve": serve_cmd,
     "layout": layout_cmd,
 }
 

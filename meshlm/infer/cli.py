@@ -73,9 +73,18 @@ def _load(source: Path, layout: str, mesh_shape: str) -> Any:
     return model
 
 
-def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
+def default_stops(source: Path) -> list[int]:
+    """The end-of-sequence token(s) the source's ``config.json`` names (none for a checkpoint)."""
     import json
 
+    cfg = source / "config.json"
+    if not cfg.is_file():
+        return []
+    eos = json.loads(cfg.read_text()).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
     out = []
     for s in a.stop:
         s = s.encode().decode("unicode_escape")  # --stop '\n'
@@ -83,11 +92,7 @@ def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
         if len(ids) != 1:
             raise ConfigError(f"--stop {s!r} is {len(ids)} tokens under this tokenizer; a stop text must be one token")
         out += ids
-    cfg = source / "config.json"
-    if not a.stop and cfg.is_file():
-        eos = json.loads(cfg.read_text()).get("eos_token_id")
-        out += [eos] if isinstance(eos, int) else list(eos or [])
-    return out
+    return out or default_stops(source)
 
 
 def run(a: argparse.Namespace, out=None) -> int:

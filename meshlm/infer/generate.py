@@ -6,8 +6,8 @@ Prompts of different lengths are left-padded into one batch; each row stops at i
 token (which is kept, as Hugging Face's ``generate`` keeps its ``eos_token_id``) or after
 ``max_new_tokens``.  Under a sharded model every rank runs the same loop on the same prompts
 and gets the same tokens: the logits of the last position are made whole (under a
-vocab-parallel head, one all-gather a step) and every rank draws from a generator of the same
-seed.
+vocab-parallel head, one all-gather a step) and every rank draws from generators of the same
+seed, one per row, so that a row draws what it would alone, in whatever batch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshlm.errors import ConfigError
 from meshlm.infer.cache import KVCache
-from meshlm.infer.sample import Sampling, choose
+from meshlm.infer.sample import Sampling, choose, generators
 
 
 def context_of(model: nn.Module) -> Optional[int]:
@@ -133,7 +133,7 @@ def stream(
     run = model
     if compile is not None:
         compiled = _compiled(compile)
-    gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+    gens = generators(sampling, b)
     stops = set(int(t) for t in stop)
     live = [True] * b
     was = model.training
@@ -149,7 +149,7 @@ def stream(
             )
             logits = _last_logits(out)
             cache.end()
-            nxt = choose(logits.cpu(), sampling, gen)
+            nxt = choose(logits.cpu(), sampling, gens)
             out = [(i, int(nxt[i])) for i in range(b) if live[i]]
             for i, t in out:
                 live[i] = t not in stops

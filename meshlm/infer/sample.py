@@ -60,9 +60,15 @@ def filter_logits(logits: Tensor, s: Sampling) -> Tensor:
     return x
 
 
-def choose(logits: Tensor, s: Sampling, gen: Optional[torch.Generator]) -> Tensor:
-    """The next token of each row of ``logits`` (rows, vocab)."""
+def generators(s: Sampling, rows: int) -> Optional[list[torch.Generator]]:
+    """One generator per row, each seeded with ``s.seed``: a row draws what it would draw
+    alone, whichever batch it is decoded in (None when greedy)."""
+    return None if s.greedy else [torch.Generator().manual_seed(s.seed) for _ in range(rows)]
+
+
+def choose(logits: Tensor, s: Sampling, gens: Optional[list[torch.Generator]]) -> Tensor:
+    """The next token of each row of ``logits`` (rows, vocab), row ``i`` drawn with ``gens[i]``."""
     if s.greedy:
         return logits.argmax(-1)
     probs = filter_logits(logits, s).softmax(-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])

@@ -146,7 +146,8 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
 
     def draw(seed, **kw):
-        return choose(logits, Sampling(temperature=1.0, seed=seed, **kw), torch.Generator().manual_seed(seed))
+        s = Sampling(temperature=1.0, seed=seed, **kw)
+        return choose(logits, s, [torch.Generator().manual_seed(seed + i) for i in range(len(logits))])
 
     a, b, c = draw(1), draw(1), draw(2)
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -155,6 +156,8 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     assert set(draw(3, top_k=1).tolist()) == {0}
     model = MODELS["llama"]()
     s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=5)
+    batch = generate(model, PROMPTS, max_new_tokens=8, sampling=s)
+    assert [generate(model, [p], max_new_tokens=8, sampling=s)[0] for p in PROMPTS] == batch  # a row draws as alone
     assert generate(model, PROMPTS, max_new_tokens=8, sampling=s) == generate(
         model, PROMPTS, max_new_tokens=8, sampling=s
     )

@@ -1,0 +1,72 @@
+"""``meshlm serve``: the model of a Hugging Face directory or a meshlm checkpoint behind an
+OpenAI-compatible completions endpoint (NOTE [serving loop] in serve.py), on one process or
+tensor parallel over workers it starts (rank 0 serves HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshlm.errors import ConfigError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshlm serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="a Hugging Face directory or a meshlm checkpoint (as meshlm generate)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together, at most")
+    p.add_argument("--name", default=None, help="the model's name in responses (default: the source's)")
+    p.add_argument("--tokenizer", default="auto", help="as meshlm generate's --tokenizer")
+    p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
+    p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from meshlm.infer import serve
+    from meshlm.infer.cli import _load, _tokenizer, default_stops
+
+    if a.max_batch < 1:
+        raise ConfigError(f"--max-batch={a.max_batch} must be at least 1")
+    source = Path(a.source.removeprefix("hf:"))
+    tok = _tokenizer(a.tokenizer, source)
+    model = _load(source, a.layout, a.mesh or "dp=1")
+    if dist.is_initialized() and dist.get_rank() > 0:
+        serve.follow(model)
+        return 0
+    import uvicorn
+
+    engine = serve.Engine(model, a.max_batch)
+    api = serve.app(engine, tok, a.name or source.name, tuple(default_stops(source)))
+    print(f"meshlm serve: {a.name or source.name} on http://{a.host}:{a.port}/v1/completions", flush=True)
+    try:
+        uvicorn.run(api, host=a.host, port=a.port, log_level="warning")
+    finally:
+        engine.close()
+    return 0
+
+
+def _worker(argv: list[str]) -> int:
+    return run(parser().parse_args(argv))
+
+
+def serve_main(argv: list[str]) -> int:
+    from meshlm.launch import in_torchrun, run_workers
+    from meshlm.mesh import MeshSpec
+
+    a = parser().parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print('meshlm serve: needs FastAPI and uvicorn: pip install "meshlm[serve]"', file=sys.stderr)
+        return 2
+    n = MeshSpec.parse(a.mesh).size if a.mesh else 1
+    if n == 1 or in_torchrun():
+        return run(a)
+    run_workers(n, _worker, argv)
+    return 0
