@@ -3,6 +3,7 @@ DictConfig into a typed :class:`meshlm.config.RunConfig` at once.
 
     meshlm train [key=value ...]          train (a Hydra app over conf/); -m for a sweep
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
+    meshlm plan generate SOURCE --max-memory-per-device SIZE   inference placement, KV cache
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
     meshlm generate SOURCE --prompt TEXT  text from a Hugging Face directory or a checkpoint
     meshlm serve SOURCE [--port 8000]     an OpenAI-compatible completions server
@@ -181,6 +182,10 @@ def train_main(argv: list[str]) -> int:
 
 
 def plan_cmd(argv: list[str]) -> int:
+    if argv[:1] == ["generate"]:  # inference placement (docs/inference.md)
+        from meshlm.infer.plan_cli import plan_generate_main
+
+        return plan_generate_main(argv[1:])
     from meshlm.config import load_config
     from meshlm.plan import plan_main
 

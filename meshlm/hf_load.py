@@ -139,9 +139,12 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     return model
 
 
-def load_hf_local(path: str) -> nn.Module:
-    """The meshlm model of the Hugging Face directory ``path`` on this process's CPU, whole
-    and unsharded (no process group): for one-device inference and tests."""
+def load_hf_local(path: str, after_block: Any = None) -> nn.Module:
+    """The meshlm model of the Hugging Face directory ``path`` on this process's CPU,
+    unsharded (no process group): for one-device inference and tests.  ``after_block(i,
+    block)`` is called once outer block ``i``'s parameters are read (before the next
+    block's): inference placement moves streamed blocks to their tier there."""
+    from meshlm.annotate import outer_blocks
     from meshlm.lowering import iter_params
 
     path = _strip(path)
@@ -155,7 +158,21 @@ def load_hf_local(path: str) -> nn.Module:
     model = model.to_empty(device="cpu")  # gives each slot of a tied parameter its own tensor:
     for m, name, first, first_name in tied:  # tie them again (NOTE [ties])
         setattr(m, name, getattr(first, first_name))
+    names = {id(p): fqn for fqn, _m, _n, p in iter_params(model)}
+    blocks = outer_blocks(model)
+    done: set[int] = set()
+
+    def read(params) -> None:
+        for p in params:
+            if id(p) in names and id(p) not in done:
+                full = [(0, n) for n in p.shape]
+                p.copy_(fam.read_block(reader.read, cfg, names[id(p)], tuple(p.shape), full).to(p.dtype))
+                done.add(id(p))
+
     with torch.no_grad():
-        for fqn, _m, _n, p in iter_params(model):
-            p.copy_(fam.read_block(reader.read, cfg, fqn, tuple(p.shape), [(0, n) for n in p.shape]).to(p.dtype))
+        for i, blk in enumerate(blocks):
+            read(blk.parameters())
+            if after_block is not None:
+                after_block(i, blk)
+        read(model.parameters())
     return model.eval()

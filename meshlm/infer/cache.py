@@ -6,6 +6,10 @@ NOTE [KV cache]
     ``cache.positions`` (batch, new), and hands block ``i`` the view ``cache.layer(i)``, whose
     ``update(k, v)`` stores this call's keys and values and returns every position's so far;
     the block attends to those with ``attn_mask=view.mask`` and ``is_causal=view.causal``.
+    Optionally, where ``cache.last_only`` is set (the generate loop sets it), the model may
+    compute its output head at the last position only: a prefill's logits of every prompt
+    position are otherwise the largest tensor of a generate call (8 rows of 4,096 tokens
+    over a 128k vocabulary: 8 GB in bf16).
     That is the whole contract: the model imports nothing from here (meshlm/models/llama.py
     and gpt2.py follow it).
 
@@ -48,14 +52,14 @@ class KVCache:
 
     __meshlm_passthrough__ = True
 
-    def __init__(self, batch: int, max_len: int, device=None, static: bool = False):
+    def __init__(self, batch: int, max_len: int, device=None, static: bool = False, last_only: bool = False):
         """``static``: every forward attends over all ``max_len`` slots (those not yet
         written masked), so a decode step has the same shapes at every position and a
         compiled one never recompiles (NOTE [static cache]); otherwise over the slots
         written so far, which costs less in eager mode."""
         if batch < 1 or max_len < 1:
             raise ConfigError(f"KVCache: batch={batch} and max_len={max_len} must be positive")
-        self.batch, self.max_len, self.static = batch, max_len, static
+        self.batch, self.max_len, self.static, self.last_only = batch, max_len, static, last_only
         self.device = torch.device(device or "cpu")
         self.length = 0  # positions filled (pads included)
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=self.device)

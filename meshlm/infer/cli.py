@@ -47,6 +47,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
     p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    p.add_argument(
+        "--max-memory-per-device",
+        default=None,
+        help="e.g. 2GiB: keep what fits in memory and stream the other blocks from --offload (one process)",
+    )
+    p.add_argument("--offload", default="disk", choices=("disk", "host"), help="where streamed blocks live")
+    p.add_argument("--offload-dir", default=None, help="the disk tier's directory (default: the temp directory)")
+    p.add_argument("--plan", action="store_true", help="print the placement and exit (with --max-memory-per-device)")
     return p
 
 
@@ -73,6 +81,46 @@ def _load(source: Path, layout: str, mesh_shape: str) -> Any:
     return model
 
 
+def _meta_model(source: Path) -> Any:
+    if (source / "config.json").is_file():
+        from meshlm.hf import model_of
+
+        return model_of(str(source))
+    from meshlm.checkpoint import read_meta, resolve_path
+    from meshlm.hf_family import _family_of_class
+
+    meta = read_meta(resolve_path(str(source)))
+    fam = _family_of_class(meta["model"].get("class", "Llama"))
+    return fam.build(fam.config_class()(**meta["model"]["config"]))
+
+
+def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out) -> Any:
+    """(model, its ParamOffload or None) under --max-memory-per-device (NOTE [inference
+    placement] in placement.py); None with --plan."""
+    from meshlm.infer import placement
+    from meshlm.plan.search import parse_memory
+
+    if a.mesh and a.mesh not in ("dp=1", "tp=1"):
+        raise ConfigError(
+            "--max-memory-per-device: placement runs on one process (it streams the blocks that do not fit); "
+            "placing blocks over several processes is not done yet: drop --mesh, or use --layout tp --mesh tp=N"
+        )
+    cap = parse_memory(a.max_memory_per_device)
+    pl = placement.place(_meta_model(source), cap, batch, context, a.offload)
+    if a.plan:
+        out.write(pl.describe() + "\n")
+        return None, None
+    print(pl.describe(), file=sys.stderr)
+    sw = placement.swapper(pl, a.offload_dir)
+    if (source / "config.json").is_file():
+        from meshlm.hf_load import load_hf_local
+
+        model = load_hf_local(str(source), after_block=placement.spill(pl, sw))
+    else:
+        model = _load(source, "single", "dp=1")
+    return model, placement.stream_blocks(model, pl, sw)
+
+
 def default_stops(source: Path) -> list[int]:
     """The end-of-sequence token(s) the source's ``config.json`` names (none for a checkpoint)."""
     import json
@@ -97,9 +145,7 @@ def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
 
 def run(a: argparse.Namespace, out=None) -> int:
     """Load, generate, and (rank 0) print."""
-    import torch.distributed as dist
 
-    from meshlm.infer.generate import stream
     from meshlm.infer.sample import Sampling
 
     out = sys.stdout if out is None else out
@@ -113,13 +159,35 @@ def run(a: argparse.Namespace, out=None) -> int:
         raise ConfigError("generate: no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE")
     ids = [tok.encode(p).tolist() for p in prompts]
     stops = _stops(a, tok, source)
-    model = _load(source, a.layout, a.mesh or "dp=1")
+    offload = None
+    if a.max_memory_per_device is not None:
+        context = max(map(len, ids)) + a.max_new_tokens
+        model, offload = _placed(a, source, len(ids), context, out)
+        if model is None:
+            return 0
+    elif a.plan:
+        raise ConfigError("--plan prints the placement --max-memory-per-device chooses: give that too")
+    else:
+        model = _load(source, a.layout, a.mesh or "dp=1")
     vocab = getattr(getattr(model, "cfg", None), "vocab", None)
     if vocab is not None and tok.vocab_size > vocab:
         raise ConfigError(
             f"--tokenizer: its vocabulary of {tok.vocab_size} tokens is larger than the model's {vocab}: "
             "this tokenizer is not the model's (pass the model's with --tokenizer)"
         )
+    try:
+        _generate(a, model, tok, prompts, ids, stops, sampling, out)
+    finally:
+        if offload is not None:
+            offload.close()
+    return 0
+
+
+def _generate(a, model, tok, prompts, ids, stops, sampling, out) -> None:
+    import torch.distributed as dist
+
+    from meshlm.infer.generate import stream
+
     main = not dist.is_initialized() or dist.get_rank() == 0
     new: list[list[int]] = [[] for _ in prompts]
     shown = ""
@@ -142,7 +210,6 @@ def run(a: argparse.Namespace, out=None) -> int:
             for i, (p, n) in enumerate(zip(prompts, new)):
                 out.write(f"[{i}] {p}{tok.decode([t for t in n if t not in stops])}\n")
         out.flush()
-    return 0
 
 
 def _worker(argv: list[str]) -> int:

@@ -129,7 +129,7 @@ def stream(
     for i, p in enumerate(prompts):
         tokens[i, longest - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
         valid[i, longest - len(p) :] = True
-    cache = KVCache(b, longest + max_new_tokens, device=dev, static=compile is not None)
+    cache = KVCache(b, longest + max_new_tokens, device=dev, static=compile is not None, last_only=True)
     run = model
     if compile is not None:
         compiled = _compiled(compile)

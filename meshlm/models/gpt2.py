@@ -224,6 +224,8 @@ class GPT2(nn.Module):
             x = blk(x) if cache is None else blk(x, cache=cache.layer(i))
         # The output head needs every position (a vocab-parallel head is column-parallel).
         x = constrain(self.transformer.ln_f(x), ("batch", WHOLE, "embed"))
+        if cache is not None and cache.last_only:  # generation reads the last position's logits only
+            x = x[:, -1:]
         logits = constrain(self.lm_head(x), ("batch", "seq", "vocab"))
         if targets is None:
             return logits

@@ -296,6 +296,8 @@ class Llama(nn.Module):
             x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
         # The output head needs every position (a vocab-parallel head is column-parallel).
         x = constrain(self.norm(x), ("batch", WHOLE, "embed"))
+        if cache is not None and cache.last_only:  # generation reads the last position's logits only
+            x = x[:, -1:]
         head = self.tok_emb if self.cfg.tie_embeddings else self.lm_head  # one at-use gather, not two
         logits = constrain(F.linear(x, head), ("batch", "seq", "vocab"))
         if labels is None:

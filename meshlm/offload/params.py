@@ -57,8 +57,12 @@ _ATTR = "_meshlm_param_offload"  # a block's (ParamOffload, index), in its __dic
 class ParamOffload:
     """The swapped parameters of a model's blocks (NOTE [offloaded parameters])."""
 
-    def __init__(self, model: nn.Module, swapper: Swapper, prefetch: bool = True):
+    def __init__(self, model: nn.Module, swapper: Swapper, prefetch: bool = True, only=None):
+        """``only``: the indices (in block order) of the blocks to offload; default all
+        (inference placement streams only the blocks that do not fit, meshlm/infer/placement.py)."""
         blocks = outer_blocks(model)
+        if only is not None:
+            blocks = [blocks[i] for i in only]
         if not blocks:
             raise ConfigError(
                 f"offload.params={swapper.tier}: parameters are moved block by block, and "

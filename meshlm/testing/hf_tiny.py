@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 
-def tiny_llama(vocab: int = 256, kv_heads: int = 4, tie: bool = False):
-    """A 2-layer grouped-query LlamaForCausalLM: embed 64, 8 heads of 8, mlp 128."""
+def tiny_llama(vocab: int = 256, kv_heads: int = 4, tie: bool = False, layers: int = 2):
+    """A grouped-query LlamaForCausalLM of ``layers`` layers: embed 64, 8 heads of 8, mlp 128."""
     import transformers
 
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=kv_heads,
         intermediate_size=128,
@@ -36,15 +36,17 @@ def tiny_llama(vocab: int = 256, kv_heads: int = 4, tie: bool = False):
     return m
 
 
-def tiny_gpt2(embed: int = 64, heads: int = 4, vocab: int = 256, tie: bool = True, positions: int = 64):
-    """A 2-layer GPT2LMHeadModel.  initializer_range 0.1, not GPT-2's 0.02: activations of
-    order 1, so that GELU's variant or LayerNorm's eps shows in the logits (44x and 45x the
-    tolerance of tests/dist/test_hf_gpt2.py), as it would in a trained model."""
+def tiny_gpt2(
+    embed: int = 64, heads: int = 4, vocab: int = 256, tie: bool = True, positions: int = 64, layers: int = 2
+):
+    """A GPT2LMHeadModel of ``layers`` layers.  initializer_range 0.1, not GPT-2's 0.02:
+    activations of order 1, so that GELU's variant or LayerNorm's eps shows in the logits
+    (44x and 45x the tolerance of tests/dist/test_hf_gpt2.py), as it would in a trained model."""
     import transformers
 
     cfg = transformers.GPT2Config(
         n_embd=embed,
-        n_layer=2,
+        n_layer=layers,
         n_head=heads,
         vocab_size=vocab,
         n_positions=positions,

@@ -1,4 +1,4 @@
-"""`meshlm generate` as a user runs it: a tiny GPT-2 with a BPE tokenizer (both made
+"""`meshlm generate` as a user runs it: a tiny 4-layer GPT-2 with a BPE tokenizer (both made
 locally), from its Hugging Face directory and from a meshlm checkpoint converted from it,
 on one process and tensor parallel over 2 workers it launches itself: the same text, which
 is transformers' greedy continuation; one prompt streams; bad input exits non-zero with the
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("gpt2")
     tok = train_bpe(d, vocab=300)
-    m = tiny_gpt2(vocab=300)
+    m = tiny_gpt2(vocab=300, layers=4)
     m.save_pretrained(d, safe_serialization=True)
     want = []
     for p in PROMPTS:
@@ -108,7 +108,26 @@ def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
     cfg["n_layer"] = 3
     (bad / "config.json").write_text(json.dumps(cfg))
     r = _meshlm(bad, "--prompt", "x")
-    assert r.returncode == 1 and "meshlm generate: error:" in r.stderr and "transformer.h.2" in r.stderr, r.stderr
+    assert r.returncode == 1 and "meshlm generate: error:" in r.stderr and "transformer.h.3" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     r = _meshlm(d, "--prompt", "x", "--layout", "fsdp", "--mesh", "fsdp=2")
     assert r.returncode == 1 and "splits the batch over fsdp=2" in r.stderr
+
+
+def test_memory_limited_placement(model_dir, tmp_path):
+    """--max-memory-per-device: the same text with blocks streamed from disk; --plan prints
+    the placement; too small a limit, or a limit over several processes, refused."""
+    d, want = model_dir
+    args = [d, "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--offload-dir", tmp_path]
+    plan = _meshlm(*args, "--max-memory-per-device", "0.75MiB", "--plan")
+    assert plan.returncode == 0, plan.stderr
+    assert "placement: 1 of 4 blocks resident, 3 streamed from disk" in plan.stdout
+    assert "KV cache" in plan.stdout and "device total" in plan.stdout
+    r = _meshlm(*args, "--max-memory-per-device", "0.75MiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want[0] + "\n" and "3 streamed from disk" in r.stderr
+    assert not any(tmp_path.rglob("*.bin"))  # the disk tier's files are gone at exit
+    r = _meshlm(*args, "--max-memory-per-device", "0.1MiB")
+    assert r.returncode == 1 and "even with every block streamed from disk" in r.stderr and "MiB on the device" in r.stderr
+    r = _meshlm(*args, "--max-memory-per-device", "1GiB", "--layout", "tp", "--mesh", "tp=2")
+    assert r.returncode == 1 and "placing blocks over several processes is not done yet" in r.stderr
