@@ -139,32 +139,39 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     return model
 
 
-def load_hf_local(path: str, after_block: Any = None) -> nn.Module:
+def load_hf_local(path: str, after_block: Any = None, keep: Any = None) -> nn.Module:
     """The meshlm model of the Hugging Face directory ``path`` on this process's CPU,
     unsharded (no process group): for one-device inference and tests.  ``after_block(i,
     block)`` is called once outer block ``i``'s parameters are read (before the next
-    block's): inference placement moves streamed blocks to their tier there."""
+    block's): inference placement moves streamed blocks to their tier there.  ``keep(i)``
+    false: block ``i`` stays on the meta device, unread (another rank runs it, NOTE
+    [staged decoding] in meshlm/infer/stages.py)."""
     from meshlm.annotate import outer_blocks
     from meshlm.lowering import iter_params
+    from meshlm.ties import aliases
 
     path = _strip(path)
     fam, cfg = _read_config(path)
     reader = _HFReader(path, fam.canonical)
     model = fam.build(cfg)
     _check_names(path, fam, cfg, model, reader)
-    from meshlm.ties import aliases
-
     tied = aliases(model)
-    model = model.to_empty(device="cpu")  # gives each slot of a tied parameter its own tensor:
+    blocks = outer_blocks(model)
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    for m in model.modules():  # each slot of a tied parameter gets its own tensor here:
+        if id(m) not in in_blocks:
+            m.to_empty(device="cpu", recurse=False)
+    for i, b in enumerate(blocks):
+        if keep is None or keep(i):
+            b.to_empty(device="cpu")
     for m, name, first, first_name in tied:  # tie them again (NOTE [ties])
         setattr(m, name, getattr(first, first_name))
     names = {id(p): fqn for fqn, _m, _n, p in iter_params(model)}
-    blocks = outer_blocks(model)
     done: set[int] = set()
 
     def read(params) -> None:
         for p in params:
-            if id(p) in names and id(p) not in done:
+            if id(p) in names and id(p) not in done and p.device.type != "meta":
                 full = [(0, n) for n in p.shape]
                 p.copy_(fam.read_block(reader.read, cfg, names[id(p)], tuple(p.shape), full).to(p.dtype))
                 done.add(id(p))

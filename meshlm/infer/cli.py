@@ -94,31 +94,60 @@ def _meta_model(source: Path) -> Any:
     return fam.build(fam.config_class()(**meta["model"]["config"]))
 
 
+def _devices(a: argparse.Namespace) -> int:
+    """The devices a placement splits the blocks over: ``--mesh pp=N`` (default 1)."""
+    from meshlm.mesh import MeshSpec
+
+    if not a.mesh:
+        return 1
+    spec = MeshSpec.parse(a.mesh)
+    if any(n != "pp" for n, _s in spec.active()):
+        raise ConfigError(
+            f"--max-memory-per-device with --mesh {a.mesh}: a placement splits the blocks into one stage per "
+            "process over `pp` (--mesh pp=N); tensor parallel is --layout tp --mesh tp=N without a limit"
+        )
+    return spec.size
+
+
 def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out) -> Any:
     """(model, its ParamOffload or None) under --max-memory-per-device (NOTE [inference
-    placement] in placement.py); None with --plan."""
+    placement] in placement.py, NOTE [staged decoding] in stages.py); None with --plan."""
+    import torch.distributed as dist
+
     from meshlm.infer import placement
+    from meshlm.mesh import init_distributed
     from meshlm.plan.search import parse_memory
 
-    if a.mesh and a.mesh not in ("dp=1", "tp=1"):
-        raise ConfigError(
-            "--max-memory-per-device: placement runs on one process (it streams the blocks that do not fit); "
-            "placing blocks over several processes is not done yet: drop --mesh, or use --layout tp --mesh tp=N"
-        )
+    devices = _devices(a)
     cap = parse_memory(a.max_memory_per_device)
-    pl = placement.place(_meta_model(source), cap, batch, context, a.offload)
+    pl = placement.place(_meta_model(source), cap, batch, context, a.offload, devices=devices)
     if a.plan:
         out.write(pl.describe() + "\n")
         return None, None
-    print(pl.describe(), file=sys.stderr)
-    sw = placement.swapper(pl, a.offload_dir)
+    init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(pl.describe(), file=sys.stderr)
+    last = rank == devices - 1
+    sw = placement.swapper(pl, a.offload_dir) if last and pl.streamed else None
     if (source / "config.json").is_file():
         from meshlm.hf_load import load_hf_local
 
-        model = load_hf_local(str(source), after_block=placement.spill(pl, sw))
+        spill = placement.spill(pl, sw) if sw is not None else None
+        model = load_hf_local(str(source), after_block=spill, keep=lambda i: pl.owner(i) == rank)
+    elif devices > 1:
+        raise ConfigError(
+            f"{source}: a placement over several processes reads a Hugging Face directory; convert the "
+            "checkpoint first (meshlm convert CHECKPOINT DIR)"
+        )
     else:
         model = _load(source, "single", "dp=1")
-    return model, placement.stream_blocks(model, pl, sw)
+    off = placement.stream_blocks(model, pl, sw) if sw is not None else None
+    if devices > 1:
+        from meshlm.infer.stages import Stages
+
+        Stages(model, pl, rank)
+    return model, off
 
 
 def default_stops(source: Path) -> list[int]:
@@ -223,7 +252,7 @@ def generate_main(argv: list[str]) -> int:
 
     a = parser().parse_args(argv)
     n = MeshSpec.parse(a.mesh).size if a.mesh else 1
-    if n == 1 or in_torchrun():
+    if n == 1 or in_torchrun() or a.plan:
         return run(a)
     from meshlm.launch import run_workers
 

@@ -44,8 +44,9 @@ MiB = 2**20
 
 @dataclass
 class Placement:
-    """Bytes are per device.  ``streamed``: indices (in block order) of the blocks whose
-    parameters live on ``tier``; the others are resident."""
+    """Where each block lives: ``stages[d]`` the blocks resident on device ``d`` (contiguous,
+    in order), ``streamed`` the last blocks, run on the last device with their parameters on
+    ``tier``.  Bytes are per device."""
 
     max_memory: int
     batch: int
@@ -54,12 +55,21 @@ class Placement:
     block_kv: list[int]
     outside: int
     output: int
+    stages: list[list[int]] = field(default_factory=lambda: [[]])
     streamed: list[int] = field(default_factory=list)
     tier: str = "disk"
 
     @property
+    def devices(self) -> int:
+        return len(self.stages)
+
+    @property
     def resident(self) -> list[int]:
-        return [i for i in range(len(self.block_params)) if i not in self.streamed]
+        return [i for st in self.stages for i in st]
+
+    def owner(self, i: int) -> int:
+        """The device that runs block ``i``."""
+        return next((d for d, st in enumerate(self.stages) if i in st), self.devices - 1)
 
     @property
     def stream_buffer(self) -> int:
@@ -67,18 +77,24 @@ class Placement:
         big = sorted((self.block_params[i] for i in self.streamed), reverse=True)
         return sum(big[:2])
 
-    def parts(self) -> dict[str, int]:
+    def parts(self, d: int = 0) -> dict[str, int]:
+        last = d == self.devices - 1
+        runs = self.stages[d] + (self.streamed if last else [])
         return {
             "parameters outside blocks": self.outside,
-            "resident blocks' parameters": sum(self.block_params[i] for i in self.resident),
-            "KV cache": sum(self.block_kv),
+            "resident blocks' parameters": sum(self.block_params[i] for i in self.stages[d]),
+            "KV cache": sum(self.block_kv[i] for i in runs),
             "prefill activations": self.output,
-            "streamed blocks in flight": self.stream_buffer,
+            "streamed blocks in flight": self.stream_buffer if last else 0,
         }
+
+    def total(self, d: int) -> int:
+        return sum(self.parts(d).values())
 
     @property
     def device_bytes(self) -> int:
-        return sum(self.parts().values())
+        """The most any device needs."""
+        return max(self.total(d) for d in range(self.devices))
 
     @property
     def tier_bytes(self) -> int:
@@ -88,10 +104,15 @@ class Placement:
         n = len(self.block_params)
         lines = [
             f"placement: {n - len(self.streamed)} of {n} blocks resident, {len(self.streamed)} streamed from "
-            f"{self.tier}; batch {self.batch}, context {self.context}; limit {self.max_memory / MiB:,.1f} MiB"
+            f"{self.tier}; batch {self.batch}, context {self.context}; limit {self.max_memory / MiB:,.2f} MiB"
+            + (f" on each of {self.devices} devices" if self.devices > 1 else "")
         ]
-        lines += [f"  {k:<28} {v / MiB:>10,.2f} MiB" for k, v in self.parts().items()]
-        lines.append(f"  {'device total':<28} {self.device_bytes / MiB:>10,.2f} MiB")
+        for d in range(self.devices):
+            if self.devices > 1:
+                st = self.stages[d] + (self.streamed if d == self.devices - 1 else [])
+                lines.append(f"device {d}: blocks {st[0]}..{st[-1]}" if st else f"device {d}: no blocks")
+            lines += [f"  {k:<28} {v / MiB:>10,.2f} MiB" for k, v in self.parts(d).items()]
+            lines.append(f"  {'device total':<28} {self.total(d) / MiB:>10,.2f} MiB")
         lines.append(f"  {'on ' + self.tier:<28} {self.tier_bytes / MiB:>10,.2f} MiB")
         if self.streamed:
             lines.append(f"  streamed blocks: {self.streamed[0]}..{self.streamed[-1]} (read once per forward)")
@@ -176,21 +197,40 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
         return out
 
 
-def place(meta_model: nn.Module, max_memory: float, batch: int, context: int, tier: str = "disk") -> Placement:
-    """The placement of NOTE [inference placement]."""
+def place(
+    meta_model: nn.Module, max_memory: float, batch: int, context: int, tier: str = "disk", devices: int = 1
+) -> Placement:
+    """The placement of NOTE [inference placement] over ``devices`` devices: the blocks split
+    evenly (contiguous) if that fits; otherwise each device but the last filled in order, and
+    the last keeping what fits and streaming the rest."""
     bp, kv, outside, output = measure(meta_model, batch, context)
+    n = len(bp)
     pl = Placement(int(max_memory), batch, context, bp, kv, outside, output, tier=tier)
-    for k in range(len(bp) + 1):  # stream the last k blocks, the fewest that fit
-        pl.streamed = list(range(len(bp) - k, len(bp)))
-        if pl.device_bytes <= pl.max_memory:
+    bounds = [n * d // devices for d in range(devices + 1)]
+    pl.stages = [list(range(bounds[d], bounds[d + 1])) for d in range(devices)]
+    if pl.device_bytes <= pl.max_memory:
+        return pl
+    pl.stages, start = [], 0
+    for d in range(devices - 1):
+        stop = start
+        pl.stages.append([])
+        while stop < n and pl.total(d) + bp[stop] + kv[stop] <= pl.max_memory:
+            stop += 1
+            pl.stages[d] = list(range(start, stop))
+        start = stop
+    pl.stages.append([])
+    for k in range(n - start + 1):  # the last device streams the last k blocks, the fewest that fit
+        pl.stages[-1] = list(range(start, n - k))
+        pl.streamed = list(range(n - k, n))
+        if pl.total(devices - 1) <= pl.max_memory:
             return pl
-    need = outside + sum(kv) + output + pl.stream_buffer
+    need = pl.total(devices - 1)
     raise ConfigError(
         f"--max-memory-per-device={max_memory / MiB:,.2f} MiB: even with every block streamed from {tier}, "
         f"decoding {batch} rows of up to {context} positions needs {need / MiB:,.2f} MiB on the device "
-        f"(parameters outside blocks {outside / MiB:,.2f}, KV cache {sum(kv) / MiB:,.2f}, prefill activations "
-        f"{output / MiB:,.2f}, two streamed blocks {pl.stream_buffer / MiB:,.2f}): raise the limit, or "
-        "shorten the context or the batch"
+        f"(parameters outside blocks {outside / MiB:,.2f}, KV cache {pl.parts(devices - 1)['KV cache'] / MiB:,.2f}, "
+        f"prefill activations {output / MiB:,.2f}, two streamed blocks {pl.stream_buffer / MiB:,.2f}): raise the "
+        "limit, or shorten the context or the batch"
     )
 
 

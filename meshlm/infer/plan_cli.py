@@ -24,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=2048, help="prompt + new tokens, the longest")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="the weights' dtype (default: as stored)")
     p.add_argument("--offload", default="disk", choices=("disk", "host"))
+    p.add_argument("--devices", type=int, default=1, help="one stage per device (meshlm generate --mesh pp=N)")
     return p
 
 
@@ -58,6 +59,8 @@ def plan_generate_main(argv: list[str]) -> int:
     model = meta_model(a.source)
     if a.dtype:
         model = model.to(DTYPES[a.dtype])
-    pl = place(model, parse_memory(a.max_memory_per_device), a.batch, a.context, a.offload)
+    if a.devices < 1:
+        raise ConfigError(f"--devices={a.devices} must be at least 1")
+    pl = place(model, parse_memory(a.max_memory_per_device), a.batch, a.context, a.offload, devices=a.devices)
     sys.stdout.write(pl.describe() + "\n")
     return 0

@@ -115,8 +115,9 @@ def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
 
 
 def test_memory_limited_placement(model_dir, tmp_path):
-    """--max-memory-per-device: the same text with blocks streamed from disk; --plan prints
-    the placement; too small a limit, or a limit over several processes, refused."""
+    """--max-memory-per-device: the same text with blocks streamed from disk, and over two
+    processes (a stage each); --plan prints the placement; too small a limit, or a limit
+    with tensor parallel, refused."""
     d, want = model_dir
     args = [d, "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--offload-dir", tmp_path]
     plan = _meshlm(*args, "--max-memory-per-device", "0.75MiB", "--plan")
@@ -129,5 +130,8 @@ def test_memory_limited_placement(model_dir, tmp_path):
     assert not any(tmp_path.rglob("*.bin"))  # the disk tier's files are gone at exit
     r = _meshlm(*args, "--max-memory-per-device", "0.1MiB")
     assert r.returncode == 1 and "even with every block streamed from disk" in r.stderr and "MiB on the device" in r.stderr
+    r = _meshlm(*args, "--max-memory-per-device", "0.75MiB", "--mesh", "pp=2")  # a stage per process
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want[0] + "\n" and "device 1: blocks 2..3" in r.stderr
     r = _meshlm(*args, "--max-memory-per-device", "1GiB", "--layout", "tp", "--mesh", "tp=2")
-    assert r.returncode == 1 and "placing blocks over several processes is not done yet" in r.stderr
+    assert r.returncode == 1 and "one stage per process over `pp` (--mesh pp=N)" in r.stderr
