@@ -38,7 +38,8 @@ def root_forward(self, *args, **kwargs):
             st.local_now = True
             return local_root_forward(self, st, orig, bound, inputs, rows)
     st.local_now = False
-    st.roots["dtensor"] += 1
+    if not torch.compiler.is_compiling():  # a compiled root (a decode step) must not guard on the count
+        st.roots["dtensor"] += 1
 
     def wrap(path: str, t: Tensor) -> Tensor:
         return t if isinstance(t, DTensor) else wrap_input(st, t, input_axes(self, path, t.ndim))

@@ -124,3 +124,36 @@ def test_refusals(pool2, pool4, hf):
     assert "layout 'fsdp' splits the batch over fsdp=2" in msg and "every rank decodes the whole batch" in msg
     msg = pool4.run(_refused, hf["llama_kv2"][0], "tp", "tp=4")[0]
     assert "'kv_heads' (size 2) is not divisible by mesh axis tp (size 4)" in msg and "params.kv_heads" in msg
+
+
+def _compiled(path, eos):
+    import importlib
+
+    import meshlm
+    from meshlm.hf import load_hf
+    from meshlm.infer import generate
+
+    counters = importlib.import_module("torch._dynamo.utils").counters
+    compiled = importlib.import_module("meshlm.infer.generate")._COMPILED
+    model = load_hf(path, "tp", meshlm.make_mesh("tp=2"))
+    eager = generate(model, PROMPTS, max_new_tokens=NEW, stop=[eos])
+    graphs = []
+    for n in (4, NEW):  # from scratch each time: the graphs made must not grow with the steps
+        torch._dynamo.reset()
+        compiled.clear()
+        counters.clear()
+        out = generate(model, PROMPTS, max_new_tokens=n, stop=[eos], compile="aot_eager")
+        graphs.append(counters["frames"]["total"])  # frames Dynamo compiled, recompiles included
+    again = generate(model, PROMPTS, max_new_tokens=NEW, stop=[eos], compile="aot_eager")
+    return eager, out, again, graphs, counters["frames"]["total"]
+
+
+def test_compiled_tp_decode_is_traced_once(pool2, hf):
+    """The decode step compiled (aot_eager) under tp=2: transformers' tokens; the frames
+    compiled (the sharded root's input handling breaks the step in pieces) are as many for 4
+    steps as for 24, and a second call compiles none (with the root's call count guarded on,
+    24 steps compiled 40 frames where 4 compiled 34)."""
+    path, want, eos = hf["llama"]
+    for eager, out, again, graphs, after in pool2.run(_compiled, path, eos):
+        assert eager == out == again == want
+        assert graphs[0] == graphs[1] == after, graphs
