@@ -62,3 +62,26 @@ def tiny_gpt2(
             if "ln_" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return m
+
+
+def hf_greedy(m, prompts: list, new: int, until_eos: bool = True) -> list:
+    """transformers' greedy ``generate`` of ``prompts`` (lists of ids) left-padded in one
+    batch with their attention mask, ``new`` tokens: each row up to its end-of-sequence
+    token (kept; transformers pads the rest of the batch), or, with ``until_eos=False``, all
+    ``new`` with the end-of-sequence token disabled."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    eos = m.generation_config.eos_token_id
+    if not until_eos:
+        m.generation_config.eos_token_id = None
+    try:
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    finally:
+        m.generation_config.eos_token_id = eos
+    rows = out[:, width:].tolist()
+    if until_eos and eos is not None:
+        rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+    return rows

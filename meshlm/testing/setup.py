@@ -20,3 +20,18 @@ def tiny_sharded(layout: str, mesh_shape, *, batch: int, seq: int, fake: bool = 
     x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
     y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
     return mesh, model, opt, x, y
+
+
+def accumulation_batches(vocab: int, steps: int, accum: int, seed: int, shape=(4, 16)) -> list:
+    """``steps`` lists of ``accum`` (tokens, labels) micro-batches of random ids below
+    ``vocab``, from a generator seeded with ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [
+            (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            for _ in range(accum)
+        ]
+        for _ in range(steps)
+    ]

@@ -20,19 +20,12 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [200, 3, 4, 5, 6]]
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from meshlm.testing.hf_tiny import tiny_llama
+    from meshlm.testing.hf_tiny import hf_greedy, tiny_llama
 
     d = tmp_path_factory.mktemp("llama6")
     m = tiny_llama(layers=LAYERS)
     m.save_pretrained(d, safe_serialization=True)
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(PROMPTS):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    m.generation_config.eos_token_id = None
-    want = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return str(d), want[:, width:].tolist()
+    return str(d), hf_greedy(m, PROMPTS, NEW, until_eos=False)
 
 
 def _staged(path, cap, offload_dir):

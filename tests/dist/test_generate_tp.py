@@ -23,20 +23,13 @@ NEW = 24
 def hf(tmp_path_factory):
     """Each tiny model's directory and transformers' greedy tokens for PROMPTS (batched,
     left-padded; each row up to its end-of-sequence token)."""
-    from meshlm.testing.hf_tiny import tiny_gpt2, tiny_llama
+    from meshlm.testing.hf_tiny import hf_greedy, tiny_gpt2, tiny_llama
 
     out = {}
     for name, m in (("llama", tiny_llama()), ("gpt2", tiny_gpt2()), ("llama_kv2", tiny_llama(kv_heads=2))):
         d = str(tmp_path_factory.mktemp(name))
         m.save_pretrained(d, safe_serialization=True)
-        width = max(map(len, PROMPTS))
-        ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(PROMPTS):
-            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-        rows = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-        eos = m.config.eos_token_id
-        rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows[:, width:].tolist()]
+        rows, eos = hf_greedy(m, PROMPTS, NEW), m.config.eos_token_id
         out[name] = (d, rows, eos)
     return out
 

@@ -25,14 +25,9 @@ STEPS, ACCUM = 3, 2
 
 
 def _batches(vocab: int):
-    g = torch.Generator().manual_seed(5)
-    return [
-        [
-            (torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g))
-            for _ in range(ACCUM)
-        ]
-        for _ in range(STEPS)
-    ]
+    from meshlm.testing.setup import accumulation_batches
+
+    return accumulation_batches(vocab, STEPS, ACCUM, seed=5)
 
 
 def _job(layout: str, shape: str, grads: str | None, optimizer: str | None, base: str, compiled: bool = False):

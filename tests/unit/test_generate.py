@@ -85,16 +85,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [200, 3, 4, 5, 6]]
 
 
 def _hf_greedy(m, prompts, n):
-    """transformers' greedy generate of left-padded prompts, with its attention mask; each
-    row up to its end-of-sequence token (transformers pads the rest of the batch)."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    out = m.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)[:, width:].tolist()
-    eos = m.config.eos_token_id
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+    from meshlm.testing.hf_tiny import hf_greedy
+
+    return hf_greedy(m, prompts, n)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

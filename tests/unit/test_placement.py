@@ -7,7 +7,6 @@ block once."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshlm.errors import ConfigError
 from meshlm.infer import generate
@@ -92,14 +91,9 @@ def test_streamed_generation_equals_transformers(hf_dir, tmp_path):
         assert all(p.untyped_storage().nbytes() > 0 for p in resident)
     finally:
         off.close()
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(PROMPTS):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-    hf.generation_config.eos_token_id = None
-    want = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert got == want[:, width:].tolist()
+    from meshlm.testing.hf_tiny import hf_greedy
+
+    assert got == hf_greedy(hf, PROMPTS, 16, until_eos=False)
 
 
 def test_meshlm_plan_generate_for_a_model_never_built(capsys):
