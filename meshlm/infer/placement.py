@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from meshlm import _torch_compat as compat
 from meshlm._torch_compat import TorchDispatchMode
 from meshlm.annotate import outer_blocks
 from meshlm.errors import ConfigError
@@ -170,7 +171,7 @@ class _Largest(TorchDispatchMode):
         # an op whose result aliases an input (a view, as a weight's transpose) makes no new memory
         views = any(r.alias_info is not None for r in func._schema.returns)
         if not self.inside_attention and not views:
-            for t in torch.utils._pytree.tree_leaves(out):
+            for t in compat.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.bytes = max(self.bytes, t.numel() * t.element_size())
         return out

@@ -213,9 +213,9 @@ class GPT2(nn.Module):
             from meshlm.errors import ConfigError
 
             raise ConfigError(
-                f"GPT2: a sequence of {n} tokens (a KV cache's max_len when decoding) is longer than model.block_size="
-                f"{self.cfg.block_size} (the learned positions): shorten the sequence "
-                "(train.seq_len) or build the model with a larger block_size"
+                f"GPT2: a sequence of {n} tokens is longer than model.block_size="
+                f"{self.cfg.block_size} (the learned positions; when decoding, {n} is the KV cache's max_len): "
+                "shorten the sequence (train.seq_len) or build the model with a larger block_size"
             )
         pos = torch.arange(s, dtype=torch.long, device=tokens.device) if cache is None else cache.positions
         x = constrain(self.transformer.wte(tokens) + self.transformer.wpe(pos), ("batch", "seq", "embed"))
