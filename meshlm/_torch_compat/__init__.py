@@ -46,6 +46,10 @@ def torch_at_least(major: int, minor: int) -> bool:
 allow_in_graph = torch._dynamo.allow_in_graph
 
 
+#: a tensor's dim is a symbol from the first trace (a decode step's growing KV length)
+mark_dynamic = torch._dynamo.mark_dynamic
+
+
 def dynamo_reset() -> None:
     """Forget every compiled graph (tests compile several models in one process)."""
     torch._dynamo.reset()

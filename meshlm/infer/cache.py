@@ -28,9 +28,12 @@ NOTE [KV cache]
 
     NOTE [static cache]: with ``static=True`` the keys returned are all ``max_len`` slots and
     the mask hides those not written yet (and pads), and this call's keys are written at the
-    positions of a tensor (``index_copy_``), not of a Python slice: a decode step's shapes and
-    the Python values it reads are then the same at every position, so a compiled decode
-    step (meshlm/infer/generate.py, as gpt-fast compiles one) is traced once.
+    positions of a tensor (``index_copy_``), not of a Python slice: a forward's shapes and the
+    Python values it reads are then the same at every position, and nothing in it depends on
+    the data (what gpt-fast compiles, and what CUDA graphs need).  meshlm's placement runs it
+    on the meta device (placement.py); generate compiles the default cache with dynamic
+    shapes instead, which reads only the written slots (NOTE [compiled decode] in
+    generate.py).
 
     The object is handed to the sharded model's forward as it is (``__meshlm_passthrough__``,
     meshlm/tree.py): its tensors are placed by the cache, not by the input rules.
@@ -54,9 +57,8 @@ class KVCache:
 
     def __init__(self, batch: int, max_len: int, device=None, static: bool = False, last_only: bool = False):
         """``static``: every forward attends over all ``max_len`` slots (those not yet
-        written masked), so a decode step has the same shapes at every position and a
-        compiled one never recompiles (NOTE [static cache]); otherwise over the slots
-        written so far, which costs less in eager mode."""
+        written masked), with the same shapes at every position (NOTE [static cache]);
+        otherwise over the slots written so far."""
         if batch < 1 or max_len < 1:
             raise ConfigError(f"KVCache: batch={batch} and max_len={max_len} must be positive")
         self.batch, self.max_len, self.static, self.last_only = batch, max_len, static, last_only

@@ -191,8 +191,9 @@ def test_bad_generate_input():
 
 
 def test_compiled_decode_is_traced_once(monkeypatch):
-    """64 decode steps compiled (aot_eager) over the static cache: the same tokens as eager,
-    one graph, and a second call of the same shapes traces nothing (NOTE [static cache])."""
+    """64 decode steps of left-padded prompts compiled (aot_eager): the same tokens as eager,
+    one graph (the cache's length a symbol from the first trace, NOTE [compiled decode]),
+    and a second call traces nothing."""
     import importlib
 
     from torch._dynamo.utils import counters
