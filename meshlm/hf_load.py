@@ -112,11 +112,15 @@ def model_of(path: str) -> nn.Module:
     return fam.build(cfg)
 
 
-def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs: Any) -> nn.Module:
+def load_hf(
+    path: str, layout: Any, mesh: Any, *, seed: int = 0, after_block: Any = None, **shard_kwargs: Any
+) -> nn.Module:
     """The meshlm model of the Hugging Face directory ``path`` (``hf:`` prefix allowed;
     ``model_type`` ``llama`` or ``gpt2``) sharded under ``layout`` on ``mesh``, with its
-    weights.  Each rank reads only its own blocks from the files.  ``shard_kwargs`` go to
-    :func:`meshlm.shard`."""
+    weights.  Each rank reads only its own blocks from the files.  ``after_block(block)``:
+    as :func:`meshlm.shard`'s, called once each outer block's shards are made and read (so
+    ``meshlm train`` builds an offloaded model onto its tier from the files too, never whole
+    in memory).  ``shard_kwargs`` go to :func:`meshlm.shard`."""
     from meshlm.lowering import iter_params, shard
 
     path = _strip(path)
@@ -124,18 +128,34 @@ def load_hf(path: str, layout: Any, mesh: Any, *, seed: int = 0, **shard_kwargs:
     reader = _HFReader(path, fam.canonical)
     model = fam.build(cfg)
     _check_names(path, fam, cfg, model, reader)
-    # Each rank allocates its shards uninitialised and reads exactly those blocks below.
-    model = shard(model, layout, mesh, init=False, **shard_kwargs)
+    names = {id(m): n for n, m in model.named_modules()}
+    done: set[int] = set()
+
+    def read(fqn: str, p: Any) -> None:
+        local = p.to_local()
+        box = local_box(tuple(p.shape), p.device_mesh, p.placements)
+        block = fam.read_block(reader.read, cfg, fqn, tuple(p.shape), box)
+        if tuple(block.shape) != tuple(local.shape):
+            raise CheckpointError(
+                f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}"
+            )
+        local.copy_(block.to(local.dtype))
+        done.add(id(p))
+
+    def on_block(blk: nn.Module) -> None:
+        with torch.no_grad():
+            for sub in blk.modules():
+                for n, p in sub._parameters.items():
+                    if p is not None and id(p) not in done:
+                        read(f"{names[id(sub)]}.{n}", p)
+        after_block(blk)
+
+    # Each rank allocates its shards uninitialised and reads exactly its blocks.
+    model = shard(model, layout, mesh, init=False, after_block=on_block if after_block else None, **shard_kwargs)
     with torch.no_grad():
         for fqn, _m, _n, p in iter_params(model):
-            local = p.to_local()
-            box = local_box(tuple(p.shape), p.device_mesh, p.placements)
-            block = fam.read_block(reader.read, cfg, fqn, tuple(p.shape), box)
-            if tuple(block.shape) != tuple(local.shape):
-                raise CheckpointError(
-                    f"{path}: block of `{fqn}` has shape {tuple(block.shape)}, expected {tuple(local.shape)}"
-                )
-            local.copy_(block.to(local.dtype))
+            if id(p) not in done:
+                read(fqn, p)
     return model
 
 

@@ -20,11 +20,12 @@ def build_sharded(
     """The model of ``cfg`` sharded under ``layout`` on ``mesh``: built on the meta device
     and initialised from ``seed`` shard by shard, or, with ``init_from``, the Hugging Face
     model in that directory (its ``config.json`` gives the architecture) with its weights.
-    ``after_block``: ``meshlm.shard``'s, for a model initialised from the seed."""
+    ``after_block``: ``meshlm.shard``'s (with ``init_from``, called once the block's weights
+    are read too)."""
     if cfg.init_from:
         from meshlm.hf import load_hf
 
-        return load_hf(cfg.init_from, layout, mesh, **shard_kwargs)
+        return load_hf(cfg.init_from, layout, mesh, after_block=after_block, **shard_kwargs)
     return shard(build_model(cfg, "meta"), layout, mesh, seed=seed, after_block=after_block, **shard_kwargs)
 
 

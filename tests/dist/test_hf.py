@@ -134,3 +134,40 @@ def test_bad_hf_dir(tmp_path):
 
     with pytest.raises(CheckpointError, match="config.json: missing"):
         read_hf_config(str(tmp_path))
+
+
+def _built_onto_the_tier(path, base, tokens):
+    import meshlm
+    from meshlm.annotate import outer_blocks
+    from meshlm.hf import load_hf
+    from meshlm.memory import local_data
+    from meshlm.offload.params import ParamOffload
+    from meshlm.offload.store import SwapDir, Swapper, owns_storage
+
+    torch._dynamo.reset()
+    rank = torch.distributed.get_rank()
+    sw = Swapper("disk", SwapDir(base, rank, run_id="hf-tier"))
+    mesh = meshlm.make_mesh("fsdp=4")
+    built, model = [], None
+
+    def spill(blk):  # as meshlm train's Offload.spill: out as soon as made (and read)
+        for p in blk.parameters():
+            if owns_storage(local_data(p)):
+                sw.swap_out(local_data(p))
+        built.append(sum(local_data(p).untyped_storage().nbytes() for p in blk.parameters()))
+
+    model = load_hf(path, "fsdp", mesh, after_block=spill)
+    off = ParamOffload(model, sw)  # adopts the blocks already on disk
+    with torch.no_grad():
+        out = model(meshlm.shard_batch(tokens, "fsdp", mesh))
+    off.close()
+    return built, len(outer_blocks(model)), out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+def test_built_onto_the_tier_from_the_files(pool4, hf_dirs, tmp_path):
+    """load_hf(after_block=...), as meshlm train builds an offloaded model from model.init_from:
+    each block is read and moved to disk before the next is made, and the logits of the
+    model streamed back from disk are transformers'."""
+    for built, blocks, logits in pool4.run(_built_onto_the_tier, hf_dirs["single"], str(tmp_path), hf_dirs["tokens"]):
+        assert len(built) == blocks == 2 and built == [0, 0]
+        torch.testing.assert_close(logits, hf_dirs["ref"], **LOGIT_TOL)
