@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from meshlm.errors import ConfigError
-from meshlm.infer.generate import context_of, stream
+from meshlm.infer.generate import stream
 from meshlm.infer.sample import Sampling
 
 
@@ -141,7 +141,7 @@ def follow(model: Any) -> None:
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user"}
 
 
-def parse(body: Any, tok: Any, model: Any, default_stop: tuple[int, ...]) -> list[Job]:
+def parse(body: Any, tok: Any, ctx: Optional[int], default_stop: tuple[int, ...]) -> list[Job]:
     """The jobs of a completions request (one per prompt); a ConfigError says what is wrong."""
     if not isinstance(body, dict):
         raise ConfigError("the request body must be a JSON object")
@@ -171,20 +171,22 @@ def parse(body: Any, tok: Any, model: Any, default_stop: tuple[int, ...]) -> lis
         if len(ids) != 1:
             raise ConfigError(f"`stop` {s!r} is {len(ids)} tokens; a stop text must be one token")
         stop_ids += ids
-    ctx = context_of(model)
     jobs = []
     for p in prompts:
         ids = tok.encode(p).tolist()
         if ctx is not None and len(ids) + max_tokens > ctx:
             raise ConfigError(
-                f"the prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds the model's context of {ctx} tokens"
+                f"the prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds the context of {ctx} tokens "
+                "this server takes"
             )
         jobs.append(Job(ids, max_tokens, sampling, tuple(stop_ids)))
     return jobs
 
 
-def app(engine: Engine, tok: Any, name: str, default_stop: tuple[int, ...] = ()) -> Any:
-    """The FastAPI application: ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``."""
+def app(engine: Engine, tok: Any, name: str, default_stop: tuple[int, ...] = (), context: Optional[int] = None) -> Any:
+    """The FastAPI application: ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+    ``context``: the longest prompt + ``max_tokens`` taken (the model's own limit, or the one
+    the server was placed for)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -221,7 +223,7 @@ def app(engine: Engine, tok: Any, name: str, default_stop: tuple[int, ...] = ())
         except ValueError as e:
             return error(422, f"the request body is not JSON: {e}")
         try:
-            jobs = parse(body, tok, engine.model, default_stop)
+            jobs = parse(body, tok, context, default_stop)
         except ConfigError as e:
             return error(400, str(e))
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())

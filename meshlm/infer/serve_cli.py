@@ -20,7 +20,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="the model's name in responses (default: the source's)")
     p.add_argument("--tokenizer", default="auto", help="as meshlm generate's --tokenizer")
     p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
-    p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    p.add_argument("--mesh", default=None, help="e.g. tp=2, or pp=N with --max-memory-per-device")
+    p.add_argument("--max-memory-per-device", default=None, help="as meshlm generate's (placement for --max-batch)")
+    p.add_argument("--context", type=int, default=None, help="the longest prompt + max_tokens served (default: 2048)")
+    p.add_argument("--offload", default="disk", choices=("disk", "host"), help="where streamed blocks live")
+    p.add_argument("--offload-dir", default=None, help="the disk tier's directory")
     return p
 
 
@@ -28,25 +32,36 @@ def run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from meshlm.infer import serve
-    from meshlm.infer.cli import _load, _tokenizer, default_stops
+    from meshlm.infer.cli import _load, _placed, _tokenizer, default_stops
+    from meshlm.infer.generate import context_of
 
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch={a.max_batch} must be at least 1")
     source = Path(a.source.removeprefix("hf:"))
     tok = _tokenizer(a.tokenizer, source)
-    model = _load(source, a.layout, a.mesh or "dp=1")
+    off = None
+    if a.max_memory_per_device is not None:  # placed for the largest batch and context served
+        a.plan = False
+        context = a.context or 2048
+        model, off = _placed(a, source, a.max_batch, context, sys.stdout)
+        a.context = context
+    else:
+        model = _load(source, a.layout, a.mesh or "dp=1")
+    limits = [c for c in (a.context, context_of(model)) if c is not None]
     if dist.is_initialized() and dist.get_rank() > 0:
         serve.follow(model)
         return 0
     import uvicorn
 
     engine = serve.Engine(model, a.max_batch)
-    api = serve.app(engine, tok, a.name or source.name, tuple(default_stops(source)))
+    api = serve.app(engine, tok, a.name or source.name, tuple(default_stops(source)), min(limits, default=None))
     print(f"meshlm serve: {a.name or source.name} on http://{a.host}:{a.port}/v1/completions", flush=True)
     try:
         uvicorn.run(api, host=a.host, port=a.port, log_level="warning")
     finally:
         engine.close()
+        if off is not None:
+            off.close()
     return 0
 
 

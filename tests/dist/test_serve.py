@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("gpt2")
     tok = train_bpe(d, vocab=300)
-    tiny_gpt2(vocab=300).save_pretrained(d, safe_serialization=True)
+    tiny_gpt2(vocab=300, layers=4).save_pretrained(d, safe_serialization=True)
     model = load_hf_local(str(d))
     want = {}
     for p in PROMPTS:  # each prompt alone, greedy, up to the end-of-sequence token (0)
@@ -130,12 +130,12 @@ def test_a_list_of_prompts_and_a_stream(server, model_dir):
     _, want = model_dir
     status, body = server.post({"prompt": PROMPTS[:2], "max_tokens": MAX})
     assert status == 200 and [c["text"] for c in body["choices"]] == [want[p] for p in PROMPTS[:2]]
-    status, events = server.post({"prompt": PROMPTS[2], "max_tokens": MAX, "stream": True})
+    status, events = server.post({"prompt": PROMPTS[5], "max_tokens": MAX, "stream": True})  # no cut UTF-8
     assert status == 200
     lines = [ln.removeprefix("data: ") for ln in events.split("\n\n") if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(ln)["choices"][0] for ln in lines[:-1]]
-    assert "".join(c["text"] for c in chunks) == want[PROMPTS[2]]
+    assert "".join(c["text"] for c in chunks) == want[PROMPTS[5]]
     assert len(chunks) >= 3 and chunks[-1]["finish_reason"] in ("stop", "length")
 
 
@@ -144,7 +144,7 @@ def test_a_list_of_prompts_and_a_stream(server, model_dir):
     [
         (None, b"{not json", 422, "not JSON"),
         ({"prompt": "x", "temprature": 1.0}, None, 400, "unknown field 'temprature'"),
-        ({"prompt": "the " * 40, "max_tokens": 30}, None, 400, "exceeds the model's context of 64 tokens"),
+        ({"prompt": "the " * 40, "max_tokens": 30}, None, 400, "exceeds the context of 64 tokens"),
         ({"prompt": "x", "top_p": 0}, None, 400, "sampling.top_p=0 must be in (0, 1]"),
         ({"prompt": ""}, None, 400, "`prompt` must be a non-empty string"),
         ({"prompt": "x", "max_tokens": "9"}, None, 400, "`max_tokens`='9'"),
@@ -166,3 +166,19 @@ def test_tensor_parallel_server_serves_the_same_text(model_dir):
     finally:
         s.stop()
     assert s.proc.returncode is not None
+
+
+def test_a_server_under_a_memory_limit_streams_blocks(model_dir, tmp_path):
+    """--max-memory-per-device placed for --max-batch rows of --context positions: blocks
+    streamed from disk, the same texts; a request beyond the placed context is refused."""
+    d, want = model_dir
+    args = ["--max-memory-per-device", "1.2MiB", "--max-batch", "4", "--context", "32", "--offload-dir", tmp_path]
+    s = Server(d, *map(str, args))
+    try:
+        got = _concurrent(s, PROMPTS[:4])
+        assert {p: got[p][1]["choices"][0]["text"] for p in PROMPTS[:4]} == {p: want[p] for p in PROMPTS[:4]}
+        code, out = s.post({"prompt": "the " * 10, "max_tokens": 30})
+        assert code == 400 and "exceeds the context of 32 tokens" in out["error"]["message"]
+    finally:
+        s.stop()
+    assert "1 of 4 blocks resident, 3 streamed from disk" in s.proc.stderr.read()
