@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from meshlm import _torch_compat as compat
 
 ATTR = "main_grad"
+SINK = "_meshlm_grad_sink"  # where a parameter's main gradients go instead (NOTE [offloaded gradients])
 INIT_MASTER = "_meshlm_init_master"  # the initial weights in the master's dtype and placements
 _PENDING: list = []  # (parameter, reduced gradient still in flight)
 
@@ -86,6 +87,10 @@ def _add(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
     g = g.detach()
     if g.dtype != dtype:
         g = g.to(dtype)
+    sink = getattr(p, SINK, None)
+    if sink is not None:  # offloaded: the sink accumulates it on its tier
+        sink.accumulate(p, g)
+        return
     cur = getattr(p, ATTR, None)
     if cur is None:
         setattr(p, ATTR, g)

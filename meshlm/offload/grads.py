@@ -25,9 +25,11 @@ NOTE [offloaded gradients]
 
     Between backward and ``reduce_grads`` a parameter's ``.grad`` is None (its gradient is
     on the tier); readers go through the optimizer (``opt.reduce_grads()``, then
-    ``opt.masters()[fqn].grad`` inside ``opt.resident()``).  Not supported, and refused
-    with the key named: main gradients (bf16 storage under ZeRO-1/2, NOTE [main grads] in
-    meshlm/main_grad.py), which bypass ``.grad``, and pipeline stages.
+    ``opt.masters()[fqn].grad`` inside ``opt.resident()``).  Main gradients (bf16 storage
+    under ZeRO-1/2, NOTE [main grads] in meshlm/main_grad.py) bypass ``.grad``: main_grad's
+    add hands each reduced float32 gradient here instead (the parameter's ``SINK``), and it
+    is accumulated the same way; ``main_grad`` stays None.  Not supported, and refused with
+    the key named: pipeline stages.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
+from meshlm import main_grad
 from meshlm.bucket import redistribute_flat
-from meshlm.errors import ConfigError
 from meshlm.lower import shard_state
 from meshlm.offload.store import Swapper, owns_storage
 
@@ -51,34 +53,41 @@ class GradOffload:
 
     def __init__(self, opt, swapper: Swapper):
         st = shard_state(opt.model)
-        mains = [f for f, p, _m in opt._pairs if st.grad_dtype is not None and st.grad_dtype != p.dtype]
-        if mains:
-            raise ConfigError(
-                f"offload.grads={swapper.tier}: parameter `{mains[0]}` (and {len(mains) - 1} more) is stored in "
-                f"{opt._pairs[0][1].dtype} with {st.grad_dtype} main gradients (ZeRO-1/2 under mixed precision), "
-                "which are accumulated outside autograd's .grad; offload.grads needs gradients in .grad: use "
-                "train.param_dtype=float32, a layout that shards parameters (fsdp, fsdp_tp, hsdp), or offload.grads=device"
-            )
+        mains = [p for _f, p, _m in opt._pairs if st.grad_dtype is not None and st.grad_dtype != p.dtype]
         self.swapper = swapper
         self.acc: dict[int, Tensor] = {}  # id(param) -> its gradient so far this step (DTensor or tensor), swapped
         self.held: list[Tensor] = []  # every plain tensor swapped this step, alive until zero_grad
         self.pending: dict[int, list[float]] = {}  # id(tensor) -> factors not in its copy on the tier
         self.dirty: set[int] = set()  # id(tensor): in memory and changed since its copy on the tier
-        self._handles = [p.register_post_accumulate_grad_hook(self._take) for _f, p, _m in opt._pairs]
+        # main gradients (NOTE [main grads]) come to accumulate() from main_grad's add; the
+        # others from autograd's .grad, through a hook
+        self._mains = mains
+        for p in mains:
+            setattr(p, main_grad.SINK, self)
+        main_ids = {id(p) for p in mains}
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._take) for _f, p, _m in opt._pairs if id(p) not in main_ids
+        ]
         self.peak_resident = 0  # the most gradient bytes in memory at once inside the hook (for tests)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self._mains:
+            setattr(p, main_grad.SINK, None)
+        self._mains = []
 
     # -- during backward
     def _take(self, p: Tensor) -> None:
         """The hook: ``p.grad`` (just accumulated) goes to the tier, added to what is there."""
         g = p.grad
         p.grad = None
-        if g is None:
-            return
+        if g is not None:
+            self.accumulate(p, g)
+
+    def accumulate(self, p: Tensor, g: Tensor) -> None:
+        """Add ``p``'s gradient ``g`` (just made) into its gradient on the tier."""
         local = _settled(g)
         with torch.no_grad():
             acc = self.acc.get(id(p))

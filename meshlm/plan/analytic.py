@@ -104,6 +104,7 @@ def plan(
     # ---------------------------------------------------------------- model state
     params = grads = optim = moved = 0  # moved: what offload.optimizer moves (NOTE [planned offload])
     master_grads = 0  # of ``grads``: the masters' gradients that are buffers of their own
+    main_shards = 0  # ZeRO-1's reduce-scattered main gradients (not held whole: only offload moves them)
     grad_one = 0  # the largest parameter's gradient as accumulated (offload.grads keeps two of them)
     in_blocks = one_block = 0  # stored bytes of the blocks' parameters: what offload.params moves
     for prm in params_:
@@ -139,6 +140,10 @@ def plan(
             if not (pp.grads is not None and pp.grads == pp.optimizer and mdt == pdt) and gdt is None:
                 grads += k * n_opt * MB
                 master_grads += k * n_opt * MB
+            elif gdt is not None and pp.grads != pp.optimizer:
+                # ZeRO-1's main gradients are reduce-scattered chunk by chunk at the step; with
+                # offload.grads the shards go to the tier as buffers of their own
+                main_shards += k * n_opt * MB
 
     psi = cfg.num_params()
     t = sizes.get("tp", 1)
@@ -163,13 +168,6 @@ def plan(
     }
     memory["total"] = sum(memory.values())
     blocks_gathered = _held_gathered([q for q in params_ if q.in_block], sizes, regather, CB, cdt != pdt)
-    if tiers.grads != "device" and gdt is not None:
-        raise ConfigError(
-            f"offload.grads={tiers.grads}: layout {lay.name} with {_name(pdt)} storage accumulates {_name(gdt)} main "
-            "gradients outside autograd's .grad (ZeRO-1/2 under mixed precision), which meshlm does not offload; "
-            "use train.param_dtype=float32, a layout that shards parameters (fsdp, fsdp_tp, hsdp), or "
-            "offload.grads=device"
-        )
     kinds = _offload.analytic(
         tiers,
         memory,
@@ -178,7 +176,7 @@ def plan(
         blocks_gathered,
         grad_accum,
         (in_blocks, one_block),
-        (grads - master_grads, master_grads, grad_one),
+        (grads - master_grads, master_grads + main_shards, grad_one),
     )
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing

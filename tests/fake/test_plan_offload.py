@@ -155,9 +155,18 @@ def test_measured_plan_runs_the_offloaded_step(no_pg):
 
 
 @pytest.mark.parametrize(
-    "layout,sizes", [("fsdp", {"fsdp": 2}), ("ddp", {"dp": 2}), ("zero1", {"dp": 2}), ("fsdp_tp", {"fsdp": 2, "tp": 2})]
+    "layout,sizes,dtype",
+    [
+        ("fsdp", {"fsdp": 2}, None),
+        ("ddp", {"dp": 2}, None),
+        ("zero1", {"dp": 2}, None),
+        ("fsdp_tp", {"fsdp": 2, "tp": 2}, None),
+        # bf16 storage: float32 main gradients (NOTE [main grads]), on the tier too
+        ("zero1", {"dp": 2}, "bfloat16"),
+        ("zero2", {"dp": 2}, "bfloat16"),
+    ],
 )
-def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, no_pg):
+def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, dtype, no_pg):
     """offload.grads: the formula's bytes on the tier and traffic (each micro-batch writes the
     gradients, the later ones read them to add to them, the step reads them; ZeRO-1's
     shards are written and read once) equal what the runtime's GradOffload moves in the
@@ -167,8 +176,16 @@ def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, no_pg
     from meshlm.plan import plan, plan_model
 
     kw = dict(global_batch=8, seq=32, grad_accum=2)
-    formula = plan("llama_tiny", layout, sizes, offload={"grads": "disk"}, **kw)
-    base_f = plan("llama_tiny", layout, sizes, **kw)
+    fkw, mkw = {}, {}
+    if dtype is not None:  # as meshlm train sets them (precision.shard_dtypes)
+        from meshlm.config import TrainConfig
+        from meshlm.layout import load_layout
+        from meshlm.precision import shard_dtypes
+
+        fkw = dict(param_dtype="auto", compute_dtype=dtype)
+        mkw = dict(shard_kw=shard_dtypes(TrainConfig(param_dtype=dtype), load_layout(layout), sizes))
+    formula = plan("llama_tiny", layout, sizes, offload={"grads": "disk"}, **kw, **fkw)
+    base_f = plan("llama_tiny", layout, sizes, **kw, **fkw)
     k = formula.offload["kinds"]["grads"]
     assert k["tier"] == "disk" and k["bytes"] == formula.tiers["disk"] > 0
     assert formula.memory["grads"] == k["kept_on_device"] < base_f.memory["grads"]
@@ -177,10 +194,12 @@ def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, no_pg
     def build(device):
         return Llama(llama_config("llama_tiny"), device=device)
 
-    base = plan_model(build, layout, sizes, **kw)
-    meas = plan_model(build, layout, sizes, offload={"grads": "disk"}, **kw)
+    base = plan_model(build, layout, sizes, **kw, **mkw)
+    meas = plan_model(build, layout, sizes, offload={"grads": "disk"}, **kw, **mkw)
     m = meas.offload["kinds"]["grads"]
     assert (m["bytes"], m["in_bytes"], m["out_bytes"]) == (k["bytes"], k["in_bytes"], k["out_bytes"])
+    if dtype is not None:
+        assert formula.param_dtype == meas.param_dtype == "bfloat16"
     if layout != "zero1":  # no master gradients of their own: written and read once per micro-batch
         assert k["in_bytes"] == k["out_bytes"] == 2 * k["bytes"] == 2 * base_f.memory["grads"]
     assert meas.memory["grads"] == 0 < base.memory["grads"]  # after backward and after the step: none held
@@ -394,19 +413,8 @@ def test_params_on_disk_are_the_blocks_parameters(no_pg):
 
 def test_offload_refusals_name_the_key():
     from meshlm.errors import ConfigError
-    from meshlm.plan import choose_layout, plan, plan_model
+    from meshlm.plan import choose_layout, plan_model
 
-    with pytest.raises(ConfigError, match=r"offload\.grads=host: layout zero1 with bfloat16 storage accumulates"):
-        plan(
-            "llama_tiny",
-            "zero1",
-            {"dp": 2},
-            global_batch=B,
-            seq=S,
-            param_dtype="auto",
-            compute_dtype="bfloat16",
-            offload={"grads": "host"},
-        )
     with pytest.raises(ConfigError, match=r"offload\.grads='nvme' is not a tier"):
         choose_layout(**_auto_kwargs(2**40), out=io.StringIO(), offload={"grads": "nvme"})
     with pytest.raises(
