@@ -78,9 +78,13 @@ class Placement:
         big = sorted((self.block_params[i] for i in self.streamed), reverse=True)
         return sum(big[:2])
 
+    def runs(self, d: int) -> list[int]:
+        """The blocks device ``d`` runs: its stage, and on the last device the streamed ones."""
+        return self.stages[d] + (self.streamed if d == self.devices - 1 else [])
+
     def parts(self, d: int = 0) -> dict[str, int]:
         last = d == self.devices - 1
-        runs = self.stages[d] + (self.streamed if last else [])
+        runs = self.runs(d)
         return {
             "parameters outside blocks": self.outside,
             "resident blocks' parameters": sum(self.block_params[i] for i in self.stages[d]),
@@ -110,7 +114,7 @@ class Placement:
         ]
         for d in range(self.devices):
             if self.devices > 1:
-                st = self.stages[d] + (self.streamed if d == self.devices - 1 else [])
+                st = self.runs(d)
                 lines.append(f"device {d}: blocks {st[0]}..{st[-1]}" if st else f"device {d}: no blocks")
             lines += [f"  {k:<28} {v / MiB:>10,.2f} MiB" for k, v in self.parts(d).items()]
             lines.append(f"  {'device total':<28} {self.total(d) / MiB:>10,.2f} MiB")

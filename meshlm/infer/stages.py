@@ -34,17 +34,11 @@ class Stages:
 
     def __init__(self, model: nn.Module, pl: Any, rank: int):
         self.rank, self.pl = rank, pl
-        self.blocks = outer_blocks(model)
-        self.last_of = {
-            d: (pl.stages[d] + (pl.streamed if d == pl.devices - 1 else []))[-1:] for d in range(pl.devices)
-        }
+        self.last_of = {d: pl.runs(d)[-1:] for d in range(pl.devices)}
         self.broadcasts = 0
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(outer_blocks(model)):
             blk.__dict__[_ATTR] = (self, i)
             blk.__class__ = variant_class(type(blk), __call__=_staged_call)
-
-    def owns(self, i: int) -> bool:
-        return self.pl.owner(i) == self.rank
 
     def call(self, blk: nn.Module, i: int, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else None
