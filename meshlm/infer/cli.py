@@ -58,6 +58,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def source_dir(arg: str) -> Path:
+    """The SOURCE argument as a directory that exists (``hf:`` prefix allowed)."""
+    path = Path(arg.removeprefix("hf:"))
+    if not path.is_dir():
+        raise ConfigError(
+            f"{arg}: no such directory; give a Hugging Face model directory (config.json and safetensors) "
+            "or a meshlm checkpoint (a step_* directory, or a run's checkpoint directory)"
+        )
+    return path
+
+
 def _tokenizer(name: str, source: Path) -> Any:
     from meshlm.data import ByteTokenizer, HFTokenizer
 
@@ -178,11 +189,13 @@ def run(a: argparse.Namespace, out=None) -> int:
     from meshlm.infer.sample import Sampling
 
     out = sys.stdout if out is None else out
-    source = Path(a.source.removeprefix("hf:"))
+    source = source_dir(a.source)
     sampling = Sampling(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     tok = _tokenizer(a.tokenizer, source)
     prompts = list(a.prompt)
     if a.prompt_file:
+        if not Path(a.prompt_file).is_file():
+            raise ConfigError(f"--prompt-file {a.prompt_file}: no such file (one prompt per line)")
         prompts += [line.rstrip("\n") for line in Path(a.prompt_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise ConfigError("generate: no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from meshlm.errors import ConfigError
 
@@ -32,12 +31,12 @@ def run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from meshlm.infer import serve
-    from meshlm.infer.cli import _load, _placed, _tokenizer, default_stops
+    from meshlm.infer.cli import _load, _placed, _tokenizer, default_stops, source_dir
     from meshlm.infer.generate import context_of
 
     if a.max_batch < 1:
         raise ConfigError(f"--max-batch={a.max_batch} must be at least 1")
-    source = Path(a.source.removeprefix("hf:"))
+    source = source_dir(a.source)
     tok = _tokenizer(a.tokenizer, source)
     off = None
     if a.max_memory_per_device is not None:  # placed for the largest batch and context served

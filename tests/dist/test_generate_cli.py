@@ -110,6 +110,10 @@ def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
     r = _meshlm(bad, "--prompt", "x")
     assert r.returncode == 1 and "meshlm generate: error:" in r.stderr and "transformer.h.3" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+    r = _meshlm(tmp_path / "nowhere", "--prompt", "x")
+    assert r.returncode == 1 and "no such directory; give a Hugging Face model directory" in r.stderr
+    r = _meshlm(d, "--prompt-file", tmp_path / "none.txt")
+    assert r.returncode == 1 and "--prompt-file" in r.stderr and "no such file" in r.stderr
     r = _meshlm(d, "--prompt", "x", "--layout", "fsdp", "--mesh", "fsdp=2")
     assert r.returncode == 1 and "splits the batch over fsdp=2" in r.stderr
 
