@@ -120,7 +120,7 @@ def _devices(a: argparse.Namespace) -> int:
     return spec.size
 
 
-def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out) -> Any:
+def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out, plan_only: bool = False) -> Any:
     """(model, its ParamOffload or None) under --max-memory-per-device (NOTE [inference
     placement] in placement.py, NOTE [staged decoding] in stages.py); None with --plan."""
     import torch.distributed as dist
@@ -132,7 +132,7 @@ def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out) 
     devices = _devices(a)
     cap = parse_memory(a.max_memory_per_device)
     pl = placement.place(_meta_model(source), cap, batch, context, a.offload, devices=devices)
-    if a.plan:
+    if plan_only:
         out.write(pl.describe() + "\n")
         return None, None
     init_distributed()
@@ -173,13 +173,9 @@ def default_stops(source: Path) -> list[int]:
 
 
 def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
-    out = []
-    for s in a.stop:
-        s = s.encode().decode("unicode_escape")  # --stop '\n'
-        ids = tok.encode(s).tolist()
-        if len(ids) != 1:
-            raise ConfigError(f"--stop {s!r} is {len(ids)} tokens under this tokenizer; a stop text must be one token")
-        out += ids
+    from meshlm.infer.generate import stop_id
+
+    out = [stop_id(tok, s.encode().decode("unicode_escape"), "--stop") for s in a.stop]  # --stop '\n'
     return out or default_stops(source)
 
 
@@ -204,7 +200,7 @@ def run(a: argparse.Namespace, out=None) -> int:
     offload = None
     if a.max_memory_per_device is not None:
         context = max(map(len, ids)) + a.max_new_tokens
-        model, offload = _placed(a, source, len(ids), context, out)
+        model, offload = _placed(a, source, len(ids), context, out, plan_only=a.plan)
         if model is None:
             return 0
     elif a.plan:

@@ -31,6 +31,14 @@ def context_of(model: nn.Module) -> Optional[int]:
     return getattr(cfg, "block_size", None)
 
 
+def stop_id(tok: Any, text: str, what: str) -> int:
+    """The one token ``text`` is under ``tok`` (a stop text); ``what`` names the option."""
+    ids = tok.encode(text).tolist()
+    if len(ids) != 1:
+        raise ConfigError(f"{what} {text!r} is {len(ids)} tokens under this tokenizer; a stop text must be one token")
+    return ids[0]
+
+
 def supports_cache(model: nn.Module) -> bool:
     fwd = getattr(model, "_meshlm_orig_forward", None) or type(model).forward
     return "cache" in inspect.signature(fwd).parameters

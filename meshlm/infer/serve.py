@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from meshlm.errors import ConfigError
-from meshlm.infer.generate import stream
+from meshlm.infer.generate import stop_id, stream
 from meshlm.infer.sample import Sampling
 
 
@@ -165,12 +165,7 @@ def parse(body: Any, tok: Any, ctx: Optional[int], default_stop: tuple[int, ...]
     stops = [stops] if isinstance(stops, str) else (stops or [])
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ConfigError("`stop` must be a string or a list of strings")
-    stop_ids = list(default_stop)
-    for s in stops:
-        ids = tok.encode(s).tolist()
-        if len(ids) != 1:
-            raise ConfigError(f"`stop` {s!r} is {len(ids)} tokens; a stop text must be one token")
-        stop_ids += ids
+    stop_ids = list(default_stop) + [stop_id(tok, s, "`stop`") for s in stops]
     jobs = []
     for p in prompts:
         ids = tok.encode(p).tolist()

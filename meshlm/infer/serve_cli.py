@@ -40,7 +40,6 @@ def run(a: argparse.Namespace) -> int:
     tok = _tokenizer(a.tokenizer, source)
     off = None
     if a.max_memory_per_device is not None:  # placed for the largest batch and context served
-        a.plan = False
         context = a.context or 2048
         model, off = _placed(a, source, a.max_batch, context, sys.stdout)
         a.context = context

@@ -98,6 +98,8 @@ def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
     assert r.returncode == 2 and "unrecognized arguments: --temprature" in r.stderr
     r = _meshlm(d, "--prompt", "x", "--top-p", "0")
     assert r.returncode == 1 and "sampling.top_p=0.0 must be in (0, 1]" in r.stderr
+    r = _meshlm(d, "--prompt", "x", "--stop", "the quick brown")
+    assert r.returncode == 1 and "--stop 'the quick brown' is" in r.stderr and "must be one token" in r.stderr
     r = _meshlm(d, "--prompt", "x", "--tokenizer", "bytes", "--max-new-tokens", 2)
     assert r.returncode == 0  # 256 byte ids fit the model's 300
     bad = tmp_path / "mismatch"

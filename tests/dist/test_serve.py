@@ -148,6 +148,7 @@ def test_a_list_of_prompts_and_a_stream(server, model_dir):
         ({"prompt": "x", "top_p": 0}, None, 400, "sampling.top_p=0 must be in (0, 1]"),
         ({"prompt": ""}, None, 400, "`prompt` must be a non-empty string"),
         ({"prompt": "x", "max_tokens": "9"}, None, 400, "`max_tokens`='9'"),
+        ({"prompt": "x", "stop": "the quick brown"}, None, 400, "a stop text must be one token"),
     ],
 )
 def test_bad_requests_get_a_4xx_and_the_server_stays_up(server, model_dir, body, raw, status, says):
