@@ -70,6 +70,23 @@ def handling(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> Iterator[No
         _HANDLER.reset(token)
 
 
+def swap_handler(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> tuple:
+    """Make ``handler`` the constraint handler until :func:`restore_handler` is given what
+    this returns (a scope's module hooks: NOTE [scoped layouts] in meshlm/scopes.py).
+    Inside a trace only the traced handler changes (Dynamo cannot set a ContextVar)."""
+    global _traced_handler
+    prev = _traced_handler
+    _traced_handler = handler
+    return prev, (None if torch.compiler.is_compiling() else _HANDLER.set(handler))
+
+
+def restore_handler(saved: tuple) -> None:
+    global _traced_handler
+    _traced_handler, token = saved
+    if token is not None:
+        _HANDLER.reset(token)
+
+
 def check_axes_count(x: Tensor, axes: Axes) -> None:
     """A handler's check that ``constrain`` was given one logical axis per dim of ``x``."""
     if len(axes) != x.ndim:

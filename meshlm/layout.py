@@ -12,7 +12,8 @@ A layout has up to four sections, each a mapping ``logical axis -> mesh axis | [
 ``optimizer``  where the optimizer state and the update live (default: ``grads``, or
                ``params`` when grads are local).
 
-and, apart from these, an ``offload`` section: which memory tier (``device``, ``host``,
+and, apart from these, a ``scopes`` section: other rules for some submodules (NOTE [scoped
+layouts] in meshlm/scopes.py), and an ``offload`` section: which memory tier (``device``, ``host``,
 ``disk``) each kind of training state lives on (NOTE [offload tiers] in
 meshlm/offload/__init__.py); the run's ``offload.*`` settings override it.
 
@@ -36,6 +37,7 @@ NOTE [sequence yields]
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ from meshlm.errors import AxisError, LayoutError
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 OFFLOAD = "offload"  # the memory-tier section (meshlm/offload/spec.py), not axis rules
+SCOPES = "scopes"  # rules per submodule (meshlm/scopes.py)
 YIELDING_AXES = ("seq", "kv_seq")
 #: Mesh axes that split the *input* token ids.  Ranks that differ only in other mesh axes
 #: (tp, pp, ep) read the same examples: tensor parallel needs every token id of its batch.
@@ -71,6 +74,19 @@ class Layout:
     description: str = ""
     #: the ``offload`` section (a meshlm.offload.OffloadSpec; None: every state on the device)
     offload: Any = None
+    #: the ``scopes`` section: meshlm.scopes.Scope per submodule path (NOTE [scoped layouts])
+    scopes: tuple = ()
+
+    def for_path(self, fqn: str) -> "Layout":
+        """The rules for the parameter or module ``fqn``: its scope's, else these."""
+        for s in self.scopes:
+            if s.covers(fqn):
+                return s.layout
+        return self
+
+    def all_layouts(self) -> "list[Layout]":
+        """This layout's top-level rules and each scope's (NOTE [scoped layouts])."""
+        return [self, *(s.layout for s in self.scopes)]
 
     @property
     def grad_rules(self) -> "Rules | str":
@@ -98,6 +114,8 @@ class Layout:
         if isinstance(self.grads, dict):
             for v in self.grads.values():
                 out.update(v)
+        for s in self.scopes:
+            out |= s.layout.mesh_axes_used()
         return out
 
 
@@ -108,8 +126,13 @@ def is_pipelined(layout: Layout) -> bool:
 
 
 def layout_axes(layout: Layout) -> set[str]:
-    """Every logical axis ``layout`` maps, in any section."""
-    return {k for sec in SECTIONS for k in (layout.rules(sec) if isinstance(layout.rules(sec), Mapping) else ())}
+    """Every logical axis ``layout`` maps, in any section (of any scope)."""
+    return {
+        k
+        for lay in layout.all_layouts()
+        for sec in SECTIONS
+        for k in (lay.rules(sec) if isinstance(lay.rules(sec), Mapping) else ())
+    }
 
 
 def layout_dirs() -> list[Path]:
@@ -165,11 +188,11 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         raise LayoutError(
             f"{source}: a layout is a mapping with sections {', '.join(SECTIONS)}; got {type(data).__name__}"
         )
-    unknown = set(data) - set(SECTIONS) - {OFFLOAD}
+    unknown = set(data) - set(SECTIONS) - {OFFLOAD, SCOPES}
     if unknown:
         raise LayoutError(
             f"{source}: unknown section(s) {sorted(unknown)}; a layout has the sections "
-            f"{', '.join(SECTIONS)} (params and compute are the usual two) and {OFFLOAD}"
+            f"{', '.join(SECTIONS)} (params and compute are the usual two), {SCOPES} and {OFFLOAD}"
         )
     offload = None
     if data.get(OFFLOAD) is not None:
@@ -218,16 +241,21 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
                 )
             rules[str(key)] = axes
         secs[sec] = rules
-    return Layout(
+    top = Layout(
         name=name,
         source=source,
-        params=secs["params"],
+        params=secs["params"],  # type: ignore[arg-type]
         compute=secs["compute"],  # type: ignore[arg-type]
-        grads=secs["grads"],
-        optimizer=secs["optimizer"],
+        grads=secs["grads"],  # type: ignore[arg-type]
+        optimizer=secs["optimizer"],  # type: ignore[arg-type]
         description=description,
         offload=offload,
-    )  # type: ignore[arg-type]
+    )
+    if data.get(SCOPES) is None:
+        return top
+    from meshlm.scopes import parse_scopes
+
+    return dataclasses.replace(top, scopes=parse_scopes(data[SCOPES], top, source))
 
 
 def resolve(

@@ -17,6 +17,7 @@ from meshlm.axes import DATA_AXES, Axes, check_layout_keys, vocabulary
 from meshlm.errors import LayoutError
 from meshlm.layout import DimPlan, Layout, resolve
 from meshlm.mesh import MeshSpec, mesh_spec
+from meshlm.scopes import check_scopes
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,24 @@ def plan_params(
     """
     sizes = mesh_sizes(mesh)
     known = vocabulary(model)
-    check_layout_keys(layout, known, type(model).__name__)
+    for lay in layout.all_layouts():
+        check_layout_keys(lay, known, type(model).__name__)
     slots = ties.slots(model)
     ties.aliases(model)  # a tie meshlm cannot lower is an error here already
+    params = [(fqn, p, ties.param_axes(slots[id(p)], p, known)) for fqn, _m, _n, p in iter_params(model)]
+    check_scopes(model, layout, {fqn: axes for fqn, _p, axes in params})
     out: dict[str, ParamPlan] = {}
-    for fqn, m, name, p in iter_params(model):
-        axes = ties.param_axes(slots[id(p)], p, known)
+    for fqn, p, axes in params:
+        lay = layout.for_path(fqn)  # NOTE [scoped layouts] in meshlm/scopes.py
         what = f"param `{fqn}`"
         shape = tuple(p.shape)
-        kw = dict(shape=shape, what=what, layout=layout, known=known)
-        storage = resolve(axes, layout.params, sizes, section="params", **kw)
-        compute = resolve(axes, layout.compute, sizes, section="compute", **kw)
-        g = layout.grad_rules
-        grads = None if g == "local" else resolve(axes, g, sizes, section="grads" if layout.grads else "params", **kw)  # type: ignore[arg-type]
-        opt_sec = (
-            "optimizer" if layout.optimizer is not None else ("grads" if isinstance(layout.grads, dict) else "params")
-        )
-        optim = resolve(axes, layout.optimizer_rules, sizes, section=opt_sec, **kw)
+        kw = dict(shape=shape, what=what, layout=lay, known=known)
+        storage = resolve(axes, lay.params, sizes, section="params", **kw)
+        compute = resolve(axes, lay.compute, sizes, section="compute", **kw)
+        g = lay.grad_rules
+        grads = None if g == "local" else resolve(axes, g, sizes, section="grads" if lay.grads else "params", **kw)  # type: ignore[arg-type]
+        opt_sec = "optimizer" if lay.optimizer is not None else ("grads" if isinstance(lay.grads, dict) else "params")
+        optim = resolve(axes, lay.optimizer_rules, sizes, section=opt_sec, **kw)
         out[fqn] = ParamPlan(fqn, axes, shape, p.dtype, storage, compute, grads, optim)
     return out
 
@@ -143,13 +145,20 @@ def local_slice(full: Tensor, mesh: DeviceMesh, pl: Sequence[Placement]) -> Tens
 
 def pure_data_parallel(layout: Layout, sizes: Mapping[str, int]) -> bool:
     """Compute is data parallelism only on this mesh: every mesh axis (of size > 1) splits
-    ``batch`` and no other logical axis (NOTE [local blocks] in meshlm/bucket/__init__.py)."""
+    ``batch`` and no other logical axis (NOTE [local blocks] in meshlm/bucket/__init__.py),
+    at the top level and in every scope (NOTE [scoped layouts] in meshlm/scopes.py)."""
     names = {a for a, n in sizes.items() if n > 1}
     if not names:
         return True  # one device: every block's math is the one-device math
     if not names <= set(DATA_AXES):
         return False
-    for axis, mesh_axes in layout.compute.items():
+    return all(_batch_only(lay.compute, names) for lay in layout.all_layouts())
+
+
+def _batch_only(compute: Mapping[str, tuple[str, ...]], names: set[str]) -> bool:
+    if set(compute.get("batch", ())) & names != names:
+        return False  # some mesh axis does not split the batch: compute is replicated over it
+    for axis, mesh_axes in compute.items():
         present = {a for a in mesh_axes if a in names}
         if axis == "batch" and present != names:
             return False

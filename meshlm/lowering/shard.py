@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshlm import precision, ties
+from meshlm import annotate, precision, ties
 from meshlm._torch_compat import dtensor_ops
 from meshlm.axes import vocabulary
 from meshlm.errors import LayoutError, MeshlmError
@@ -114,6 +114,8 @@ def shard(
         m._meshlm_state = st
         if spec.regather and spec.key is not None:
             allow_conduit_under_checkpoint()
+    for sc in layout.scopes:  # NOTE [scoped layouts] in meshlm/scopes.py
+        enter_scope(model.get_submodule(sc.path), st.handler, st.scope_handler(sc.layout))
     link_blocks(model, st)
     st.root = root_spec(model, st) if bucket else None
     root_cls = type(model)
@@ -161,6 +163,27 @@ def variant_class(cls: type, **attrs) -> type:
 
 
 _VARIANTS: dict[tuple, type] = {}  # (class, added attributes) -> variant_class's class
+
+
+def enter_scope(m: nn.Module, outer, inner) -> None:
+    """Run ``m``'s forward under the scope's constraint handler ``inner`` when it is called
+    under the DTensor root's ``outer`` (a local root's handler is left as it is: there
+    ``constrain`` only checks axes).  Hooks, so the module's class and forward stay its own."""
+    m._meshlm_scope = (outer, inner)
+    m.register_forward_pre_hook(_scope_in)
+    m.register_forward_hook(_scope_out, always_call=True)
+
+
+def _scope_in(m: nn.Module, _args) -> None:
+    outer, inner = m._meshlm_scope
+    if annotate.active_handler() is outer:
+        m._meshlm_scope_saved = annotate.swap_handler(inner)
+
+
+def _scope_out(m: nn.Module, _args, _out) -> None:
+    saved = m.__dict__.pop("_meshlm_scope_saved", None)
+    if saved is not None:
+        annotate.restore_handler(saved)
 
 
 def _check_layout_axes(layout: Layout, mesh: DeviceMesh) -> None:

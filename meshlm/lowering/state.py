@@ -4,6 +4,7 @@ that is not a parameter lives here and dies with the model."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -58,17 +59,26 @@ class ShardState:
     def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
         return placements(plan, self.names)
 
-    def activation_placements(self, axes: Axes, shape: Sequence[int]) -> tuple[Placement, ...]:
+    def activation_placements(
+        self, axes: Axes, shape: Sequence[int], layout: Optional[Layout] = None
+    ) -> tuple[Placement, ...]:
+        """Placements of an activation under ``layout``'s compute rules (default: the top
+        level's; a scope's inside it, NOTE [scoped layouts] in meshlm/scopes.py)."""
+        layout = layout or self.layout
         plan = resolve(
             tuple(axes),
-            self.layout.compute,
+            layout.compute,
             self.sizes,
             shape=tuple(shape),
             what=f"activation {tuple(axes)} of shape {tuple(shape)}",
-            layout=self.layout,
+            layout=layout,
             known=self.vocab,
         )
         return placements(plan, self.names)
+
+    def scope_handler(self, layout: Layout) -> rng.Handler:
+        """The constraint handler inside a scope whose rules are ``layout``."""
+        return rng.Handler(functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes)
 
     def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
         """Placements of an input given as each rank's local slice (any local size works:
@@ -84,11 +94,11 @@ class ShardState:
         )
         return placements(plan, self.names)
 
-    def constrain(self, x: Tensor, axes: Axes) -> Tensor:
+    def constrain(self, x: Tensor, axes: Axes, layout: Optional[Layout] = None) -> Tensor:
         if not isinstance(x, DTensor):
             return x
         annotate.check_axes_count(x, axes)
-        pl = self.activation_placements(axes, x.shape)
+        pl = self.activation_placements(axes, x.shape, layout)
         # Always through redistribute, even when the placements already agree: its backward
         # puts the gradient at the same placements, so a Partial gradient is reduced here
         # (Megatron's "f" operator at the input of a tensor-parallel block) rather than
