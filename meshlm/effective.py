@@ -52,6 +52,11 @@ KINDS = (
 def _kinds(layout: Layout, live) -> dict[str, set[str]]:
     """Kind -> the mesh axes it uses, counting only axes for which ``live(axis)``."""
     out: dict[str, set[str]] = {k: set() for k in KINDS}
+    if layout.scopes:  # the kinds of every scope's rules (NOTE [scoped layouts] in meshlm/scopes.py)
+        for lay in layout.all_layouts():
+            for k, v in _kinds(lay, live).items():
+                out[k] |= v
+        return {k: v for k, v in out.items() if v}
 
     def axes(rules, a) -> set[str]:
         return {m for m in rules.get(a, ()) if live(m)} if isinstance(rules, Mapping) else set()

@@ -61,10 +61,13 @@ def splits_master(layout, sizes: Mapping[str, int]) -> bool:
     precision])."""
     from meshlm.axes import DATA_AXES
 
-    stored = {a for v in layout.params.values() for a in v}
-    return any(
-        a in DATA_AXES and a not in stored and sizes.get(a, 1) > 1 for v in layout.optimizer_rules.values() for a in v
-    )
+    def splits(lay) -> bool:
+        stored = {a for v in lay.params.values() for a in v}
+        return any(
+            a in DATA_AXES and a not in stored and sizes.get(a, 1) > 1 for v in lay.optimizer_rules.values() for a in v
+        )
+
+    return any(splits(lay) for lay in layout.all_layouts())  # every scope's (NOTE [scoped layouts])
 
 
 def train_dtypes(

@@ -69,6 +69,7 @@ def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[lis
                 "global": "x".join(map(str, pp.shape)),
                 "local": "x".join(map(str, local)),
                 "bytes": numel * torch.empty((), dtype=pp.dtype, device="meta").element_size(),
+                "scope": _scope_label(lay, fqn),
             }
         )
         if stage:  # a pipeline: which pp rank holds it, in place of "replicated over pp"
@@ -76,6 +77,14 @@ def layout_rows(model: "str | ModelConfig", layout: str, mesh: str) -> tuple[lis
                 rows[-1][k] = rows[-1][k].replace("pp:R", f"pp:rank {stage[fqn]}")
             rows[-1]["pp_rank"] = stage[fqn]
     return rows, spec
+
+
+def _scope_label(lay, fqn: str) -> str:
+    """``path (layout)`` of the scope holding ``fqn``, or ``-`` (NOTE [scoped layouts])."""
+    from meshlm.scopes import scope_of
+
+    sc = scope_of(lay, fqn)
+    return "-" if sc is None else f"{sc.path} ({sc.layout.name})"
 
 
 def _stages(model, lay, spec: MeshSpec) -> dict[str, int]:
@@ -101,8 +110,12 @@ def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
     show_go = any(r["grads"] != r["storage"] or r["optimizer"] != r["storage"] for r in rows)
     if show_go:
         cols[4:4] = ["grads", "optimizer"]
+    if lay.scopes:
+        cols.insert(1, "scope")
     table = [
-        [r["fqn"], r["axes"], r["storage"], r["compute"]]
+        [r["fqn"]]
+        + ([r["scope"]] if lay.scopes else [])
+        + [r["axes"], r["storage"], r["compute"]]
         + ([r["grads"], r["optimizer"]] if show_go else [])
         + [r["global"], r["local"], _fmt_bytes(r["bytes"])]
         for r in rows
@@ -136,4 +149,11 @@ def layout_table(model: "str | ModelConfig", layout: str, mesh: str) -> str:
         out += ["", f"{len(rows)} parameters; parameters per rank (storage): {each} (stages balanced by size)"]
     else:
         out += ["", f"{len(rows)} parameters, {_fmt_bytes(total)} of parameters per rank (storage)"]
+    if lay.scopes:
+        by_scope: dict[str, int] = {}
+        for r in rows:
+            by_scope[r["scope"]] = by_scope.get(r["scope"], 0) + r["bytes"]
+        out.append(
+            "per scope: " + ", ".join(f"{k if k != '-' else 'top level'}: {_fmt_bytes(v)}" for k, v in by_scope.items())
+        )
     return "\n".join(out)

@@ -69,6 +69,11 @@ def plan(
     is host memory, which the report notes)."""
     name, cfg = model_config(model)
     lay = load_layout(layout)
+    if lay.scopes:
+        raise ConfigError(
+            f"layout {lay.name} has scopes, which the formula planner (the shipped Llama only) does not model; "
+            "plan it with plan.method=measure (NOTE [scoped layouts] in meshlm/scopes.py)"
+        )
     spec = MeshSpec.parse(mesh)
     sizes = {a: s for a, s in spec.axes}
     if activation_checkpointing not in ("none", "selective", "full"):

@@ -154,8 +154,8 @@ def candidates(
     out, seen = [], set()
     for lay in names:
         piped = is_pipelined(load_layout(lay))
-        if piped and planner is None:  # the analytic planner does not model pipeline stages
-            continue
+        if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
+            continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/scopes.py)
         used = load_layout(lay).mesh_axes_used()
         axes = ("dp", "fsdp", "tp", "pp") if piped else ("dp", "fsdp", "tp")
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the

@@ -186,10 +186,14 @@ def test_text_only_ranks_still_run_the_encoder(pool2, tmp_path):
                   input_axes=INPUT_AXES, optims=("sgd",)))
 
 
-def _activations(layout: str):
+def _activations(layout: str, compile: bool = False):
     """The placements of each tower's block output in one forward."""
     mesh = meshlm.make_mesh("fsdp=2,tp=2")
     model = meshlm.shard(TwoTower(Cfg(), device="meta"), layout, mesh, seed=0)
+    if compile:
+        from meshlm.compile import compile_blocks
+
+        compile_blocks(model, "aot_eager")
     seen = {}
     for name in ("vision", "language"):
         blk = model.get_submodule(f"{name}.blocks.0")
@@ -208,3 +212,11 @@ def test_activations_inside_a_scope_follow_its_compute_rules(pool4, tmp_path):
     assert seen == {"vision": (r, r), "language": (Shard(0), r)}
     seen = pool4.run(_activations, _layout(tmp_path, "fsdp"))[0]
     assert seen == {"vision": (Shard(0), r), "language": (Shard(0), r)}
+    seen = pool4.run(_activations, _layout(tmp_path, "single"), True)[0]  # compiled blocks: the same
+    assert seen == {"vision": (r, r), "language": (Shard(0), r)}
+
+
+def test_scoped_layout_compiled_per_block(pool4, tmp_path):
+    """Both towers' blocks (one class) compiled: each runs under its scope's handler."""
+    _ok(pool4.run(check_training, _layout(tmp_path, "fsdp"), "fsdp=2,tp=2", build=Build(), batches=batches,
+                  input_axes=INPUT_AXES, optims=("sgd",), compile="aot_eager"))
