@@ -31,6 +31,7 @@ NOTE [effective sharding]
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ def _kinds(layout: Layout, live) -> dict[str, set[str]]:
     """Kind -> the mesh axes it uses, counting only axes for which ``live(axis)``."""
     out: dict[str, set[str]] = {k: set() for k in KINDS}
     if layout.scopes:  # the kinds of every scope's rules (NOTE [scoped layouts] in meshlm/scopes.py)
-        for lay in layout.all_layouts():
+        for lay in [dataclasses.replace(layout, scopes=()), *(s.layout for s in layout.scopes)]:
             for k, v in _kinds(lay, live).items():
                 out[k] |= v
         return {k: v for k, v in out.items() if v}

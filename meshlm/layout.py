@@ -47,10 +47,11 @@ import yaml
 
 from meshlm.axes import MESH_AXES, Axes, check_logical, check_mesh
 from meshlm.errors import AxisError, LayoutError
+from meshlm.scopes import SECTION as SCOPES  # rules per submodule
+from meshlm.scopes import Scope, check_overlap
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 OFFLOAD = "offload"  # the memory-tier section (meshlm/offload/spec.py), not axis rules
-SCOPES = "scopes"  # rules per submodule (meshlm/scopes.py)
 YIELDING_AXES = ("seq", "kv_seq")
 #: Mesh axes that split the *input* token ids.  Ranks that differ only in other mesh axes
 #: (tp, pp, ep) read the same examples: tensor parallel needs every token id of its batch.
@@ -253,8 +254,6 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
     )
     if data.get(SCOPES) is None:
         return top
-    from meshlm.scopes import parse_scopes
-
     return dataclasses.replace(top, scopes=parse_scopes(data[SCOPES], top, source))
 
 
@@ -321,3 +320,63 @@ def resolve(
                     f"or map {axes[i]!r} to another mesh axis (or to nothing) in that layout."
                 )
     return tuple(want)
+
+
+def parse_scopes(raw: object, top: Layout, source: str) -> tuple[Scope, ...]:
+    """The ``scopes`` section of the layout ``top`` (parsed without it) from ``source``
+    (NOTE [scoped layouts] in meshlm/scopes.py)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise LayoutError(
+            f"{source}: {SCOPES} maps submodule paths to a layout name or to inline sections "
+            f"(e.g. `vision: fsdp`); got {raw!r}"
+        )
+    out: list[Scope] = []
+    for path, val in raw.items():
+        where = f"{source}: {SCOPES}.{path}"
+        if not isinstance(path, str) or not all(p.isidentifier() or p.isdigit() for p in path.split(".")):
+            raise LayoutError(f"{where}: {path!r} is not a submodule path (dotted names, e.g. `vision` or `model.vit`)")
+        if isinstance(val, str):
+            lay = load_layout(val)
+            if lay.scopes:
+                raise LayoutError(f"{where}: layout {val!r} has scopes of its own; a scope's layout cannot be scoped")
+            inline: tuple = ()
+        elif isinstance(val, Mapping):
+            if SCOPES in val:
+                raise LayoutError(f"{where}: a scope cannot have scopes of its own")
+            merged = {sec: _section(top, sec) for sec in SECTIONS}
+            merged.update({sec: v for sec, v in val.items()})
+            lay = parse_layout(merged, name=f"{top.name}[{path}]", source=where)
+            inline = tuple((sec, tuple(v)) for sec, v in val.items() if isinstance(v, Mapping))
+        else:
+            raise LayoutError(f"{where}: expected a layout name or a mapping of sections, got {val!r}")
+        if lay.offload is not None:
+            raise LayoutError(
+                f"{where}: offload is set for the whole model; move the offload section to the top level of "
+                f"{source.split(':')[0]}"
+            )
+        _check_whole_model(top, lay, where)
+        out.append(Scope(path, dataclasses.replace(lay, name=lay.name, description=""), inline))
+    check_overlap(out, source)
+    return tuple(out)
+
+
+def _section(layout: Layout, sec: str) -> object:
+    v = getattr(layout, sec)
+    return {k: list(a) for k, a in v.items()} if isinstance(v, Mapping) else v
+
+
+def _check_whole_model(top: Layout, lay: Layout, where: str) -> None:
+    if (top.grads == "local") != (lay.grads == "local"):
+        raise LayoutError(
+            f"{where}: `grads: local` (reduce gradients once, at the optimizer step) is "
+            f"{'set' if lay.grads == 'local' else 'not set'} in this scope but "
+            f"{'set' if top.grads == 'local' else 'not set'} at the top level; it is a whole-model choice: "
+            "make both agree"
+        )
+    if is_pipelined(top) or is_pipelined(lay):
+        raise LayoutError(
+            f"{where}: `layers: pp` (pipeline stages) with scopes: a pipelined layout cannot have scopes yet "
+            "(stages cut the whole model's stack of blocks); drop `layers: pp` or the scopes"
+        )

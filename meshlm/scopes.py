@@ -30,10 +30,9 @@ NOTE [scoped layouts]
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshlm.axes import Axes, closest, declared_axes
 from meshlm.errors import LayoutError
@@ -41,9 +40,7 @@ from meshlm.errors import LayoutError
 if TYPE_CHECKING:
     from torch import nn
 
-    from meshlm.layout import Layout
-
-SECTION = "scopes"
+SECTION = "scopes"  # the section's name in a layout (parsed by meshlm/layout.py: parse_scopes)
 #: Logical axes that only activations carry; an inline scope may map them in ``compute``.
 ACTIVATION_AXES = ("batch", "seq", "kv_seq", "patch")
 
@@ -53,7 +50,7 @@ class Scope:
     """One entry of a layout's ``scopes``: the submodule path and its complete rules."""
 
     path: str
-    layout: "Layout"
+    layout: Any  # a meshlm.layout.Layout without scopes
     #: per section, the keys given inline (empty for a scope that names another layout)
     inline: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
@@ -62,70 +59,7 @@ class Scope:
         return fqn == self.path or fqn.startswith(self.path + ".")
 
 
-def parse_scopes(raw: object, top: "Layout", source: str) -> tuple[Scope, ...]:
-    """The ``scopes`` section of the layout ``top`` (parsed without it) from ``source``."""
-    from meshlm.layout import SECTIONS, load_layout, parse_layout
-
-    if raw is None:
-        return ()
-    if not isinstance(raw, Mapping):
-        raise LayoutError(
-            f"{source}: {SECTION} maps submodule paths to a layout name or to inline sections "
-            f"(e.g. `vision: fsdp`); got {raw!r}"
-        )
-    out: list[Scope] = []
-    for path, val in raw.items():
-        where = f"{source}: {SECTION}.{path}"
-        if not isinstance(path, str) or not all(p.isidentifier() or p.isdigit() for p in path.split(".")):
-            raise LayoutError(f"{where}: {path!r} is not a submodule path (dotted names, e.g. `vision` or `model.vit`)")
-        if isinstance(val, str):
-            lay = load_layout(val)
-            if lay.scopes:
-                raise LayoutError(f"{where}: layout {val!r} has scopes of its own; a scope's layout cannot be scoped")
-            inline: tuple = ()
-        elif isinstance(val, Mapping):
-            if SECTION in val:
-                raise LayoutError(f"{where}: a scope cannot have scopes of its own")
-            merged = {sec: _section(top, sec) for sec in SECTIONS}
-            merged.update({sec: v for sec, v in val.items()})
-            lay = parse_layout(merged, name=f"{top.name}[{path}]", source=where)
-            inline = tuple((sec, tuple(v)) for sec, v in val.items() if isinstance(v, Mapping))
-        else:
-            raise LayoutError(f"{where}: expected a layout name or a mapping of sections, got {val!r}")
-        if lay.offload is not None:
-            raise LayoutError(
-                f"{where}: offload is set for the whole model; move the offload section to the top level of "
-                f"{source.split(':')[0]}"
-            )
-        _check_whole_model(top, lay, where)
-        out.append(Scope(path, dataclasses.replace(lay, name=lay.name, description=""), inline))
-    _check_overlap(out, source)
-    return tuple(out)
-
-
-def _section(layout: "Layout", sec: str) -> object:
-    v = getattr(layout, sec)
-    return {k: list(a) for k, a in v.items()} if isinstance(v, Mapping) else v
-
-
-def _check_whole_model(top: "Layout", lay: "Layout", where: str) -> None:
-    from meshlm.layout import is_pipelined
-
-    if (top.grads == "local") != (lay.grads == "local"):
-        raise LayoutError(
-            f"{where}: `grads: local` (reduce gradients once, at the optimizer step) is "
-            f"{'set' if lay.grads == 'local' else 'not set'} in this scope but "
-            f"{'set' if top.grads == 'local' else 'not set'} at the top level; it is a whole-model choice: "
-            "make both agree"
-        )
-    if is_pipelined(top) or is_pipelined(lay):
-        raise LayoutError(
-            f"{where}: `layers: pp` (pipeline stages) with scopes: a pipelined layout cannot have scopes yet "
-            "(stages cut the whole model's stack of blocks); drop `layers: pp` or the scopes"
-        )
-
-
-def _check_overlap(scopes: list[Scope], source: str) -> None:
+def check_overlap(scopes: "list[Scope]", source: str) -> None:
     for i, a in enumerate(scopes):
         for b in scopes[i + 1 :]:
             if a.covers(b.path) or b.covers(a.path):
@@ -135,7 +69,7 @@ def _check_overlap(scopes: list[Scope], source: str) -> None:
                 )
 
 
-def scope_of(layout: "Layout", fqn: str) -> "Scope | None":
+def scope_of(layout: Any, fqn: str) -> "Scope | None":
     """The scope ``fqn`` (a parameter or module path) lies under, or None (top level)."""
     for s in layout.scopes:
         if s.covers(fqn):
@@ -143,7 +77,7 @@ def scope_of(layout: "Layout", fqn: str) -> "Scope | None":
     return None
 
 
-def check_scopes(model: "nn.Module", layout: "Layout", param_axes: "Mapping[str, Axes]") -> None:
+def check_scopes(model: "nn.Module", layout: Any, param_axes: "Mapping[str, Axes]") -> None:
     """Check ``layout``'s scopes against ``model``, whose parameters have the logical axes
     ``param_axes`` (FQN -> axes; NOTE [scoped layouts])."""
     if not layout.scopes:
