@@ -1,11 +1,12 @@
-"""Hugging Face safetensors <-> sharded meshlm models (Llama and GPT-2), with no full model
+"""Hugging Face safetensors <-> sharded meshlm models (Llama, GPT-2, LLaVA), with no full model
 on any rank.
 
 * :func:`load_hf` reads ``config.json`` and ``model.safetensors`` (or sharded files and
   ``model.safetensors.index.json``, or ``pytorch_model.bin``) into the meshlm model its
   ``model_type`` names (``llama``: :class:`meshlm.models.Llama`, ``gpt2``:
-  :class:`meshlm.models.GPT2`) sharded under any layout: each rank reads only the block of
-  each tensor it stores (``safe_open(...).get_slice``).
+  :class:`meshlm.models.GPT2`, ``llava``: :class:`meshlm.models.VLM`) sharded under any
+  layout: each rank reads only the block of each tensor it stores
+  (``safe_open(...).get_slice``).
 * :func:`save_hf` writes a live sharded model as a Hugging Face directory
   (``config.json`` + one consolidated ``model.safetensors``) that ``transformers`` loads:
   rank 0 writes the header, then every rank ``pwrite``s the blocks it owns (one replica of
@@ -14,8 +15,8 @@ on any rank.
 
 What differs between the architectures (names, shapes, how a meshlm block maps onto the HF
 tensor, the config) lives in one module per ``model_type``: meshlm/hf_llama.py (NOTE [HF
-names]) and meshlm/hf_gpt2.py (NOTE [HF GPT-2 tensors]).  This module is the public face;
-the machinery is in
+names]), meshlm/hf_gpt2.py (NOTE [HF GPT-2 tensors]) and meshlm/hf_llava.py (NOTE [HF LLaVA
+tensors]).  This module is the public face; the machinery is in
 
     hf_convert.py   checkpoint <-> Hugging Face directory, ``meshlm convert``
     hf_save.py      save_hf: the safetensors header and each rank's blocks

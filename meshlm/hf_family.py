@@ -1,8 +1,9 @@
 """Which meshlm module knows each Hugging Face architecture, and a Hugging Face directory's
 config: ``model_type`` in ``config.json`` -> the family module (meshlm/hf_llama.py,
-meshlm/hf_gpt2.py) with that architecture's names, shapes and config, and the meshlm config
-(LlamaConfig or GPT2Config) that ``config.json`` describes.  Shared by loading
-(meshlm/hf_load.py), saving (meshlm/hf_save.py) and conversion (meshlm/hf_convert.py)."""
+meshlm/hf_gpt2.py, meshlm/hf_llava.py) with that architecture's names, shapes and config, and
+the meshlm config (LlamaConfig, GPT2Config or VLMConfig) that ``config.json`` describes.
+Shared by loading (meshlm/hf_load.py), saving (meshlm/hf_save.py) and conversion
+(meshlm/hf_convert.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from meshlm.errors import CheckpointError, ConfigError
 
 # model_type in config.json -> the module that knows that architecture's names, shapes and
 # config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).
-_FAMILIES = {"llama": "meshlm.hf_llama", "gpt2": "meshlm.hf_gpt2"}
+_FAMILIES = {"llama": "meshlm.hf_llama", "gpt2": "meshlm.hf_gpt2", "llava": "meshlm.hf_llava"}
 
 
 def _family(model_type: str, source: str):
     if model_type not in _FAMILIES:
         raise ConfigError(
             f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
-            f"{' and '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2)"
+            f"{', '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2, meshlm.models.VLM)"
         )
     return importlib.import_module(_FAMILIES[model_type])
 
@@ -36,8 +37,8 @@ def _family_of(model: nn.Module):
         if isinstance(cfg, fam.config_class()):
             return fam
     raise CheckpointError(
-        f"{type(model).__name__}: meshlm exports its Llama and GPT2 to Hugging Face form "
-        "(a model with a LlamaConfig or GPT2Config as .cfg), not this model"
+        f"{type(model).__name__}: meshlm exports its Llama, GPT2 and VLM to Hugging Face form "
+        "(a model with a LlamaConfig, GPT2Config or VLMConfig as .cfg), not this model"
     )
 
 
@@ -47,7 +48,9 @@ def _family_of_class(name: str):
         fam = _family(mt, "")
         if fam.CLASS == name:
             return fam
-    raise CheckpointError(f"the checkpoint holds a {name}; meshlm exports its Llama and GPT2 to Hugging Face form only")
+    raise CheckpointError(
+        f"the checkpoint holds a {name}; meshlm exports its Llama, GPT2 and VLM to Hugging Face form only"
+    )
 
 
 def _strip(path: str) -> str:
@@ -69,9 +72,11 @@ def _read_config(path: str):
             "model.safetensors (or model.safetensors.index.json, or pytorch_model.bin)"
         ) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{f}: not a Hugging Face Llama or GPT-2 config ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{f}: not a Hugging Face Llama, GPT-2 or LLaVA config ({type(e).__name__}: {e})"
+        ) from None
 
 
 def read_hf_config(path: str):
-    """The meshlm config (LlamaConfig or GPT2Config) of a Hugging Face directory."""
+    """The meshlm config (LlamaConfig, GPT2Config or VLMConfig) of a Hugging Face directory."""
     return _read_config(path)[1]

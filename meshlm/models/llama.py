@@ -291,7 +291,16 @@ class Llama(nn.Module):
     def forward(self, tokens: Tensor, labels: Optional[Tensor] = None, cache=None) -> Tensor:
         """``cache``: a KV cache when decoding (NOTE [KV cache] in meshlm/infer/cache.py);
         ``tokens`` are then the new tokens only."""
-        x = constrain(F.embedding(tokens, self.tok_emb), ("batch", "seq", "embed"))
+        return self.from_embeddings(self.embed_tokens(tokens), labels, cache)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """The input embeddings ``(batch, seq, embed)`` of ``tokens`` ``(batch, seq)``."""
+        return constrain(F.embedding(tokens, self.tok_emb), ("batch", "seq", "embed"))
+
+    def from_embeddings(self, x: Tensor, labels: Optional[Tensor] = None, cache=None) -> Tensor:
+        """The rest of :meth:`forward` from input embeddings ``x`` ``(batch, seq, embed)``:
+        the blocks, the final norm and the head (and the loss, with ``labels``).  A model
+        that builds its own input embeddings (meshlm/models/vlm.py) runs the decoder here."""
         for i, layer in enumerate(self.layers):
             x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
         # The output head needs every position (a vocab-parallel head is column-parallel).

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face models, made locally with transformers (no download), for the
-tests that hold meshlm's Llama and GPT-2 against transformers' own (import, export,
+tests that hold meshlm's Llama, GPT-2 and VLM against transformers' own (import, export,
 generation).  Their norms and biases are moved off HF's (1, 0) start, so that a mix-up of
 them shows in the logits."""
 
@@ -61,6 +61,64 @@ def tiny_gpt2(
         for n, p in m.named_parameters():
             if "ln_" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def tiny_llava(path=None, vision_layers: int = 3, feature_layer: int = -2, tie: bool = False):
+    """A LlavaForConditionalGeneration of meshlm's ``vlm_tiny`` shape: a CLIP tower of
+    ``vision_layers`` layers (width 32, 4 heads, mlp 64) over 16x16 images of 4x4 patches
+    (16 image tokens, id 256), and a 2-layer grouped-query Llama of width 64 over 272
+    tokens.  Saved with ``save_pretrained`` to ``path`` when given.  initializer_range is
+    0.1 (not 0.02), so that the image features and the projector's activations are of order
+    1 in the logits; the tower's LayerNorm eps is 1e-3, not the default 1e-5, so an eps not
+    read from the config shows; norms, biases and the class embedding are moved off their
+    init."""
+    import transformers
+
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=4,
+        num_channels=3,
+        image_size=16,
+        patch_size=4,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-3,
+        initializer_range=0.1,
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=272,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,  # LLaVA's own tie_word_embeddings ties the head
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    cfg = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=256,
+        image_seq_length=16,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    m = transformers.LlavaForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith(("bias", "class_embedding")):
+                p.add_(torch.randn_like(p) * 0.1)
+    if path is not None:
+        m.save_pretrained(path, safe_serialization=True)
     return m
 
 

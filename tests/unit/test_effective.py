@@ -30,14 +30,18 @@ MESHES = [
 
 
 def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
-    """Kind -> mesh axes, read off the lowering's plans for llama_tiny (independent of the
-    rule scan in meshlm/effective.py)."""
+    """Kind -> mesh axes, read off the lowering's plans for llama_tiny, or vlm_tiny for a
+    scoped layout (independent of the rule scan in meshlm/effective.py)."""
     from meshlm.lower import plan_params
-    from meshlm.models import Llama, llama_config
+    from meshlm.models import VLM, Llama, llama_config, vlm_config
 
     lay = load_layout(layout_name)
     with torch.device("meta"):
-        model = Llama(llama_config("llama_tiny"), device="meta")
+        model = (
+            VLM(vlm_config("vlm_tiny"), device="meta")
+            if lay.scopes
+            else Llama(llama_config("llama_tiny"), device="meta")
+        )
     out: dict[str, set[str]] = {}
 
     def add(kind, axes):
@@ -58,9 +62,10 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
 
     if is_pipelined(lay) and mesh.get("pp", 1) > 1:  # cut into stages over pp (meshlm.pipeline)
         add("pipeline parallel", {"pp"})
-    act = resolve(("batch", "seq", "embed"), lay.compute, mesh)
-    add("data parallel", set(act[0]))
-    add("sequence parallel", set(act[1]))
+    for scope in [lay, *(s.layout for s in lay.scopes)]:  # activations inside each scope, and outside
+        act = resolve(("batch", "seq", "embed"), scope.compute, mesh)
+        add("data parallel", set(act[0]))
+        add("sequence parallel", set(act[1]))
     return out
 
 

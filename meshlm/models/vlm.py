@@ -1,0 +1,396 @@
+"""A LLaVA-style vision-language model, written against logical axes: a CLIP-style vision
+encoder (``vision``), a two-layer projector (``projector``) and meshlm's Llama (``language``),
+whose token embeddings take the projected image features at the image token's positions.
+
+Submodule paths are the handles a layout scopes its rules by (NOTE [scoped layouts] in
+meshlm/scopes.py), and each of the three is called as a module, so a scope on it runs its
+forward under the scope's rules.  ``language`` is meshlm's Llama, reused, not copied: a
+subclass whose forward may start from given input embeddings (Llama's ``embed_tokens`` and
+``from_embeddings``, the two halves of ``Llama.forward``); the merge runs between them,
+under the top level's rules.  The vision blocks use the standard axes ``embed``, ``heads``,
+``head_dim`` and ``mlp`` with ``patch`` for positions; the vision ``embed`` is the encoder's
+width, another size than the decoder's, under the same role.
+
+NOTE [image merge]
+    Row ``b`` of ``tokens`` holds either no ``image_token`` or exactly ``patches`` of them;
+    the ``j``-th of them takes feature ``j`` of image ``b`` (rows without one pass a zero
+    image).  The merge is data-independent: a one-hot ``(batch, seq, patches)`` from the
+    running count of image tokens, a batched matmul with the ``(batch, patches, embed)``
+    features, and ``where``.  Every op keeps ``batch`` (and ``embed``) sharded under DTensor,
+    and no Python branch reads a tensor value, so the encoder runs on every call that has
+    ``images`` and every rank issues the same collectives.  A text row's features meet a
+    zero one-hot row: its logits do not depend on its image, and no gradient reaches the
+    encoder from it.  Loading Hugging Face LLaVA weights: meshlm/hf_llava.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
+from typing import ClassVar, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshlm import nn as mnn
+from meshlm.annotate import Axes, block, constrain, init_params
+from meshlm.models.llama import Llama, LlamaConfig, llama_fields
+
+# Patches are whole inside attention and MLP (as positions are in meshlm/models/llama.py).
+WHOLE = None
+ACTS = ("gelu",)  # projector activations (Hugging Face's names)
+
+
+def _error(msg: str) -> Exception:
+    from meshlm.errors import ConfigError
+
+    return ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    """Architecture hyperparameters only.  ``vision_layers`` is the encoder's depth as
+    published; the features are its hidden state after ``feature_layer`` layers (negative:
+    counted from the end, -1 = the last layer's output, -2 = Hugging Face LLaVA's default),
+    so only ``used_layers`` layers are built and run."""
+
+    language: LlamaConfig = field(default_factory=lambda: LlamaConfig(vocab=272))
+    image_size: int = 16
+    patch_size: int = 4
+    channels: int = 3
+    vision_embed: int = 32
+    vision_layers: int = 3
+    vision_heads: int = 4
+    vision_mlp: int = 64
+    norm_eps: float = 1e-5
+    feature_layer: int = -2
+    image_token: int = 256  # a token id of the decoder's vocabulary: where image features go
+    projector_act: str = "gelu"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if isinstance(self.language, Mapping):  # from to_dict() or a YAML node
+            object.__setattr__(self, "language", LlamaConfig(**self.language))
+        for f in ("image_size", "patch_size", "channels", "vision_embed", "vision_layers", "vision_heads"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise _error(f"model.{f}={v!r} must be a positive integer")
+        if self.vision_mlp <= 0:
+            raise _error(f"model.vision_mlp={self.vision_mlp!r} must be a positive integer")
+        if self.image_size % self.patch_size:
+            raise _error(f"model.image_size={self.image_size} is not divisible by model.patch_size={self.patch_size}")
+        if self.vision_embed % self.vision_heads:
+            raise _error(
+                f"model.vision_embed={self.vision_embed} is not divisible by model.vision_heads={self.vision_heads}"
+            )
+        if not -(self.vision_layers + 1) <= self.feature_layer <= self.vision_layers:
+            raise _error(
+                f"model.feature_layer={self.feature_layer} is outside the {self.vision_layers + 1} hidden states of a "
+                f"{self.vision_layers}-layer encoder (-{self.vision_layers + 1} .. {self.vision_layers})"
+            )
+        if not 0 <= self.image_token < self.language.vocab:
+            raise _error(
+                f"model.image_token={self.image_token} is not a token id of the decoder's vocabulary "
+                f"(model.language.vocab={self.language.vocab})"
+            )
+        if self.projector_act not in ACTS:
+            raise _error(f"model.projector_act={self.projector_act!r}; meshlm's projector uses {', '.join(ACTS)}")
+
+    @property
+    def used_layers(self) -> int:
+        """Encoder layers built and run: those before the feature layer."""
+        f = self.feature_layer
+        return f if f >= 0 else self.vision_layers + 1 + f
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def patches(self) -> int:
+        """Image features per image (the class token is dropped): image tokens per row."""
+        return self.grid**2
+
+    @property
+    def pixels(self) -> int:
+        """Values of one flattened patch, ordered (channel, row, column)."""
+        return self.channels * self.patch_size**2
+
+    @property
+    def vocab(self) -> int:
+        return self.language.vocab
+
+    def num_params(self) -> int:
+        e, m, n = self.vision_embed, self.vision_mlp, self.language.embed
+        blk = 4 * e * e + 4 * e + 2 * e * m + m + e + 4 * e
+        vision = e * self.pixels + e + (self.patches + 1) * e + 2 * e + self.used_layers * blk
+        return vision + e * n + n + n * n + n + self.language.num_params()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIGS: dict[str, VLMConfig] = {
+    # tests: every sharded dim divides 4; byte tokens 0..255, the image token 256
+    "vlm_tiny": VLMConfig(
+        language=LlamaConfig(vocab=272, embed=64, layers=2, heads=8, kv_heads=4, mlp=128),
+        image_size=16,
+        patch_size=4,
+        vision_embed=32,
+        vision_layers=3,
+        vision_heads=4,
+        vision_mlp=64,
+    ),
+    # the CPU demo: 32x32 images of 16 patches
+    "vlm_small": VLMConfig(
+        language=LlamaConfig(vocab=272, embed=256, layers=4, heads=8, kv_heads=4, mlp=704),
+        image_size=32,
+        patch_size=8,
+        vision_embed=128,
+        vision_layers=4,
+        vision_heads=4,
+        vision_mlp=512,
+    ),
+}
+
+
+def vlm_fields(**fields) -> VLMConfig:
+    """A VLMConfig from ``model.<field>`` values (``conf/model/vlm_*.yaml``); ``language``
+    may be a mapping of :class:`LlamaConfig` fields.  An unknown field is a ConfigError
+    naming the key."""
+    known = [f.name for f in dataclass_fields(VLMConfig)]
+    for k in fields:
+        if k not in known:
+            raise _error(f"model.{k}: meshlm.models.vlm_model takes no argument {k!r}; it takes: {', '.join(known)}")
+    lang = fields.get("language")
+    if isinstance(lang, Mapping):
+        from meshlm.errors import ConfigError
+
+        try:
+            fields["language"] = llama_fields(**lang)
+        except ConfigError as e:
+            raise _error(f"model.language: {e}") from None
+    return VLMConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def vlm_model(device=None, seed: Optional[int] = 0, **fields) -> "VLM":
+    """The ``_target_`` of ``conf/model/vlm_*.yaml``: a :class:`VLM` of the given
+    :class:`VLMConfig` fields, built on ``device``."""
+    return VLM(vlm_fields(**fields), device=device, seed=seed)
+
+
+def vlm_config(name: str, **overrides) -> VLMConfig:
+    """A named config, optionally with fields overridden."""
+    if name not in CONFIGS:
+        raise _error(f"model: unknown VLM config {name!r}; choose one of {', '.join(CONFIGS)}")
+    return replace(CONFIGS[name], **overrides)
+
+
+def quick_gelu(x: Tensor) -> Tensor:
+    """CLIP's sigmoid approximation of GELU."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head self-attention over patches, with biases; weights stored per
+    head (as in meshlm/models/llama.py), so ``heads`` over ``tp`` is checked against the head
+    count."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {
+        "wq": ("heads", "head_dim", "embed"),
+        "bq": ("heads", "head_dim"),
+        "wk": ("heads", "head_dim", "embed"),
+        "bk": ("heads", "head_dim"),
+        "wv": ("heads", "head_dim", "embed"),
+        "bv": ("heads", "head_dim"),
+        "wo": ("embed", "heads", "head_dim"),
+        "bo": ("embed",),
+    }
+
+    def __init__(self, cfg: VLMConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        h, e = cfg.vision_heads, cfg.vision_embed
+        hd = e // h
+        for n in ("q", "k", "v"):
+            setattr(self, f"w{n}", nn.Parameter(torch.empty(h, hd, e, device=device)))
+            setattr(self, f"b{n}", nn.Parameter(torch.empty(h, hd, device=device)))
+        self.wo = nn.Parameter(torch.empty(e, h, hd, device=device))
+        self.bo = nn.Parameter(torch.empty(e, device=device))
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        std = self.cfg.init_std
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.normal_(w, std=std, generator=gen)
+        nn.init.normal_(self.wo, std=std / math.sqrt(2 * self.cfg.used_layers), generator=gen)
+        for b in (self.bq, self.bk, self.bv, self.bo):
+            nn.init.zeros_(b)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, patch, embed)
+        h = self.cfg.vision_heads
+        x = constrain(x, ("batch", WHOLE, "embed"))
+
+        def project(w: Tensor, b: Tensor) -> Tensor:  # -> (batch, heads, patch, head_dim)
+            y = F.linear(x, w.flatten(0, 1), b.flatten()).unflatten(-1, (h, w.shape[1])).transpose(1, 2)
+            return constrain(y, ("batch", "heads", WHOLE, "head_dim"))
+
+        q, k, v = project(self.wq, self.bq), project(self.wk, self.bk), project(self.wv, self.bv)
+        o = constrain(F.scaled_dot_product_attention(q, k, v), ("batch", "heads", WHOLE, "head_dim"))
+        o = o.transpose(1, 2).flatten(2, 3)  # (batch, patch, heads * head_dim)
+        return constrain(F.linear(o, self.wo.flatten(1, 2), self.bo), ("batch", "patch", "embed"))
+
+
+class VisionMLP(nn.Module):
+    """embed -> mlp -> embed with quick GELU."""
+
+    def __init__(self, cfg: VLMConfig, device=None):
+        super().__init__()
+        e, m, std = cfg.vision_embed, cfg.vision_mlp, cfg.init_std
+        self.fc1 = mnn.Linear(e, m, axes=("embed", "mlp"), init_std=std, device=device)
+        self.fc2 = mnn.Linear(m, e, axes=("mlp", "embed"), init_std=std / math.sqrt(2 * cfg.used_layers), device=device)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, patch, embed)
+        x = constrain(x, ("batch", WHOLE, "embed"))
+        h = constrain(quick_gelu(self.fc1(x)), ("batch", WHOLE, "mlp"))
+        return constrain(self.fc2(h), ("batch", "patch", "embed"))
+
+
+@block
+class VisionBlock(nn.Module):
+    """Pre-norm residual encoder block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: VLMConfig, device=None):
+        super().__init__()
+        self.ln_1 = mnn.LayerNorm(cfg.vision_embed, cfg.norm_eps, device=device)
+        self.attn = VisionAttention(cfg, device)
+        self.ln_2 = mnn.LayerNorm(cfg.vision_embed, cfg.norm_eps, device=device)
+        self.mlp = VisionMLP(cfg, device)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, patch, embed)
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return constrain(x, ("batch", "patch", "embed"))
+
+
+class VisionEncoder(nn.Module):
+    """A CLIP-style ViT: patches (a linear map of each flattened patch, the form of a
+    stride-``patch_size`` convolution), a class token, learned positions, a pre-norm and
+    ``used_layers`` blocks.  ``forward(images)`` gives each patch's features (the class
+    token dropped: Hugging Face LLaVA's "default" selection)."""
+
+    logical_axes: ClassVar[dict[str, str]] = {"pixel": "values of one flattened image patch (channel, row, column)"}
+    param_axes: ClassVar[dict[str, Axes]] = {
+        "patch_embed": ("embed", "pixel"),
+        "class_emb": ("embed",),
+        "pos_emb": (None, "embed"),
+    }
+
+    def __init__(self, cfg: VLMConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.vision_embed
+        self.patch_embed = nn.Parameter(torch.empty(e, cfg.pixels, device=device))
+        self.class_emb = nn.Parameter(torch.empty(e, device=device))
+        self.pos_emb = nn.Parameter(torch.empty(cfg.patches + 1, e, device=device))
+        self.pre_norm = mnn.LayerNorm(e, cfg.norm_eps, device=device)
+        self.layers = nn.ModuleList(VisionBlock(cfg, device) for _ in range(cfg.used_layers))
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        for w in (self.patch_embed, self.class_emb, self.pos_emb):
+            nn.init.normal_(w, std=self.cfg.init_std, generator=gen)
+
+    def forward(self, images: Tensor) -> Tensor:  # (batch, channels, height, width) -> (batch, patch, embed)
+        cfg = self.cfg
+        b, g, p = images.shape[0], cfg.grid, cfg.patch_size
+        want = (cfg.channels, cfg.image_size, cfg.image_size)
+        if images.ndim != 4 or tuple(images.shape[1:]) != want:
+            raise _error(f"VLM: images of shape {tuple(images.shape)}; the model reads (batch, *{want})")
+        # (b, c, gy, py, gx, px) -> (b, gy, gx, c, py, px): patches row-major, each flattened (c, py, px)
+        x = images.reshape(b, cfg.channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, cfg.pixels)
+        w = self.patch_embed
+        x = constrain(F.linear(constrain(x.to(w.dtype), ("batch", WHOLE, "pixel")), w), ("batch", WHOLE, "embed"))
+        cls = torch.zeros_like(x[:, :1]) + self.class_emb  # keeps x's placements
+        x = torch.cat([cls, x], 1) + self.pos_emb
+        x = constrain(self.pre_norm(x), ("batch", "patch", "embed"))
+        for layer in self.layers:
+            x = layer(x)
+        return x[:, 1:]
+
+
+class Projector(nn.Module):
+    """Vision features -> the decoder's width: linear_1, GELU, linear_2 (column- then
+    row-parallel under ``mlp: tp``)."""
+
+    def __init__(self, cfg: VLMConfig, device=None):
+        super().__init__()
+        e, n, std = cfg.vision_embed, cfg.language.embed, cfg.init_std
+        self.linear_1 = mnn.Linear(e, n, axes=("embed", "mlp"), init_std=std, device=device)
+        self.linear_2 = mnn.Linear(n, n, axes=("mlp", "embed"), init_std=std, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:  # (batch, patch, vision embed) -> (batch, patch, embed)
+        x = constrain(x, ("batch", WHOLE, "embed"))
+        h = constrain(F.gelu(self.linear_1(x)), ("batch", WHOLE, "mlp"))
+        return constrain(self.linear_2(h), ("batch", "patch", "embed"))
+
+
+class Language(Llama):
+    """meshlm's Llama whose forward may start from input embeddings: ``embeddings`` (batch,
+    seq, embed), when given, stand for the embeddings of ``tokens``."""
+
+    def forward(
+        self, tokens: Tensor, labels: Optional[Tensor] = None, cache=None, embeddings: Optional[Tensor] = None
+    ) -> Tensor:
+        x = self.embed_tokens(tokens) if embeddings is None else embeddings
+        return self.from_embeddings(x, labels, cache)
+
+
+class VLM(nn.Module):
+    """LLaVA-style vision-language model.  ``forward(tokens, images=images)`` gives logits
+    ``(batch, seq, vocab)``; with ``labels`` (already shifted, -100 ignored, as for
+    :class:`Llama`) the mean next-token cross-entropy."""
+
+    input_axes: ClassVar[dict[str, Axes]] = {
+        "tokens": ("batch", "seq"),
+        "labels": ("batch", "seq"),
+        "images": ("batch", "channels", None, None),
+    }
+
+    def __init__(self, cfg: VLMConfig, device=None, seed: Optional[int] = 0):
+        """Built on ``device`` (``"meta"`` for a model that lowering materialises shard by
+        shard).  On a real device the weights are initialised from ``seed`` (None: leave
+        them uninitialised)."""
+        super().__init__()
+        self.cfg = cfg
+        self.vision = VisionEncoder(cfg, device)
+        self.projector = Projector(cfg, device)
+        self.language = Language(cfg.language, device=device, seed=None)
+        if seed is not None and torch.device(device or "cpu").type != "meta":
+            init_params(self, seed)
+
+    def forward(
+        self, tokens: Tensor, labels: Optional[Tensor] = None, images: Optional[Tensor] = None, cache=None
+    ) -> Tensor:
+        """``tokens`` (batch, seq); ``images`` (batch, channels, height, width), one per row
+        (zeros for a row without image tokens; NOTE [image merge]).  ``cache``: a KV cache
+        when decoding (NOTE [KV cache] in meshlm/infer/cache.py): the prefill brings the
+        images, later steps new tokens only."""
+        if images is None:
+            return self.language(tokens, labels, cache)
+        x = self.merge(tokens, self.language.embed_tokens(tokens), self.projector(self.vision(images)))
+        return self.language(tokens, labels, cache, embeddings=x)
+
+    def merge(self, tokens: Tensor, x: Tensor, feats: Tensor) -> Tensor:
+        """Token embeddings ``x`` (batch, seq, embed) with the image features ``feats``
+        (batch, patch, embed) at the image tokens of ``tokens`` (NOTE [image merge])."""
+        tokens = constrain(tokens, ("batch", WHOLE))
+        x = constrain(x, ("batch", WHOLE, "embed"))
+        feats = constrain(feats, ("batch", WHOLE, "embed"))
+        is_img = tokens == self.cfg.image_token
+        slot = (is_img.long().cumsum(1) - 1).clamp(min=0)  # the feature each image token takes
+        which = torch.arange(self.cfg.patches, device=slot.device)
+        onehot = (slot[..., None] == which).to(feats.dtype)  # (batch, seq, patch)
+        merged = torch.bmm(onehot, feats).to(x.dtype)
+        return constrain(torch.where(is_img[..., None], merged, x), ("batch", "seq", "embed"))
