@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from meshlm.axes import MESH_AXES
-from meshlm.data_config import FORMATS, DataConfig
+from meshlm.data_config import FORMATS, DataConfig, check_images
 from meshlm.errors import ConfigError
 from meshlm.model_config import ModelConfig, build_model, model_overrides  # noqa: F401 (build_model: API)
 
@@ -328,6 +328,8 @@ def validate(cfg: RunConfig) -> None:
     _check_pipeline(cfg.pipeline)
     offload_spec(cfg, None)
     _choice("data.format", cfg.data.format, FORMATS)
+    if cfg.data.format == "images":
+        check_images(cfg.data, t.seq_len)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
         raise ConfigError(

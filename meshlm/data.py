@@ -234,6 +234,12 @@ class TokenDataset:
         where = "the default corpus" if cfg.path is None else cfg.path
         return cls(tokens[:cut], tokens[cut:], tok.vocab_size, f"{where} as {what}")
 
+    def loader(
+        self, split: str, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int
+    ) -> ShardedLoader:
+        """A :class:`ShardedLoader` over the ``split`` ("train" or "val") tokens."""
+        return ShardedLoader(getattr(self, split), seq_len, global_batch, dp_rank, dp_size, seed)
+
     def check_vocab(self, model_vocab: int | None, model: str) -> None:
         """Token ids must index the model's vocabulary (``model_vocab``: the size of its
         ``vocab`` axis; None: the model names none, nothing to check)."""
@@ -292,20 +298,26 @@ class ShardedLoader:
             self._perm = (epoch, torch.randperm(len(self.windows), generator=g))
         return self._perm[1]
 
+    def take(self) -> Tensor:
+        """The indices of the windows of this rank's rows of the next global step; moves the
+        position on (a loader of other rows, meshlm.data_images, reads its own by them)."""
+        start = self.step_in_epoch * self.global_batch
+        idx = self._permutation(self.epoch)[start : start + self.global_batch][self.rows]
+        self.step_in_epoch += 1
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return idx
+
     def next(self) -> tuple[Tensor, Tensor]:
         """This rank's ``(inputs, labels)`` of the next global step.
 
         Both are LongTensors of shape ``(global_batch // dp_size, seq_len)``.
         """
-        start = self.step_in_epoch * self.global_batch
-        idx = self._permutation(self.epoch)[start : start + self.global_batch][self.rows]
+        idx = self.take()
         if isinstance(self.windows, np.ndarray):  # a memory map: read only these rows
             w = torch.from_numpy(self.windows[idx.numpy()].astype(np.int64))
         else:
             w = self.windows[idx]
-        self.step_in_epoch += 1
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:

@@ -119,7 +119,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     without any launcher."""
     import meshlm
     from meshlm.comm import CommCounter
-    from meshlm.data import ShardedLoader, TokenDataset
+    from meshlm.data_images import open_dataset
     from meshlm.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss, read_metrics
     from meshlm.model_build import build_pipelined, build_sharded
     from meshlm.model_config import model_vocab
@@ -135,6 +135,11 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     torch.manual_seed(t.seed)
     layout = meshlm.load_layout(cfg.layout.name)
     pipelined = is_pipelined(layout) and cfg.mesh.pp > 1  # NOTE [pipelined step] in meshlm/pipeline/pipe.py
+    if pipelined and cfg.data.format == "images":
+        raise ConfigError(
+            f"layout {layout.name} pipelines the model (pp={cfg.mesh.pp}), which takes tokens and targets only: "
+            "data.format=images cannot feed it its images; use a layout without layers: pp"
+        )
     mesh = None if pipelined else meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
     rank = dist.get_rank()
     is_main = rank == 0
@@ -185,9 +190,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     micro = t.batch_size // t.grad_accum
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
-    ds = TokenDataset.from_config(cfg.data, t.seq_len, init_from=cfg.model.init_from)
+    ds = open_dataset(cfg.data, t.seq_len, cfg.model, run_dir)  # text, tokens or images (meshlm/data_images.py)
     ds.check_vocab(model_vocab(model), cfg.model.label)
-    loader = ShardedLoader(ds.train, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+    loader = ds.loader("train", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
 
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
     life = lifecycle.Lifecycle(
@@ -319,7 +324,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if scaler is not None:
             row["loss_scale"] = scaler.scale
         if step == t.steps or (t.val_every and step % t.val_every == 0):
-            vl = ShardedLoader(ds.val, t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+            vl = ds.loader("val", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
             val_loss = evaluate(pipe or model, vl, t.val_batches, cfg.model, device)
             row["val_loss"] = val_loss
             log.info("step %d val_loss %.4f", step, val_loss)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor
 
-from meshlm.errors import MeshlmError
+from meshlm.errors import ConfigError, MeshlmError
 
 if TYPE_CHECKING:
     from meshlm.config import TrainConfig
@@ -57,6 +57,23 @@ def lr_at(step: int, t: "TrainConfig") -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
 
 
+def model_inputs(batch: tuple, device) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:
+    """A batch, ``(tokens, targets)`` or ``(tokens, targets, extras)`` (a dict of tensors: more
+    inputs of the model, e.g. ``images``), as the model's positional and keyword arguments on
+    ``device``: the model is called ``model(tokens, targets, **extras)``."""
+    x, y, *rest = batch
+    extras = {k: v.to(device) for k, v in rest[0].items()} if rest else {}
+    return (x.to(device), y.to(device)), extras
+
+
+def _no_extras(extras: dict) -> None:
+    if extras:
+        raise ConfigError(
+            f"a pipelined layout cannot feed the model inputs beyond tokens and targets ({', '.join(extras)}, "
+            "from data.format=images); use a layout without layers: pp"
+        )
+
+
 def evaluate(model, loader, batches: int, mcfg, device) -> float:
     """The mean loss over the first ``batches`` batches of ``loader`` (at most an epoch),
     in eval mode (no dropout) and without gradients; the model is back in train mode after.
@@ -71,12 +88,13 @@ def evaluate(model, loader, batches: int, mcfg, device) -> float:
     try:
         with torch.no_grad():
             if isinstance(model, Pipeline):  # forward only, stage after stage
-                return model.evaluate(
-                    [((x.to(device), y.to(device)), {}) for x, y in (loader.next() for _ in range(n))]
-                )
+                inputs = [model_inputs(loader.next(), device) for _ in range(n)]
+                for _, extras in inputs:
+                    _no_extras(extras)
+                return model.evaluate(inputs)
             for _ in range(n):
-                x, y = loader.next()
-                total += float(loss_of(model(x.to(device), y.to(device)), mcfg))
+                args, extras = model_inputs(loader.next(), device)
+                total += float(loss_of(model(*args, **extras), mcfg))
     finally:
         net.train()
     return total / n
@@ -84,7 +102,8 @@ def evaluate(model, loader, batches: int, mcfg, device) -> float:
 
 def accumulate(model, next_batch, t, mcfg, device, rank: int) -> Passes:
     """Plain gradient accumulation: ``t.grad_accum`` micro-batches of forward and backward,
-    each loss divided by ``t.grad_accum``.  ``next_batch()`` gives (tokens, targets);
+    each loss divided by ``t.grad_accum``.  ``next_batch()`` gives (tokens, targets), or
+    (tokens, targets, extras), for ``model(tokens, targets, **extras)`` (:func:`model_inputs`);
     ``scale`` (set by ``train_step``) multiplies each micro-batch loss before backward
     (float16 loss scaling).  The injected faults of ``train.inject_nan_step`` and
     ``train.inject_crash_step`` (tests) are raised here."""
@@ -93,8 +112,8 @@ def accumulate(model, next_batch, t, mcfg, device, rank: int) -> Passes:
     def passes(step: int, scale: Optional[Callable[[Tensor], Tensor]] = None) -> float:
         total = 0.0
         for _ in range(t.grad_accum):
-            x, y = next_batch()
-            loss = loss_of(model(x.to(device), y.to(device)), mcfg)
+            args, extras = model_inputs(next_batch(), device)
+            loss = loss_of(model(*args, **extras), mcfg)
             if step == t.inject_nan_step:
                 loss = loss * float("nan")
             if t.inject_crash_step == step and rank == t.inject_crash_rank:
