@@ -115,4 +115,5 @@ class FP32:
     ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """The one-step tolerances (per micro-batch loss, per parameter gradient) at the
         probe's ``weights``, given the probe's ``losses`` and ``grads``."""
-        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g) for n, g in grads.items()}
+        floor = tol.grad_noise_floor(grads.values())
+        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g, floor) for n, g in grads.items()}

@@ -284,10 +284,24 @@ INVARIANCE_NORM_RTOL = 7e-3  # the gradient-norm curve (not NORM_RTOL: one norm,
 HF_LOSS_RTOL = 1e-4
 
 
-def grad_tol(g: Tensor) -> Tensor:
+def grad_tol(g: Tensor, floor: float = 0.0) -> Tensor:
     """Element-wise one-step tolerance of a gradient whose reference (at the same weights)
-    is ``g``."""
-    return GRAD_RTOL * g.abs() + GRAD_ATOL_OF_MAX * float(g.abs().max())
+    is ``g``; ``floor``: the model's noise floor (:func:`grad_noise_floor`)."""
+    return GRAD_RTOL * g.abs() + max(GRAD_ATOL_OF_MAX * float(g.abs().max()), floor)
+
+
+def grad_noise_floor(grads) -> float:
+    """The smallest absolute gradient tolerance of any parameter: one unit roundoff of the
+    largest gradient entry in the model.
+
+    A parameter whose gradient is zero in exact arithmetic gets, in fp32, the rounding of
+    sums whose terms are as large as the gradients around it, differently ordered on each
+    side.  A key bias is one (shifting every key of a head by one vector shifts all the
+    scores of a query alike, which softmax ignores: CLIP's k_proj bias in meshlm's VLM sees
+    gradients of ~1e-14 either side of zero).  A bound scaled by that parameter's own
+    largest entry would compare noise with noise; U x the model's largest entry is far
+    below any real gradient (a doubled gradient of an entry above it still fails)."""
+    return U * max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
 
 
 def bf16_split_factor(ranks: int) -> int:

@@ -1,0 +1,151 @@
+"""The vision-language model (meshlm.models.VLM) under scoped layouts (NOTE [scoped layouts]
+in meshlm/scopes.py) and whole-model ones, on 4 gloo processes:
+
+- parity with one device (loss, the gradients the optimizer steps with, parameters and
+  optimizer state over three steps of two micro-batches; meshlm.testing.parity) under the
+  shipped vlm_fsdp_tp, with the encoder switched to replicated, tensor parallel or inline
+  rules by its scope's line alone, and under whole-model fsdp and fsdp_tp;
+- a batch in which whole ranks hold text-only rows finishes, with correct gradients;
+- a checkpoint saved under one scoped layout loads under another (every parameter and
+  optimizer state exactly, the next losses as the run that never resharded).
+Logits against transformers' LLaVA under layouts: tests/dist/test_hf_llava_layouts.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from meshlm.testing import dist_pool_fixture
+from meshlm.testing.parity import check_training
+
+pool4 = dist_pool_fixture(4, timeout_s=90)
+MESH = "fsdp=2,tp=2"
+INPUT_AXES = {2: ("batch", "channels", None, None)}
+
+
+@dataclass(frozen=True)
+class Build:
+    def __call__(self, device: str, seed: int):
+        from meshlm.models import VLM, vlm_config
+
+        return VLM(vlm_config("vlm_tiny"), device=device, seed=seed)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Global micro-batches of 8 rows of 24 tokens: rows with their 16 image tokens at
+    different offsets, and text-only rows (``text_rows``; zero images) at the given rows."""
+
+    text_rows: tuple[int, ...] = (1, 6)
+
+    def __call__(self, step: int, micro: int):
+        from meshlm.models import vlm_config
+
+        c = vlm_config("vlm_tiny")
+        g = torch.Generator().manual_seed(100 * step + micro)
+        b, s, p = 8, 24, c.patches
+        tokens = torch.randint(0, 256, (b, s), generator=g)
+        labels = torch.randint(0, 256, (b, s), generator=g)
+        images = torch.rand(b, c.channels, c.image_size, c.image_size, generator=g)
+        for r in range(b):
+            if r in self.text_rows:
+                images[r] = 0.0
+                continue
+            at = r % (s - p + 1)
+            tokens[r, at : at + p] = c.image_token
+            labels[r, at : at + p] = -100
+        return (tokens, labels, images), {}
+
+
+def _ok(res):
+    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
+    for r in res:
+        for name, worst in r["worst"].items():
+            assert set(worst) >= {"loss", "grad", "param", "state"} and all(v <= 1.0 for v in worst.values()), (
+                name,
+                worst,
+            )
+
+
+def _scoped(tmp_path, vision: str) -> str:
+    """vlm_fsdp_tp with its `vision:` line replaced: the only change a user makes."""
+    from meshlm.layout import load_layout
+
+    text = open(load_layout("vlm_fsdp_tp").source).read()
+    assert "  vision: fsdp\n" in text
+    p = tmp_path / f"vlm_{abs(hash(vision))}.yaml"
+    p.write_text(text.replace("  vision: fsdp\n", f"  vision: {vision}\n"))
+    return str(p)
+
+
+def test_vlm_scoped_layout_matches_one_device_sgd_and_adamw(pool4):
+    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(), input_axes=INPUT_AXES))
+
+
+@pytest.mark.parametrize("vision", ["ddp", "fsdp_tp", "{params: {embed: fsdp}, compute: {batch: fsdp}}"])
+def test_vlm_encoder_strategy_is_one_yaml_line(pool4, tmp_path, vision):
+    _ok(pool4.run(check_training, _scoped(tmp_path, vision), MESH, build=Build(), batches=Batches(),
+                  input_axes=INPUT_AXES, optims=("sgd",)))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_vlm_whole_model_layouts_match_one_device(pool4, layout):
+    mesh = "fsdp=4" if layout == "fsdp" else MESH
+    _ok(pool4.run(check_training, layout, mesh, build=Build(), batches=Batches(), input_axes=INPUT_AXES,
+                  optims=("sgd",)))
+
+
+def test_vlm_ranks_with_text_only_rows(pool4):
+    """Rows 0-3 (the first fsdp rank's half of the batch) carry no image: that rank's
+    encoder still runs, its collectives meet the other rank's, and the gradients match."""
+    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(text_rows=(0, 1, 2, 3)),
+                  input_axes=INPUT_AXES, optims=("sgd",)))
+
+
+def _reshard_job(layout: str, load_from, save_to, steps_before: int, steps_after: int):
+    import meshlm
+    from meshlm.checkpoint import load_checkpoint, save_checkpoint
+    from meshlm.lower import full_state_dict
+    from meshlm.optim import ShardedOptimizer
+
+    mesh = meshlm.make_mesh(MESH)
+    model = meshlm.shard(Build()("meta", 0), layout, mesh, seed=0)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    batches = [Batches()(k, 0)[0] for k in range(4)]  # steps 0-1 before the save, 2-3 after
+
+    def train(bs):
+        out = []
+        for t, y, im in bs:
+            loss = model(*(meshlm.shard_batch(v, layout, mesh, axes) for v, axes in
+                           ((t, ("batch", "seq")), (y, ("batch", "seq")), (im, INPUT_AXES[2]))))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss))
+        return out
+
+    step = 0
+    if load_from is None:
+        train(batches[:steps_before])
+        step = steps_before
+    else:
+        step = load_checkpoint(load_from, model=model, optimizer=opt)["step"]
+    state = {k: v.clone() for k, v in full_state_dict(model).items()}
+    for fqn, m in opt.masters().items():
+        for k, v in opt.inner.state.get(m, {}).items():
+            state[f"optim/{fqn}/{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    path = save_checkpoint(save_to, step, model=model, optimizer=opt, extra={"step": step}) if save_to else None
+    return {"state": state, "after": train(batches[step : step + steps_after]), "path": path}
+
+
+def test_vlm_checkpoint_moves_between_scoped_layouts(pool4, tmp_path):
+    """Saved with the encoder under fsdp (vlm_fsdp_tp), loaded with it tensor parallel."""
+    a = pool4.run(_reshard_job, "vlm_fsdp_tp", None, str(tmp_path / "a"), 2, 2)[0]
+    b = pool4.run(_reshard_job, _scoped(tmp_path, "fsdp_tp"), a["path"], None, 0, 2)[0]
+    assert sorted(b["state"]) == sorted(a["state"])
+    for k, v in a["state"].items():
+        torch.testing.assert_close(b["state"][k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    # another layout: other reduction orders, fp32 rounding only (as tests/dist/test_checkpoint_reshard.py)
+    torch.testing.assert_close(torch.tensor(b["after"]), torch.tensor(a["after"]), rtol=1e-5, atol=1e-5)
