@@ -166,21 +166,23 @@ def read_samples(path: "str | os.PathLike", image_size: int) -> list[Sample]:
                     )
                 cache[ref] = _to_array(Image.fromarray(arrays[ref]), image_size)
             else:
-                cache[ref] = _read_image(root / ref, where, image_size)
+                cache[ref] = read_image(root / ref, image_size, f"data.path: {where}")
         out.append(Sample(cache[ref], rec["text"], f"image:{ref!r}", where))
     if not out:
         raise ConfigError(f"data.path: {f} holds no samples")
     return out
 
 
-def _read_image(f: Path, where: str, image_size: int) -> np.ndarray:
+def read_image(f: Path, image_size: int, where: str) -> np.ndarray:
+    """The image file ``f`` as uint8 (image_size, image_size, 3), RGB, resized; ``where``
+    (the config key or argument that named it) starts the error of a missing or bad file."""
     if not f.is_file():
-        raise ConfigError(f"data.path: {where}: image file {f} does not exist")
+        raise ConfigError(f"{where}: image file {f} does not exist")
     try:
         with Image.open(f) as img:
             return _to_array(img, image_size)
     except OSError as e:
-        raise ConfigError(f"data.path: {where}: {f} is not an image Pillow can read ({e})") from None
+        raise ConfigError(f"{where}: {f} is not an image Pillow can read ({e})") from None
 
 
 def _read_arrays(f: Path, where: str) -> np.ndarray:

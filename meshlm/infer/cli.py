@@ -27,6 +27,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help="a file of prompts, one per line")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image file for a vision-language model, one per prompt in order (repeat for a batch)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -193,6 +199,8 @@ def run(a: argparse.Namespace, out=None) -> int:
         if not Path(a.prompt_file).is_file():
             raise ConfigError(f"--prompt-file {a.prompt_file}: no such file (one prompt per line)")
         prompts += [line.rstrip("\n") for line in Path(a.prompt_file).read_text().splitlines() if line.strip()]
+    if not prompts and a.image:  # caption each image
+        prompts = [""] * len(a.image)
     if not prompts:
         raise ConfigError("generate: no prompt: give --prompt TEXT (repeatable) or --prompt-file FILE")
     ids = [tok.encode(p).tolist() for p in prompts]
@@ -213,15 +221,20 @@ def run(a: argparse.Namespace, out=None) -> int:
             f"--tokenizer: its vocabulary of {tok.vocab_size} tokens is larger than the model's {vocab}: "
             "this tokenizer is not the model's (pass the model's with --tokenizer)"
         )
+    inputs = None
+    if a.image:
+        from meshlm.infer.images import image_prompts
+
+        ids, inputs = image_prompts(model, a.image, ids)
     try:
-        _generate(a, model, tok, prompts, ids, stops, sampling, out)
+        _generate(a, model, tok, prompts, ids, stops, sampling, out, inputs)
     finally:
         if offload is not None:
             offload.close()
     return 0
 
 
-def _generate(a, model, tok, prompts, ids, stops, sampling, out) -> None:
+def _generate(a, model, tok, prompts, ids, stops, sampling, out, inputs=None) -> None:
     import torch.distributed as dist
 
     from meshlm.infer.generate import stream
@@ -232,7 +245,7 @@ def _generate(a, model, tok, prompts, ids, stops, sampling, out) -> None:
     if main and len(prompts) == 1:
         out.write(prompts[0])
         out.flush()
-    for step in stream(model, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop=stops):
+    for step in stream(model, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop=stops, inputs=inputs):
         for i, t in step:
             new[i].append(t)
         if main and len(prompts) == 1:  # stream: print what is now whole text

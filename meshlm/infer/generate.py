@@ -128,12 +128,14 @@ def stream(
     stop: Sequence[int] = (),
     pad: int = 0,
     compile: Optional[str] = None,
+    inputs: Optional[dict[str, Tensor]] = None,
 ) -> Iterator[list[tuple[int, int]]]:
     """Yield, after each decode step, ``(row, token)`` for every row still generating.
 
     ``compile``: a torch.compile backend (``inductor``; ``aot_eager`` in tests) for the
     decode step (NOTE [compiled decode]): traced once, on the first decode step; the prefill
-    runs eagerly."""
+    runs eagerly.  ``inputs``: more keyword inputs of the model's prefill, one row per
+    prompt (a vision-language model's ``images``, for the image tokens of its prompts)."""
     longest = _check(model, prompts, max_new_tokens)
     b = len(prompts)
     dev = _device(model)
@@ -159,6 +161,8 @@ def stream(
                 if cache.mask is not None:  # its length grows each step: a symbol from the first trace
                     compat.mark_dynamic(cache.mask, 3)
                 out = compiled(model, feed.to(dev), cache)
+            elif n == 0 and inputs:
+                out = run(feed.to(dev), cache=cache, **{k: v.to(dev) for k, v in inputs.items()})
             else:
                 out = run(feed.to(dev), cache=cache)
             logits = _last_logits(out)
@@ -178,7 +182,7 @@ def stream(
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
     """The new tokens of each prompt (its stop token included, when it was reached);
     ``options`` are :func:`stream`'s (``max_new_tokens``, ``sampling``, ``stop``, ``pad``,
-    ``compile``)."""
+    ``compile``, ``inputs``)."""
     new: list[list[int]] = [[] for _ in prompts]
     it = stream(model, prompts, **options)
     for step in it:
