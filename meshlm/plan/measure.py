@@ -58,6 +58,8 @@ class Measured:
     psi: int  # parameters of the model
     #: offloaded kinds: {kind: {bytes, in_bytes, out_bytes}} per rank (NOTE [planned offload])
     offload: dict = field(default_factory=dict)
+    #: per scope of a scoped layout, its model state (NOTE [planned scopes] in plan/scopes.py)
+    scopes: dict = field(default_factory=dict)
 
 
 def _local(t):
@@ -191,6 +193,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
     from meshlm.offload.params import ParamOffload
     from meshlm.optim import ShardedOptimizer
     from meshlm.plan.offload import FakeActivations, FakeTier
+    from meshlm.plan.scopes import state_by_scope
 
     with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
         model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
@@ -207,7 +210,9 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         toks = torch.zeros(micro, seq + 1, dtype=torch.long)
         x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
         y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
-        inputs = {_key(x), _key(y)}
+        extras = _example_inputs(model, micro, seq, layout, mesh)
+        lay, scopes = meshlm.load_layout(layout), {}
+        inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
         moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
         on_tier = [0]  # bytes of gradients on their tier at the step (offload.grads)
 
@@ -218,17 +223,22 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
                 with acts.context() if acts is not None else contextlib.nullcontext():
                     with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
-                        loss = model(x, y)
+                        loss = model(x, y, **extras)
                     if made is not None and i == 0:
                         held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
                         moved[0] = acts.out_bytes if acts is not None else 0
                     (loss / grad_accum).backward()
             grads = model_state_bytes(model, opt)["grads"]
+            before = state_by_scope(model, opt, lay) if lay.scopes else {}
             with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                 opt.step()
             # ZeRO-1 releases main gradients as the step reduces them into the masters'
             # (NOTE [main grads] in main_grad.py): whichever point holds more
             grads = max(grads, model_state_bytes(model, opt)["grads"])
+            if lay.scopes:  # the same per scope (NOTE [planned scopes] in plan/scopes.py)
+                scopes.update(state_by_scope(model, opt, lay))
+                for k, v in before.items():
+                    scopes[k]["grads"] = max(v["grads"], scopes[k]["grads"])
             if gtier is not None:
                 on_tier[0] = sum(t.numel() * t.element_size() for t in opt.grad_offload.held)
             opt.zero_grad()
@@ -271,4 +281,17 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         "activations": held,
         "peak": peak.peak,
     }
-    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds)
+    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds, scopes)
+
+
+def _example_inputs(model, batch: int, seq: int, layout, mesh) -> dict:
+    """The model's keyword inputs besides tokens and labels for a step of ``batch`` rows
+    (its ``example_inputs(batch, seq)``, e.g. a vision-language model's images), each
+    rank's slice; {} for a model that takes none."""
+    import meshlm
+    from meshlm.lowering import input_axes
+
+    make = getattr(model, "example_inputs", None)
+    if make is None:
+        return {}
+    return {k: meshlm.shard_batch(v, layout, mesh, input_axes(model, k, v.ndim)) for k, v in make(batch, seq).items()}

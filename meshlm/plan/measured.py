@@ -117,5 +117,9 @@ def plan_model(
         _name(cd),
         _name(rd),
     )
+    if lay.scopes:  # NOTE [planned scopes] in meshlm/plan/scopes.py
+        from meshlm.plan.scopes import plan_scopes
+
+        p.scopes = plan_scopes(build, lay, sizes, m.scopes, B)
     kinds = {k: kind_entry(getattr(tiers, k), v["bytes"], v["in_bytes"], v["out_bytes"]) for k, v in m.offload.items()}
     return finish(p, tiers, kinds, device_is_host)

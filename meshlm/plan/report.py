@@ -66,6 +66,9 @@ class Plan:
     offload: dict[str, Any] = field(default_factory=dict)
     #: bytes per rank on each tier (device, host, disk); empty: all on the device (``tier_bytes``)
     tiers: dict[str, int] = field(default_factory=dict)
+    #: per scope of a scoped layout: {memory: {params, grads, optimizer}, comm: {"kind axis
+    #: phase": bytes}} (NOTE [planned scopes] in meshlm/plan/scopes.py); empty: no scopes
+    scopes: dict[str, Any] = field(default_factory=dict)
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes per rank on each tier: ``device`` is ``memory["total"]``."""
@@ -190,7 +193,30 @@ def _format_measured(p: Plan) -> str:
             f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}{_gib(c.wire_bytes):>14}"
         )
     lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
-    return "\n".join(lines)
+    return "\n".join(lines + _scope_lines(p))
+
+
+def _scope_lines(p: Plan) -> list[str]:
+    """Per scope: model state (measured) and parameter traffic (planned), NOTE [planned
+    scopes] in meshlm/plan/scopes.py."""
+    if not p.scopes:
+        return []
+    out = ["", "", "per scope, per rank (model state measured; parameter gathers and gradient reductions planned)"]
+    out.append(f"{'scope':<14}{'params':>12}{'grads':>12}{'optimizer':>12}  parameter traffic (logical)")
+    for name, sc in p.scopes.items():
+        m = sc["memory"]
+        traffic = ", ".join(f"{k} {_size(v)}" for k, v in sc["comm"].items()) or "none"
+        out.append(f"{name:<14}{_size(m['params']):>12}{_size(m['grads']):>12}{_size(m['optimizer']):>12}  {traffic}")
+    return out
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest unit that keeps the number at least 1 (``12.4 KiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _format_pipeline(p: Plan) -> str:

@@ -54,7 +54,7 @@ def _count(layout: str) -> dict:
 
     mesh = meshlm.make_mesh("fsdp=2,tp=2")
     model = meshlm.shard(VLM(vlm_config("vlm_tiny"), device="meta"), layout, mesh, seed=0)
-    opt = ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    opt = ShardedOptimizer(model, torch.optim.AdamW, lr=0.1)
     (t, y, im), _ = Batches()(0, 0)
     axes = (("batch", "seq"), ("batch", "seq"), INPUT_AXES[2])
     args = [meshlm.shard_batch(v, layout, mesh, a) for v, a in zip((t, y, im), axes)]
@@ -66,7 +66,10 @@ def _count(layout: str) -> dict:
             loss.backward()
         with cc.phase("optimizer"):
             opt.step()
-    return {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+    from meshlm.plan.scopes import state_by_scope
+
+    counted = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
+    return counted, state_by_scope(model, opt, meshlm.load_layout(layout))
 
 
 def budget(vision: str) -> dict:
@@ -131,10 +134,51 @@ def budget(vision: str) -> dict:
 def test_vlm_scoped_budget(pool4, tmp_path, vision):
     path = tmp_path / f"vision_{vision}.yaml"
     path.write_text(LAYOUT.replace("VISION", vision))
-    measured = pool4.run(_count, str(path))
+    measured = [m for m, _state in pool4.run(_count, str(path))]
     assert all(m == measured[0] for m in measured[1:]), "ranks disagree on their collectives"
     want = budget(vision)
     diff = {
         k: (measured[0].get(k), want.get(k)) for k in set(measured[0]) | set(want) if measured[0].get(k) != want.get(k)
     }
     assert not diff, f"vision: {vision}: (kind, axes, phase): (measured, budget) (count, bytes): {diff}"
+
+
+@pytest.mark.parametrize("vision", ["fsdp", "ddp"])
+def test_planned_scopes_equal_the_measured_run(pool4, tmp_path, vision):
+    """meshlm plan's per-scope figures (NOTE [planned scopes] in meshlm/plan/scopes.py) against
+    a real step on 4 gloo processes: each scope's model state exactly; its parameter
+    traffic, summed over scopes, equal to the counted gathers and gradient reductions over
+    fsdp (which only parameters make here), and the encoder's gathers and reduce-scatters
+    its own (no other scope has any)."""
+    from meshlm.models import VLM, vlm_config
+    from meshlm.plan.measured import plan_model
+
+    path = tmp_path / f"vision_{vision}.yaml"
+    path.write_text(LAYOUT.replace("VISION", vision))
+    runs = pool4.run(_count, str(path))
+    plan = plan_model(
+        lambda device: VLM(vlm_config("vlm_tiny"), device=device),
+        str(path),
+        {"fsdp": 2, "tp": 2},
+        global_batch=8,
+        seq=24,
+    )
+    counted, state = runs[0]
+    assert set(plan.scopes) == {"vision", "top level"}
+    for scope, got in state.items():
+        assert plan.scopes[scope]["memory"] == got, scope
+    assert state["vision"]["optimizer"] > 0 and state["top level"]["optimizer"] > 0
+    planned: dict = {}
+    for sc in plan.scopes.values():
+        for k, b in sc["comm"].items():
+            planned[k] = planned.get(k, 0) + b
+    params_traffic = {
+        f"{kind} {axes[0]} {phase}": b
+        for (kind, axes, phase), (_n, b) in counted.items()
+        if axes == ("fsdp",)
+        and kind in ("all_gather", "reduce_scatter")
+        or (kind, axes, phase) == ("all_reduce", ("fsdp",), "backward")
+    }
+    assert planned == params_traffic
+    vision_only = {k: b for k, b in params_traffic.items() if not k.startswith("all_reduce")}
+    assert {k: b for k, b in plan.scopes["vision"]["comm"].items() if not k.startswith("all_reduce")} == vision_only
