@@ -42,6 +42,9 @@ from meshlm.models.llama import Llama, LlamaConfig, llama_fields
 # Patches are whole inside attention and MLP (as positions are in meshlm/models/llama.py).
 WHOLE = None
 ACTS = ("gelu",)  # projector activations (Hugging Face's names)
+# The pixel statistics CLIP's (and LLaVA's) image processor normalises with
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _error(msg: str) -> Exception:
@@ -67,6 +70,11 @@ class VLMConfig:
     vision_mlp: int = 64
     norm_eps: float = 1e-5
     feature_layer: int = -2
+    # Pixel normalisation inside the model, per channel: (images - mean) / std, for images in
+    # [0, 1] as meshlm's data and ``meshlm generate --image`` give them; None: the images come
+    # normalised (a Hugging Face LLaVA's pixel_values; its processor normalises them).
+    pixel_mean: Optional[tuple[float, ...]] = None
+    pixel_std: Optional[tuple[float, ...]] = None
     image_token: int = 256  # a token id of the decoder's vocabulary: where image features go
     projector_act: str = "gelu"
     init_std: float = 0.02
@@ -90,6 +98,16 @@ class VLMConfig:
             raise _error(
                 f"model.feature_layer={self.feature_layer} is outside the {self.vision_layers + 1} hidden states of a "
                 f"{self.vision_layers}-layer encoder (-{self.vision_layers + 1} .. {self.vision_layers})"
+            )
+        for f in ("pixel_mean", "pixel_std"):
+            v = getattr(self, f)
+            if v is not None:
+                if not isinstance(v, (list, tuple)) or len(v) != self.channels:
+                    raise _error(f"model.{f}={v!r}: give one number per channel ({self.channels}), or null")
+                object.__setattr__(self, f, tuple(float(x) for x in v))
+        if (self.pixel_mean is None) != (self.pixel_std is None) or any(x <= 0 for x in self.pixel_std or ()):
+            raise _error(
+                f"model.pixel_mean={self.pixel_mean} and model.pixel_std={self.pixel_std}: give both (std > 0) or neither"
             )
         if not 0 <= self.image_token < self.language.vocab:
             raise _error(
@@ -153,6 +171,8 @@ CONFIGS: dict[str, VLMConfig] = {
         vision_layers=4,
         vision_heads=4,
         vision_mlp=512,
+        pixel_mean=CLIP_MEAN,
+        pixel_std=CLIP_STD,
     ),
 }
 
@@ -308,6 +328,10 @@ class VisionEncoder(nn.Module):
         want = (cfg.channels, cfg.image_size, cfg.image_size)
         if images.ndim != 4 or tuple(images.shape[1:]) != want:
             raise _error(f"VLM: images of shape {tuple(images.shape)}; the model reads (batch, *{want})")
+        if cfg.pixel_mean is not None:
+            mean = torch.tensor(cfg.pixel_mean, dtype=images.dtype, device=images.device)[:, None, None]
+            std = torch.tensor(cfg.pixel_std, dtype=images.dtype, device=images.device)[:, None, None]
+            images = (images - mean) / std
         # (b, c, gy, py, gx, px) -> (b, gy, gx, c, py, px): patches row-major, each flattened (c, py, px)
         x = images.reshape(b, cfg.channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, cfg.pixels)
         w = self.patch_embed
@@ -381,6 +405,12 @@ class VLM(nn.Module):
             return self.language(tokens, labels, cache)
         x = self.merge(tokens, self.language.embed_tokens(tokens), self.projector(self.vision(images)))
         return self.language(tokens, labels, cache, embeddings=x)
+
+    def example_inputs(self, batch: int, seq: int) -> dict[str, Tensor]:
+        """The inputs besides tokens and labels of a step of ``batch`` rows, for ``meshlm
+        plan``'s measured step (shapes only): one image per row."""
+        c = self.cfg
+        return {"images": torch.zeros(batch, c.channels, c.image_size, c.image_size)}
 
     def merge(self, tokens: Tensor, x: Tensor, feats: Tensor) -> Tensor:
         """Token embeddings ``x`` (batch, seq, embed) with the image features ``feats``
