@@ -212,6 +212,16 @@ def check_training(
     return {"worst": worst, "loss": losses, "root": roots}
 
 
+def assert_parity(results: list) -> None:
+    """``check_training``'s results from every rank: the ranks saw the same losses, and every
+    checked quantity (loss, gradient, parameter, optimizer state) was within its tolerance."""
+    assert all(r["loss"] == results[0]["loss"] for r in results), "ranks disagree on the loss"
+    for r in results:
+        for name, worst in r["worst"].items():
+            assert set(worst) >= {"loss", "grad", "param", "state"}, (name, worst)
+            assert all(v <= 1.0 for v in worst.values()), (name, worst)
+
+
 class _OneByOne:
     """The micro-batches of a step one after another, as meshlm.train runs them without pp."""
 

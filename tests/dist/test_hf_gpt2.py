@@ -18,6 +18,7 @@ import torch
 from meshlm.layout import is_pipelined, load_layout, shipped_layouts
 from meshlm.testing import WorkerError, dist_pool_fixture
 from meshlm.testing import tolerances as tol
+from meshlm.testing.parity import assert_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -221,12 +222,7 @@ class GPT2Build:
         return GPT2(gpt2_config("gpt2_tiny", dropout=self.dropout), device=device, seed=seed)
 
 
-def _ok(res):
-    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
-    for r in res:
-        for name, worst in r["worst"].items():
-            assert set(worst) >= {"loss", "grad", "param", "state"} and all(v <= 1.0 for v in worst.values()), \
-                (name, worst)
+_ok = assert_parity
 
 
 @pytest.mark.parametrize("layout,mesh,dropout,optims", [("zero2", "dp=2", 0.0, ("sgd",)),

@@ -20,7 +20,7 @@ import meshlm
 from meshlm import nn as mnn
 from meshlm.layout import is_pipelined, load_layout, shipped_layouts
 from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing.parity import TokenBatches, check_training
+from meshlm.testing.parity import TokenBatches, assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -149,12 +149,7 @@ LAYOUTS_2 = [(lay, _two_rank_mesh(lay)) for lay in shipped_layouts()
              if not is_pipelined(load_layout(lay)) and not load_layout(lay).scopes]
 
 
-def _ok(res):
-    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
-    for r in res:
-        for name, worst in r["worst"].items():
-            assert set(worst) >= {"loss", "grad", "param", "state"} and all(v <= 1.0 for v in worst.values()), \
-                (name, worst)
+_ok = assert_parity
 
 
 @pytest.mark.parametrize("layout,mesh", LAYOUTS_2, ids=[f"{lay}-{m}" for lay, m in LAYOUTS_2])

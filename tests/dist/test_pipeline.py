@@ -17,7 +17,7 @@ import torch
 
 from meshlm.pipeline.schedule import zero_bubble_supported
 from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import LlamaBuild, check_training
+from meshlm.testing.parity import LlamaBuild, assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -33,12 +33,7 @@ SCHEDULES = [
 V2 = "zbv" if zero_bubble_supported() else "interleaved_1f1b"  # a two-stages-per-rank schedule this torch runs
 
 
-def _ok(res):
-    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
-    for r in res:
-        for name, worst in r["worst"].items():
-            assert set(worst) >= {"loss", "grad", "param", "state"}, (name, worst)
-            assert all(v <= 1.0 for v in worst.values()), (name, worst)
+_ok = assert_parity
 
 
 def _parity(layout, mesh, schedule, v, grad_accum=2, **kw):

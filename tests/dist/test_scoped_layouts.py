@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 import meshlm
 from meshlm import nn as mnn
 from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import check_training
+from meshlm.testing.parity import assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=90)
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -147,12 +147,7 @@ def _layout(tmp_path, vision: str) -> str:
     return str(p)
 
 
-def _ok(res):
-    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
-    for r in res:
-        for name, worst in r["worst"].items():
-            assert set(worst) >= {"loss", "grad", "param", "state"} and all(v <= 1.0 for v in worst.values()), \
-                (name, worst)
+_ok = assert_parity
 
 
 @pytest.mark.parametrize("vision", ["ddp", "single", "fsdp", "fsdp_tp", "{params: {embed: fsdp}}"])

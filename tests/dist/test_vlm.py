@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import check_training
+from meshlm.testing.parity import assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=90)
 MESH = "fsdp=2,tp=2"
@@ -59,14 +59,7 @@ class Batches:
         return (tokens, labels, images), {}
 
 
-def _ok(res):
-    assert all(r["loss"] == res[0]["loss"] for r in res), "ranks disagree on the loss"
-    for r in res:
-        for name, worst in r["worst"].items():
-            assert set(worst) >= {"loss", "grad", "param", "state"} and all(v <= 1.0 for v in worst.values()), (
-                name,
-                worst,
-            )
+_ok = assert_parity
 
 
 def _scoped(tmp_path, vision: str) -> str:
