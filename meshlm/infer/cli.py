@@ -83,7 +83,9 @@ def _tokenizer(name: str, source: Path) -> Any:
     return HFTokenizer(str(source) if name == "auto" else name, key="--tokenizer")
 
 
-def _load(source: Path, layout: str, mesh_shape: str) -> Any:
+def load_model(source: Path, layout: str = "single", mesh_shape: str = "dp=1") -> Any:
+    """The model of ``source`` (a Hugging Face directory or a meshlm checkpoint) under
+    ``layout`` on a mesh of ``mesh_shape``, with its weights."""
     from meshlm.mesh import make_mesh
 
     if (source / "config.json").is_file():
@@ -158,7 +160,7 @@ def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out, 
             "checkpoint first (meshlm convert CHECKPOINT DIR)"
         )
     else:
-        model = _load(source, "single", "dp=1")
+        model = load_model(source, "single", "dp=1")
     off = placement.stream_blocks(model, pl, sw) if sw is not None else None
     if devices > 1:
         from meshlm.infer.stages import Stages
@@ -214,7 +216,7 @@ def run(a: argparse.Namespace, out=None) -> int:
     elif a.plan:
         raise ConfigError("--plan prints the placement --max-memory-per-device chooses: give that too")
     else:
-        model = _load(source, a.layout, a.mesh or "dp=1")
+        model = load_model(source, a.layout, a.mesh or "dp=1")
     vocab = getattr(getattr(model, "cfg", None), "vocab", None)
     if vocab is not None and tok.vocab_size > vocab:
         raise ConfigError(

@@ -31,7 +31,7 @@ def run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from meshlm.infer import serve
-    from meshlm.infer.cli import _load, _placed, _tokenizer, default_stops, source_dir
+    from meshlm.infer.cli import _placed, _tokenizer, default_stops, load_model, source_dir
     from meshlm.infer.generate import context_of
 
     if a.max_batch < 1:
@@ -44,7 +44,7 @@ def run(a: argparse.Namespace) -> int:
         model, off = _placed(a, source, a.max_batch, context, sys.stdout)
         a.context = context
     else:
-        model = _load(source, a.layout, a.mesh or "dp=1")
+        model = load_model(source, a.layout, a.mesh or "dp=1")
     limits = [c for c in (a.context, context_of(model)) if c is not None]
     if dist.is_initialized() and dist.get_rank() > 0:
         serve.follow(model)

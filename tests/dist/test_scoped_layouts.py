@@ -209,9 +209,3 @@ def test_activations_inside_a_scope_follow_its_compute_rules(pool4, tmp_path):
     assert seen == {"vision": (Shard(0), r), "language": (Shard(0), r)}
     seen = pool4.run(_activations, _layout(tmp_path, "single"), True)[0]  # compiled blocks: the same
     assert seen == {"vision": (r, r), "language": (Shard(0), r)}
-
-
-def test_scoped_layout_compiled_per_block(pool4, tmp_path):
-    """Both towers' blocks (one class) compiled: each runs under its scope's handler."""
-    _ok(pool4.run(check_training, _layout(tmp_path, "fsdp"), "fsdp=2,tp=2", build=Build(), batches=batches,
-                  input_axes=INPUT_AXES, optims=("sgd",), compile="aot_eager"))
