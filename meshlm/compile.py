@@ -22,6 +22,15 @@ NOTE [compiled body]
     the two are within noise of each other; "graph" stays the default until a GPU
     measurement says otherwise.
 
+NOTE [static block shapes]
+    Blocks are compiled with ``dynamic=False``.  Every block compiled whole runs through one
+    code object (the lowering's ``block_forward`` under ``Module.compile``), so Dynamo keeps
+    one cache for all of them: blocks of two classes with different activation shapes (a
+    vision encoder's patches and a decoder's tokens) would otherwise make the second compile
+    symbolic in the size that differs, and DTensor's view rules cannot place a view of
+    symbolic size.  Static shapes give each (block class, shape) its own graph, within the
+    recompile limit set below.
+
 Inductor blocks are compiled with ``fallback_random``: inductor otherwise replaces
 ``meshlm.dropout``'s key draw (an ``aten.randint`` on the global generator) with its own
 generator, and the masks would no longer be the eager, one-device ones (NOTE [dropout keys]
@@ -68,11 +77,15 @@ def compile_blocks(
                 cls = type(m)
                 if cls not in bodies:
                     bodies[cls] = torch.compile(
-                        cls.__mro__[1].forward, backend=backend, fullgraph=fullgraph, **_mode(backend, mode)
+                        cls.__mro__[1].forward,
+                        backend=backend,
+                        fullgraph=fullgraph,
+                        dynamic=False,
+                        **_mode(backend, mode),
                     )
                 m.__dict__["_meshlm_body"] = bodies[cls]
             else:
-                m.compile(backend=backend, fullgraph=fullgraph, **_mode(backend, mode))
+                m.compile(backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode))
             n += 1
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no @meshlm.block modules to compile")
