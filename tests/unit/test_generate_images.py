@@ -2,7 +2,7 @@
 the prefill with the prompt's image tokens, and the cached decode then continues as a full
 forward over the whole sequence (with the image) would; another image gives another
 continuation; bad --image input is a clear error.  The CLI against transformers' LLaVA:
-tests/dist/test_generate_images.py."""
+tests/dist/test_generate_images_cli.py."""
 
 from __future__ import annotations
 
