@@ -153,9 +153,17 @@ def measure(meta_model: nn.Module, batch: int, context: int) -> tuple[list[int],
         out = meta_model(torch.zeros(batch, context, dtype=torch.long, device="meta"), cache=cache)
     cache.end()
     if sorted(cache._kv) != list(range(len(blocks))):
+        fewer = len(cache._kv) < len(blocks)
         raise ConfigError(
             f"placement: the model's forward wrote KV cache layers {sorted(cache._kv)}, not one per block "
             f"(0..{len(blocks) - 1}): it must hand block i the view cache.layer(i) (NOTE [KV cache])"
+            + (
+                f". {type(meta_model).__name__} has {len(blocks)} blocks of which {len(cache._kv)} decode with a "
+                "cache (a vision-language model's encoder blocks take none): --max-memory-per-device places "
+                "decoder-only models; run this one without it (--layout tp --mesh tp=N splits it)"
+                if fewer
+                else ""
+            )
         )
     kv = [sum(t.numel() * t.element_size() for t in cache._kv[i]) for i in range(len(blocks))]
     return block_params, kv, outside, max(out.numel() * out.element_size(), 2 * big.bytes)

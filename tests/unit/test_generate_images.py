@@ -74,3 +74,10 @@ def test_bad_image_input(tmp_path):
         image_prompts(m, [str(tmp_path / "bad.png")], [[1]])
     with pytest.raises(ConfigError, match="reads no images"):
         image_prompts(Llama(llama_config("llama_tiny")), [png], [[1]])
+
+
+def test_memory_limited_placement_refuses_an_encoder_clearly():
+    from meshlm.infer.placement import measure
+
+    with pytest.raises(ConfigError, match=r"7 blocks of which 4 decode with a cache.*decoder-only models"):
+        measure(VLM(vlm_config("vlm_small"), device="meta"), 1, 32)
