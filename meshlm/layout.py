@@ -48,7 +48,7 @@ import yaml
 from meshlm.axes import MESH_AXES, Axes, check_logical, check_mesh
 from meshlm.errors import AxisError, LayoutError
 from meshlm.scopes import SECTION as SCOPES  # rules per submodule
-from meshlm.scopes import Scope, check_overlap
+from meshlm.scopes import Scope, check_overlap, scope_of
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 OFFLOAD = "offload"  # the memory-tier section (meshlm/offload/spec.py), not axis rules
@@ -80,10 +80,8 @@ class Layout:
 
     def for_path(self, fqn: str) -> "Layout":
         """The rules for the parameter or module ``fqn``: its scope's, else these."""
-        for s in self.scopes:
-            if s.covers(fqn):
-                return s.layout
-        return self
+        sc = scope_of(self, fqn)
+        return self if sc is None else sc.layout
 
     def all_layouts(self) -> "list[Layout]":
         """This layout's top-level rules and each scope's (NOTE [scoped layouts])."""

@@ -32,16 +32,15 @@ from typing import Any, Mapping
 import torch
 
 from meshlm.axes import DATA_AXES
+from meshlm.scopes import scope_of
 
 TOP = "top level"
 
 
 def scope_label(layout: Any, fqn: str) -> str:
     """The scope path ``fqn`` lies under, or ``TOP``."""
-    for s in layout.scopes:
-        if s.covers(fqn):
-            return s.path
-    return TOP
+    sc = scope_of(layout, fqn)
+    return TOP if sc is None else sc.path
 
 
 def state_by_scope(model: Any, opt: Any, layout: Any) -> dict[str, dict[str, int]]:
