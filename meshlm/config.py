@@ -282,6 +282,18 @@ def _check_pipeline(p: PipelineConfig) -> None:
         raise ConfigError(f"pipeline.split={p.split!r}: a list of block counts per stage, each >= 1 (or null)")
 
 
+def _no_pipeline_for_images(cfg: RunConfig) -> None:
+    """A pipelined run (``layers: pp`` on a mesh with pp > 1) passes tokens and targets between
+    stages only: it cannot feed a model its images."""
+    from meshlm.layout import is_pipelined, load_layout
+
+    if cfg.layout.name != "auto" and cfg.mesh.pp > 1 and is_pipelined(load_layout(cfg.layout.name)):
+        raise ConfigError(
+            f"layout {cfg.layout.name} pipelines the model (mesh.pp={cfg.mesh.pp}), which takes tokens and targets "
+            "only: data.format=images cannot feed it its images; use a layout without layers: pp"
+        )
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the key and its allowed values for the first bad value."""
     from meshlm.layout import shipped_layouts
@@ -330,6 +342,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("data.format", cfg.data.format, FORMATS)
     if cfg.data.format == "images":
         check_images(cfg.data, t.seq_len)
+        _no_pipeline_for_images(cfg)
     check_resume(cfg.checkpoint.resume)
     if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
         raise ConfigError(

@@ -135,11 +135,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     torch.manual_seed(t.seed)
     layout = meshlm.load_layout(cfg.layout.name)
     pipelined = is_pipelined(layout) and cfg.mesh.pp > 1  # NOTE [pipelined step] in meshlm/pipeline/pipe.py
-    if pipelined and cfg.data.format == "images":
-        raise ConfigError(
-            f"layout {layout.name} pipelines the model (pp={cfg.mesh.pp}), which takes tokens and targets only: "
-            "data.format=images cannot feed it its images; use a layout without layers: pp"
-        )
     mesh = None if pipelined else meshlm.make_mesh(cfg.mesh.as_dict(), device_type=device.type)
     rank = dist.get_rank()
     is_main = rank == 0
