@@ -31,12 +31,16 @@ def _vocab_range(w: DTensor) -> tuple[list[int], int, int]:
 
 def _embedding_handler(op_call, args, kwargs):
     w, ids = args[0], args[1]
-    if not isinstance(w, DTensor) or not any(isinstance(p, Shard) and p.dim == 0 for p in w.placements):
+    if not isinstance(w, DTensor):
         return _default(op_call, args, kwargs)
     mesh = w.device_mesh
-    vdims, lo, hi = _vocab_range(w)
-    if not isinstance(ids, DTensor):
+    if not isinstance(ids, DTensor):  # every rank's ids (a decode step's positions, from its KV cache):
+        # replicated explicitly, as DTensor's implicit replication reads numel(), which a
+        # compiled decode step's symbolic batch does not have
         ids = DTensor.from_local(ids, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if not any(isinstance(p, Shard) and p.dim == 0 for p in w.placements):
+        return _default(op_call, (w, ids, *args[2:]), kwargs)
+    vdims, lo, hi = _vocab_range(w)
     # ids must be whole on the vocab mesh dims (every rank looks up its rows for every id)
     want = [Replicate() if i in vdims else p for i, p in enumerate(ids.placements)]
     if list(ids.placements) != want:
