@@ -84,6 +84,27 @@ def inductor_mode_options(mode: str) -> dict:
     return dict(list_mode_options(mode))
 
 
+def inductor_options(options: dict) -> dict:
+    """``options`` less the inductor settings this torch does not have (they are all speed
+    and reporting settings: without one, the compiled code is the same, or slower)."""
+    import torch._inductor.config as cfg
+
+    return {k: v for k, v in options.items() if hasattr(cfg, k)}
+
+
+def inductor_config(options: dict):
+    """A context in which inductor's settings are ``options`` (read when a call traces and
+    compiles: dynamo reads ``freezing`` to guard on parameters' identity)."""
+    import torch._inductor.config as cfg
+
+    return cfg.patch(options)
+
+
+def version_counter(t: Tensor) -> int:
+    """How many in-place writes ``t``'s storage has seen (``Tensor._version``)."""
+    return t._version
+
+
 # --------------------------------------------------------------------------- autograd engine
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread now."""

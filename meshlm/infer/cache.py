@@ -33,7 +33,7 @@ NOTE [KV cache]
     the data (what gpt-fast compiles, and what CUDA graphs need).  meshlm's placement runs it
     on the meta device (placement.py); generate compiles the default cache with dynamic
     shapes instead, which reads only the written slots (NOTE [compiled decode] in
-    generate.py).
+    compiled.py).
 
     The object is handed to the sharded model's forward as it is (``__meshlm_passthrough__``,
     meshlm/tree.py): its tensors are placed by the cache, not by the input rules.

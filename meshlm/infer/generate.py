@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from meshlm import _torch_compat as compat
 from meshlm.errors import ConfigError
 from meshlm.infer.cache import KVCache
+from meshlm.infer.compiled import decode_step
 from meshlm.infer.sample import Sampling, choose, generators
 
 
@@ -98,26 +99,6 @@ def _last_logits(out: Tensor) -> Tensor:
     return last.full_tensor() if isinstance(last, DTensor) else last
 
 
-def _decode(model: nn.Module, tokens: Tensor, cache: KVCache) -> Tensor:
-    return model(tokens, cache=cache)
-
-
-# NOTE [compiled decode]
-#     One compiled decode step per backend, for every model and call, with dynamic shapes:
-#     the number of cached positions attention reads (and the batch) are symbols, so one
-#     graph serves every position of every call, and attention reads the written slots only.
-#     A static cache (NOTE [static cache] in cache.py) is traced once too, but attends to all
-#     max_len slots at every step: on llama_small's shape at batch 8 it decoded 3,372
-#     tokens/s where this does 5,658 (and eager 4,151; 2 cores, 64 + 128 positions).
-_COMPILED: dict[str, object] = {}
-
-
-def _compiled(backend: str):
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_decode, backend=backend, dynamic=True)
-    return _COMPILED[backend]
-
-
 @torch.no_grad()
 def stream(
     model: nn.Module,
@@ -128,13 +109,16 @@ def stream(
     stop: Sequence[int] = (),
     pad: int = 0,
     compile: Optional[str] = None,
+    freeze: Optional[bool] = None,
     inputs: Optional[dict[str, Tensor]] = None,
 ) -> Iterator[list[tuple[int, int]]]:
     """Yield, after each decode step, ``(row, token)`` for every row still generating.
 
     ``compile``: a torch.compile backend (``inductor``; ``aot_eager`` in tests) for the
-    decode step (NOTE [compiled decode]): traced once, on the first decode step; the prefill
-    runs eagerly.  ``inputs``: more keyword inputs of the model's prefill, one row per
+    decode step (NOTE [compiled decode] in meshlm/infer/compiled.py): traced once, on the
+    first decode step; the prefill runs eagerly.  ``freeze``: with inductor, the weights
+    frozen into the compiled step (NOTE [frozen decode]): None where it can, True (an error
+    where it cannot), False never.  ``inputs``: more keyword inputs of the model's prefill, one row per
     prompt (a vision-language model's ``images``, for the image tokens of its prompts)."""
     longest = _check(model, prompts, max_new_tokens)
     b = len(prompts)
@@ -147,7 +131,9 @@ def stream(
     cache = KVCache(b, longest + max_new_tokens, device=dev, last_only=True)
     run = model
     if compile is not None:
-        compiled = _compiled(compile)
+        compiled = decode_step(model, compile, freeze)
+    elif freeze:
+        raise ConfigError("generate: freeze=True freezes the weights of a compiled decode step: set compile='inductor'")
     gens = generators(sampling, b)
     stops = set(int(t) for t in stop)
     live = [True] * b
@@ -182,7 +168,7 @@ def stream(
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
     """The new tokens of each prompt (its stop token included, when it was reached);
     ``options`` are :func:`stream`'s (``max_new_tokens``, ``sampling``, ``stop``, ``pad``,
-    ``compile``, ``inputs``)."""
+    ``compile``, ``freeze``, ``inputs``)."""
     new: list[list[int]] = [[] for _ in prompts]
     it = stream(model, prompts, **options)
     for step in it:

@@ -127,7 +127,7 @@ def _compiled(path, eos):
     from meshlm.infer import generate
 
     counters = importlib.import_module("torch._dynamo.utils").counters
-    compiled = importlib.import_module("meshlm.infer.generate")._COMPILED
+    compiled = importlib.import_module("meshlm.infer.compiled")._COMPILED
     model = load_hf(path, "tp", meshlm.make_mesh("tp=2"))
     eager = generate(model, PROMPTS, max_new_tokens=NEW, stop=[eos])
     graphs = []
@@ -141,12 +141,14 @@ def _compiled(path, eos):
     return eager, out, again, graphs, counters["frames"]["total"]
 
 
-def test_compiled_tp_decode_is_traced_once(pool2, hf):
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_compiled_tp_decode_is_traced_once(pool2, hf, name):
     """The decode step compiled (aot_eager) under tp=2: transformers' tokens; the frames
     compiled (the sharded root's input handling breaks the step in pieces) are as many for 4
     steps as for 24, and a second call compiles none (with the root's call count guarded on,
-    24 steps compiled 40 frames where 4 compiled 34)."""
-    path, want, eos = hf["llama"]
+    24 steps compiled 40 frames where 4 compiled 34).  GPT-2 looks up its positions (a plain
+    tensor of the cache, of a symbolic batch) in a DTensor table."""
+    path, want, eos = hf[name]
     for eager, out, again, graphs, after in pool2.run(_compiled, path, eos):
         assert eager == out == again == want
         assert graphs[0] == graphs[1] == after, graphs

@@ -194,16 +194,14 @@ def test_compiled_decode_is_traced_once(monkeypatch):
     """64 decode steps of left-padded prompts compiled (aot_eager): the same tokens as eager,
     one graph (the cache's length a symbol from the first trace, NOTE [compiled decode]),
     and a second call traces nothing."""
-    import importlib
-
     from torch._dynamo.utils import counters
 
-    g = importlib.import_module("meshlm.infer.generate")  # the module, not the function meshlm.infer exports
+    from meshlm.infer import compiled
 
     model = MODELS["llama"]()
     eager = generate(model, PROMPTS, max_new_tokens=64)
     torch._dynamo.reset()
-    monkeypatch.setattr(g, "_COMPILED", {})
+    monkeypatch.setattr(compiled, "_COMPILED", {})
     counters.clear()
     assert generate(model, PROMPTS, max_new_tokens=64, compile="aot_eager") == eager
     assert counters["stats"]["unique_graphs"] == 1
