@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from meshlm.errors import ConfigError
 
@@ -58,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="e.g. 2GiB: keep what fits in memory and stream the other blocks from --offload (one process)",
     )
+    add_compile(p)
     p.add_argument("--offload", default="disk", choices=("disk", "host"), help="where streamed blocks live")
     p.add_argument("--offload-dir", default=None, help="the disk tier's directory (default: the temp directory)")
     p.add_argument("--plan", action="store_true", help="print the placement and exit (with --max-memory-per-device)")
@@ -86,11 +87,16 @@ def _tokenizer(name: str, source: Path) -> Any:
 def load_model(source: Path, layout: str = "single", mesh_shape: str = "dp=1") -> Any:
     """The model of ``source`` (a Hugging Face directory or a meshlm checkpoint) under
     ``layout`` on a mesh of ``mesh_shape``, with its weights."""
-    from meshlm.mesh import make_mesh
+    import torch.distributed as dist
+
+    from meshlm.mesh import MeshSpec, make_mesh
 
     if (source / "config.json").is_file():
         from meshlm.hf import load_hf
+        from meshlm.hf_load import load_hf_local
 
+        if layout == "single" and MeshSpec.parse(mesh_shape).size == 1 and not dist.is_initialized():
+            return load_hf_local(str(source))  # plain tensors: a compiled decode freezes them
         return load_hf(str(source), layout, make_mesh(mesh_shape))
     from meshlm.checkpoint import load_checkpoint
     from meshlm.hf_convert import _model_for_checkpoint
@@ -187,6 +193,20 @@ def _stops(a: argparse.Namespace, tok: Any, source: Path) -> list[int]:
     return out or default_stops(source)
 
 
+def add_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        default="none",
+        choices=("none", "inductor", "aot_eager"),
+        help="compile the decode step (inductor on CPU freezes the weights into it, NOTE [frozen decode]: "
+        "the fastest steps, after a compile of seconds to a minute)",
+    )
+
+
+def compile_backend(a: argparse.Namespace) -> Optional[str]:
+    return None if a.compile == "none" else a.compile
+
+
 def run(a: argparse.Namespace, out=None) -> int:
     """Load, generate, and (rank 0) print."""
 
@@ -247,7 +267,16 @@ def _generate(a, model, tok, prompts, ids, stops, sampling, out, inputs=None) ->
     if main and len(prompts) == 1:
         out.write(prompts[0])
         out.flush()
-    for step in stream(model, ids, max_new_tokens=a.max_new_tokens, sampling=sampling, stop=stops, inputs=inputs):
+    steps = stream(
+        model,
+        ids,
+        max_new_tokens=a.max_new_tokens,
+        sampling=sampling,
+        stop=stops,
+        inputs=inputs,
+        compile=compile_backend(a),
+    )
+    for step in steps:
         for i, t in step:
             new[i].append(t)
         if main and len(prompts) == 1:  # stream: print what is now whole text

@@ -58,8 +58,9 @@ def _bcast(obj: Any) -> Any:
 class Engine:
     """The model's thread: batches of waiting jobs, decoded together (NOTE [serving loop])."""
 
-    def __init__(self, model: Any, max_batch: int = 8):
-        self.model, self.max_batch = model, max_batch
+    def __init__(self, model: Any, max_batch: int = 8, compile: Optional[str] = None):
+        """``compile``: a torch.compile backend for the decode step (NOTE [compiled decode])."""
+        self.model, self.max_batch, self.compile = model, max_batch, compile
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.ranks = dist.get_world_size() if dist.is_initialized() else 1
         self.batches = 0
@@ -107,7 +108,7 @@ class Engine:
             try:
                 done = [False] * len(batch)
                 count = [0] * len(batch)
-                for step in decode(self.model, spec):
+                for step in decode(self.model, spec, self.compile):
                     for i, t in step:
                         if done[i]:
                             continue
@@ -122,18 +123,18 @@ class Engine:
                     j.out.put(e)
 
 
-def decode(model: Any, spec: tuple) -> Any:
+def decode(model: Any, spec: tuple, compile: Optional[str] = None) -> Any:
     prompts, max_new, sampling, stop = spec
-    return stream(model, prompts, max_new_tokens=max_new, sampling=sampling, stop=stop)
+    return stream(model, prompts, max_new_tokens=max_new, sampling=sampling, stop=stop, compile=compile)
 
 
-def follow(model: Any) -> None:
+def follow(model: Any, compile: Optional[str] = None) -> None:
     """A rank other than 0: decode every batch rank 0 broadcasts, until it broadcasts None."""
     while True:
         spec = _bcast(None)
         if spec is None:
             return
-        for _ in decode(model, spec):
+        for _ in decode(model, spec, compile):
             pass
 
 

@@ -11,6 +11,8 @@ from meshlm.errors import ConfigError
 
 
 def parser() -> argparse.ArgumentParser:
+    from meshlm.infer.cli import add_compile
+
     p = argparse.ArgumentParser(prog="meshlm serve", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a Hugging Face directory or a meshlm checkpoint (as meshlm generate)")
     p.add_argument("--host", default="127.0.0.1")
@@ -22,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None, help="e.g. tp=2, or pp=N with --max-memory-per-device")
     p.add_argument("--max-memory-per-device", default=None, help="as meshlm generate's (placement for --max-batch)")
     p.add_argument("--context", type=int, default=None, help="the longest prompt + max_tokens served (default: 2048)")
+    add_compile(p)
     p.add_argument("--offload", default="disk", choices=("disk", "host"), help="where streamed blocks live")
     p.add_argument("--offload-dir", default=None, help="the disk tier's directory")
     return p
@@ -31,7 +34,7 @@ def run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from meshlm.infer import serve
-    from meshlm.infer.cli import _placed, _tokenizer, default_stops, load_model, source_dir
+    from meshlm.infer.cli import _placed, _tokenizer, compile_backend, default_stops, load_model, source_dir
     from meshlm.infer.generate import context_of
 
     if a.max_batch < 1:
@@ -47,11 +50,11 @@ def run(a: argparse.Namespace) -> int:
         model = load_model(source, a.layout, a.mesh or "dp=1")
     limits = [c for c in (a.context, context_of(model)) if c is not None]
     if dist.is_initialized() and dist.get_rank() > 0:
-        serve.follow(model)
+        serve.follow(model, compile_backend(a))
         return 0
     import uvicorn
 
-    engine = serve.Engine(model, a.max_batch)
+    engine = serve.Engine(model, a.max_batch, compile_backend(a))
     api = serve.app(engine, tok, a.name or source.name, tuple(default_stops(source)), min(limits, default=None))
     print(f"meshlm serve: {a.name or source.name} on http://{a.host}:{a.port}/v1/completions", flush=True)
     try:
