@@ -13,10 +13,14 @@ with the same threads, each side runs greedy generation of `--new` tokens after 
 - decode tokens/s: batch x (new - 1) tokens over t(generate `new` tokens) - t(generate 1),
   so the prefill and the set-up cancel, for both sides alike;
 
-for transformers, meshlm eager, and meshlm with the decode step compiled by inductor over a
-static cache (`generate(..., compile="inductor")`; compiled before timing, in a warm-up of the
-same shapes).  Both sides must produce the same tokens (checked: the script fails otherwise),
+for transformers, meshlm eager, meshlm with the decode step compiled by inductor
+(`generate(..., compile="inductor", freeze=False)`), and compiled with the weights frozen into
+it (`compile="inductor"`, NOTE [frozen decode] in meshlm/infer/compiled.py); each compiled
+before timing, in a warm-up of the same shapes.  Both sides must produce the same tokens (checked: the script fails otherwise),
 so the ratio compares the same work.  The end-of-sequence token is disabled on both sides.
+
+Also recorded: each compiled side's warm-up (its first call, compile and autotuning
+included) and the resident memory it added (the frozen side holds a copy of the weights).
 
 Writes <out>/generate_speed_e<embed>_l<layers>_n<new>.json and .md.  Figures are for this machine
 only.  Run it at two sizes: where a decode step's weights take most of its time (the
@@ -58,6 +62,11 @@ def _hf_model(a):
     return m
 
 
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _best(fn, repeats):
     out, best = None, float("inf")
     for _ in range(repeats):
@@ -97,8 +106,8 @@ def main() -> None:
                 :, a.prompt :
             ].tolist()
 
-        def ours_gen(n, compile=None):
-            return generate(ours, prompts, max_new_tokens=n, compile=compile)
+        def ours_gen(n, compile=None, freeze=None):
+            return generate(ours, prompts, max_new_tokens=n, compile=compile, freeze=freeze)
 
         def hf_prefill():
             with torch.no_grad():
@@ -112,13 +121,18 @@ def main() -> None:
                 cache.end()
             return out
 
-        ours_gen(a.new, "inductor")  # compile (and warm) the decode step of these shapes
+        warm = {}  # compile (and warm) the decode steps of these shapes: seconds, resident MiB added
+        for name, freeze in (("meshlm_compiled", False), ("meshlm_frozen", None)):
+            r0, t0 = _rss_mib(), time.perf_counter()
+            ours_gen(a.new, "inductor", freeze)
+            warm[name] = {"warmup_s": time.perf_counter() - t0, "rss_added_mib": _rss_mib() - r0}
         res = {"batch": b}
         want = None
         for name, gen, prefill in (
             ("transformers", hf_gen, hf_prefill),
             ("meshlm_eager", ours_gen, ours_prefill),
-            ("meshlm_compiled", lambda n: ours_gen(n, "inductor"), ours_prefill),
+            ("meshlm_compiled", lambda n: ours_gen(n, "inductor", False), ours_prefill),
+            ("meshlm_frozen", lambda n: ours_gen(n, "inductor"), ours_prefill),
         ):
             tp, _ = _best(prefill, a.repeats)
             t1, _ = _best(lambda: gen(1), a.repeats)
@@ -131,7 +145,9 @@ def main() -> None:
                 "decode_tok_s": b * (a.new - 1) / (tn - t1),
                 "generate_s": tn,
             }
-        for k in ("meshlm_eager", "meshlm_compiled"):
+        for k in ("meshlm_compiled", "meshlm_frozen"):
+            res[k].update(warm[k])
+        for k in ("meshlm_eager", "meshlm_compiled", "meshlm_frozen"):
             for m in ("prefill_tok_s", "decode_tok_s"):
                 res[k][m.replace("_tok_s", "_ratio")] = res[k][m] / res["transformers"][m]
         rows.append(res)
@@ -168,12 +184,17 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for k in ("transformers", "meshlm_eager", "meshlm_compiled"):
+        for k in ("transformers", "meshlm_eager", "meshlm_compiled", "meshlm_frozen"):
             x = r[k]
             ratio = (f"{x['prefill_ratio']:.2f}x", f"{x['decode_ratio']:.2f}x") if k != "transformers" else ("1", "1")
             lines.append(
                 f"| {r['batch']} | {k} | {x['prefill_tok_s']:,.0f} | {x['decode_tok_s']:,.1f} | {ratio[0]} | {ratio[1]} |"
             )
+    lines += ["", "Warm-up of each compiled side (the first call: compile and autotune, then the tokens):", ""]
+    lines += ["| batch | side | warm-up s | resident MiB added |", "|---|---|---|---|"]
+    for r in rows:
+        for k in ("meshlm_compiled", "meshlm_frozen"):
+            lines.append(f"| {r['batch']} | {k} | {r[k]['warmup_s']:.1f} | {r[k]['rss_added_mib']:,.0f} |")
     (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
