@@ -28,8 +28,9 @@ NOTE [offloaded gradients]
     ``opt.masters()[fqn].grad`` inside ``opt.resident()``).  Main gradients (bf16 storage
     under ZeRO-1/2, NOTE [main grads] in meshlm/main_grad.py) bypass ``.grad``: main_grad's
     add hands each reduced float32 gradient here instead (the parameter's ``SINK``), and it
-    is accumulated the same way; ``main_grad`` stays None.  Not supported, and refused with
-    the key named: pipeline stages.
+    is accumulated the same way; ``main_grad`` stays None.  Inside pipeline stages (NOTE
+    [pipelined step] in meshlm/pipeline/pipe.py) each micro-batch's unreduced gradient is
+    accumulated on the tier the same way, and reduced once, at the step.
 """
 
 from __future__ import annotations

@@ -153,14 +153,14 @@ def open_offload(cfg, layout, run_dir: "str | Path", rank: int) -> Optional[Offl
     spec = offload_spec(cfg, layout)
     if not spec.active:
         return None
-    for kind in ("params", "grads"):
-        tier = getattr(spec, kind)
-        if tier != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
-            raise ConfigError(
-                f"offload.{kind}={tier} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): meshlm does not "
-                f"offload {'parameters' if kind == 'params' else 'gradients'} inside pipeline stages yet; offload "
-                "the optimizer state (offload.optimizer) or activations instead, or use a layout without pp"
-            )
+    if spec.params != "device" and is_pipelined(layout) and cfg.mesh.pp > 1:
+        raise ConfigError(
+            f"offload.params={spec.params} with the pipeline layout {layout.name} (pp={cfg.mesh.pp}): a stage keeps "
+            "each parameter's gradient unreduced through the micro-batches and steps a copy of the parameter "
+            "(NOTE [pipelined step]), which offloaded parameters cannot be refreshed from; offload the optimizer "
+            "state, gradients or activations instead (offload.optimizer, offload.grads, offload.activations), "
+            "or use a layout without pp"
+        )
     return Offload(spec, run_dir, rank)
 
 

@@ -123,6 +123,25 @@ def test_an_offloaded_checkpoint_resumes_under_another_layout(tmp_path):
         assert math.isclose(got[s], want[s], rel_tol=INVARIANCE_RTOL), (s, got[s], want[s])
 
 
+def test_offloaded_gradients_inside_pipeline_stages(tmp_path):
+    """fsdp_pp on fsdp=2 x pp=2, 1F1B over 2 micro-batches: each stage's unreduced gradients
+    accumulate on disk and are reduced once, at the step (NOTE [pipelined step]); the same
+    loss and gradient-norm curve as without, bit for bit, and no swap file left.
+    ``offload.params`` is refused there, naming the key and what to offload instead."""
+    pp = [*RUN, "layout=fsdp_pp", "mesh=fsdp2_pp2", "train.grad_accum=2", "train.steps=3"]
+    ref = meshlm("train", *pp, f"hydra.run.dir={tmp_path / 'ref'}")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    off = meshlm("train", *pp, "offload.grads=disk", f"hydra.run.dir={tmp_path / 'off'}")
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert _curve(tmp_path / "off") == _curve(tmp_path / "ref")
+    rows = _metrics(tmp_path / "off")
+    assert all(r["offload_grads_out_bytes"] > 0 and r["offload_grads_in_bytes"] > 0 for r in rows)
+    assert _swap_files(tmp_path / "off" / "offload") == []
+    bad = meshlm("train", *pp, "offload.params=disk", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert bad.returncode != 0 and "offload.params=disk with the pipeline layout fsdp_pp" in bad.stderr
+    assert "offload.grads" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_bad_offload_input_stops_before_any_step(tmp_path):
     missing = tmp_path / "no" / "such"
     r = meshlm(
