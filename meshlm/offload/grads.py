@@ -122,7 +122,7 @@ class GradOffload:
     def reduce(self, opt) -> None:
         """``opt.reduce_grads()`` with the gradients here: each master's ``.grad`` made from
         its parameter's swapped gradient, chunk by chunk (NOTE [optimizer chunks] in
-        meshlm/optim.py), each chunk's gradients swapped in for its reduction and the results
+        meshlm/optim_chunks.py), each chunk's gradients swapped in for its reduction and the results
         swapped out."""
         assert not self.pending and not self.dirty, "gradients scaled before they were reduced"
         moving: dict = {}

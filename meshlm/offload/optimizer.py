@@ -6,7 +6,7 @@ NOTE [offloaded step]
     state tensor except the step counters live on that tier between steps (NOTE [swapped
     storage] in meshlm/offload/store.py).  ``ShardedOptimizer.step`` then runs the torch
     optimizer one chunk at a time, in the chunks of its flat collectives (one per block,
-    NOTE [optimizer chunks] in meshlm/optim.py): the chunk's state is swapped in, the
+    NOTE [optimizer chunks] in meshlm/optim_chunks.py): the chunk's state is swapped in, the
     chunk's masters are stepped (on the host of a CPU-only machine, where the state lives),
     the parameters' new values are taken, and the state is swapped out before the next
     chunk comes in, so at most one block's optimizer state is in memory at once.  The

@@ -22,7 +22,7 @@ def _prod(axes, sizes) -> int:
 
 
 def _master_is_view(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
-    """A same-dtype master is a view of the parameter (optim.py ``_shard_view``) when the
+    """A same-dtype master is a view of the parameter (optim_chunks.py ``shard_view``) when the
     optimizer placements only split further what storage keeps: per tensor dim, the
     storage's active axes are the leading ones of the optimizer's, and no axis moves to
     another dim."""

@@ -1,6 +1,6 @@
 """optim.py's helpers that decide numbers, in one process: the chunks of the optimizer's
 flat collectives (``outside_chunks``, ``_chunk_keys``), the master that is a view of this
-rank's block (``_shard_view``, on a fake process group, one rank at a time) and the global
+rank's block (``optim_chunks.shard_view``, on a fake process group, one rank at a time) and the global
 gradient norm (``grad_norm``, on simulated ranks: meshlm.testing.simworld)."""
 
 import itertools
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshlm import block, optim
+from meshlm import block, optim, optim_chunks
 from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
 
 SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=True)
@@ -24,7 +24,7 @@ SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=
 @SETTINGS
 @given(st.lists(st.integers(1, 50), max_size=12), st.integers(0, 80))
 def test_outside_chunks_greedy_within_cap(nbytes, cap):
-    out = optim.outside_chunks(nbytes, cap)
+    out = optim_chunks.outside_chunks(nbytes, cap)
     assert len(out) == len(nbytes)
     assert out[:1] in ([], [0]) and all(b - a in (0, 1) for a, b in zip(out, out[1:]))  # consecutive from 0
     chunks = [[n for n, g in zip(nbytes, out) if g == k] for k in range(out[-1] + 1 if out else 0)]
@@ -33,10 +33,10 @@ def test_outside_chunks_greedy_within_cap(nbytes, cap):
 
 
 def test_outside_chunks_by_hand():
-    assert optim.outside_chunks([4, 4, 4, 10, 1, 1], 8) == [0, 0, 1, 2, 3, 3]
-    assert optim.outside_chunks([8, 1], 8) == [0, 1]
-    assert optim.outside_chunks([9, 9], 8) == [0, 1]
-    assert optim.outside_chunks([3, 5], 8) == [0, 0]
+    assert optim_chunks.outside_chunks([4, 4, 4, 10, 1, 1], 8) == [0, 0, 1, 2, 3, 3]
+    assert optim_chunks.outside_chunks([8, 1], 8) == [0, 1]
+    assert optim_chunks.outside_chunks([9, 9], 8) == [0, 1]
+    assert optim_chunks.outside_chunks([3, 5], 8) == [0, 0]
 
 
 # --------------------------------------------------------------------------- _chunk_keys
@@ -66,11 +66,11 @@ def _params(net):
 def test_chunk_keys_blocks_then_outside_within_the_largest_block():
     net = _Net()
     params = _params(net)
-    keys = optim._chunk_keys(net, params)
+    keys = optim_chunks.chunk_keys(net, params)
     # outside the blocks, within the largest block's 120 B: [emb] [pos, norm] [head]
     out = ("outside", 0), ("outside", 1), ("outside", 1), ("outside", 2)
     assert keys == [out[0], out[1], 0, 0, 1, 2, out[2], out[3]]
-    assert optim._chunk_keys(_Blk(8), [_Blk(8).w]) == [("outside", 0)]  # no block of the model holds it
+    assert optim_chunks.chunk_keys(_Blk(8), [_Blk(8).w]) == [("outside", 0)]  # no block of the model holds it
 
 
 def test_chunk_keys_merged_to_bucket_bytes():
@@ -79,13 +79,13 @@ def test_chunk_keys_merged_to_bucket_bytes():
     # chunks in order of first appearance: emb 120, pos+norm 80, block 0 120, 1 64, 2 32, head 100
     # a merged chunk closes once it holds at least the bucket's bytes:
     # 150 B: [emb pos+norm: 200] [blocks 0, 1: 184] [block 2, head: 132]
-    assert optim._chunk_keys(net, params, 150) == [("bucket", k) for k in (0, 0, 1, 1, 1, 2, 0, 2)]
+    assert optim_chunks.chunk_keys(net, params, 150) == [("bucket", k) for k in (0, 0, 1, 1, 1, 2, 0, 2)]
     # 200 B: [emb pos+norm: 200] [blocks 0, 1, 2: 216] [head]
-    assert optim._chunk_keys(net, params, 200) == [("bucket", k) for k in (0, 0, 1, 1, 1, 1, 0, 2)]
+    assert optim_chunks.chunk_keys(net, params, 200) == [("bucket", k) for k in (0, 0, 1, 1, 1, 1, 0, 2)]
     # 120 B: [emb] [pos+norm, block 0: 200] [blocks 1, 2, head: 196]
-    assert optim._chunk_keys(net, params, 120) == [("bucket", k) for k in (0, 1, 1, 1, 2, 2, 1, 2)]
-    assert optim._chunk_keys(net, params, 1) == [("bucket", k) for k in (0, 1, 2, 2, 3, 4, 1, 5)]
-    assert optim._chunk_keys(net, params, 10**6) == [("bucket", 0)] * 8
+    assert optim_chunks.chunk_keys(net, params, 120) == [("bucket", k) for k in (0, 1, 1, 1, 2, 2, 1, 2)]
+    assert optim_chunks.chunk_keys(net, params, 1) == [("bucket", k) for k in (0, 1, 2, 2, 3, 4, 1, 5)]
+    assert optim_chunks.chunk_keys(net, params, 10**6) == [("bucket", 0)] * 8
 
 
 def test_chunk_keys_of_a_model_without_blocks_one_chunk_per_parameter():
@@ -93,10 +93,10 @@ def test_chunk_keys_of_a_model_without_blocks_one_chunk_per_parameter():
     each parameter is a chunk of its own, and there is no largest block to measure."""
     net = nn.Module()
     net.a, net.b, net.c = (nn.Parameter(torch.zeros(n)) for n in (4, 1, 9))
-    assert optim._chunk_keys(net, [net.a, net.b, net.c]) == [("outside", 0), ("outside", 1), ("outside", 2)]
+    assert optim_chunks.chunk_keys(net, [net.a, net.b, net.c]) == [("outside", 0), ("outside", 1), ("outside", 2)]
 
 
-# --------------------------------------------------------------------------- _shard_view
+# --------------------------------------------------------------------------- shard_view
 @pytest.fixture
 def fake_world():
     yield
@@ -116,7 +116,7 @@ def test_shard_view_is_this_ranks_block_as_a_view(fake_world, sizes):
         for sp, op in itertools.product(itertools.product(choices, repeat=len(sizes)), repeat=2):
             local = locals_of(full, sp, sizes, gen)[c].clone()
             p = DTensor.from_local(local, mesh, sp, run_check=False, shape=full.shape, stride=full.stride())
-            got = optim._shard_view(p, op)
+            got = optim_chunks.shard_view(p, op)
             want = locals_of(full, op, sizes, gen)[c]
             splits_only = all(a == b or (a == Replicate() and isinstance(b, Shard)) for a, b in zip(sp, op))
             inside = set(want.flatten().tolist()) <= set(local.flatten().tolist())
@@ -135,8 +135,8 @@ def test_shard_view_is_this_ranks_block_as_a_view(fake_world, sizes):
 def test_shard_view_of_uneven_shards_is_none(fake_world):
     mesh = fake_mesh((2,), 1)
     p = DTensor.from_local(torch.zeros(3, 4), mesh, (Replicate(),), run_check=False, shape=(3, 4), stride=(4, 1))
-    assert optim._shard_view(p, (Shard(0),)) is None
-    assert optim._shard_view(p, (Shard(1),)) is not None
+    assert optim_chunks.shard_view(p, (Shard(0),)) is None
+    assert optim_chunks.shard_view(p, (Shard(1),)) is not None
 
 
 # --------------------------------------------------------------------------- grad_norm
