@@ -25,7 +25,8 @@ metrics.jsonl:
 - the step: time per step of each run (the mean of the steps after the first), and of the
   offloaded ones their parts: moving the state between memory and disk (`transfer`) and the
   optimizer's arithmetic (`step`), from the run's offload_optimizer_transfer_s and
-  offload_optimizer_step_s (per step, over all steps).
+  offload_optimizer_step_s, and moving the gradients (offload_grads_transfer_s), each per
+  step, over all steps.
 
 Writes <out>/offload_memory.json and .md.  Figures are for this machine only: the disk tier's
 speed is the page cache's and the disk's, and 2 cores run the rest.
@@ -82,6 +83,8 @@ def _run(args, run_dir: Path, extra: list[str], cgroup: "Path | None" = None) ->
         out["optimizer_step_s"] = rows[-1]["offload_optimizer_step_s"] / n
         out["disk_bytes"] = rows[-1]["offload_disk_bytes"]
         out["in_bytes_per_step"] = rows[-1]["offload_optimizer_in_bytes"] - rows[-2]["offload_optimizer_in_bytes"]
+    if "offload_grads_transfer_s" in rows[-1]:
+        out["grads_transfer_s"] = rows[-1]["offload_grads_transfer_s"] / len(rows)
     return out
 
 
@@ -201,13 +204,14 @@ def _table(r: dict) -> str:
     lines = [
         f"`{r['command']}` ({r['date']}; {r['machine']})",
         "",
-        "| run | peak RSS MiB | step s | transfer s | optimizer arithmetic s |",
-        "|---|---|---|---|---|",
+        "| run | peak RSS MiB | step s | moving optimizer state s | optimizer arithmetic s | moving gradients s |",
+        "|---|---|---|---|---|---|",
     ]
     for k, label in names.items():
         x = runs[k]
         t = (f"{x['transfer_s']:.3f} | {x['optimizer_step_s']:.3f}") if "transfer_s" in x else "- | -"
-        lines.append(f"| {label} | {x['rss_bytes'] / MIB:.0f} | {x['step_s']:.3f} | {t} |")
+        g = f"{x['grads_transfer_s']:.3f}" if "grads_transfer_s" in x else "-"
+        lines.append(f"| {label} | {x['rss_bytes'] / MIB:.0f} | {x['step_s']:.3f} | {t} | {g} |")
     o = runs["optimizer_disk"]
     lines += [
         "",

@@ -9,7 +9,9 @@ NOTE [offloaded step]
     NOTE [optimizer chunks] in meshlm/optim_chunks.py): the chunk's state is swapped in, the
     chunk's masters are stepped (on the host of a CPU-only machine, where the state lives),
     the parameters' new values are taken, and the state is swapped out before the next
-    chunk comes in, so at most one block's optimizer state is in memory at once.  The
+    chunk comes in, so at most one block's optimizer state is in memory at once.  On the
+    ``host`` tier with the parameters on an accelerator the chunk is stepped on the host
+    instead, and the state never comes to the device (NOTE [host step] in host_step.py).  The
     optimizer's first step creates the state; it goes to the tier as soon as its chunk is
     stepped.
 
@@ -45,6 +47,9 @@ class OptimizerOffload:
         self.step_seconds = 0.0  # wall time of the optimizer's arithmetic in offloaded steps (no transfers)
         if swapper is not None and swapper.disk is not None:  # a full disk fails here, before any step
             swapper.disk.need(self.nbytes(states_per_master), "offload.optimizer=disk (optimizer state and masters)")
+        from meshlm.offload.host_step import HostStep
+
+        self.host = HostStep(opt, swapper) if HostStep.applies(opt, swapper) else None  # NOTE [host step]
 
     def nbytes(self, states_per_master: int = 2) -> int:
         """This rank's bytes of what moves: each master that is a tensor of its own, and
@@ -70,8 +75,8 @@ class OptimizerOffload:
                     out.append(local_data(v))
         return out
 
-    def swap_in(self, pms) -> None:
-        if self.swapper is not None:
+    def swap_in(self, pms, state: bool = True) -> None:
+        if self.swapper is not None and state:
             for t in self.tensors(pms):
                 self.swapper.swap_in(t)
         if self.params is not None:
@@ -84,10 +89,10 @@ class OptimizerOffload:
     def _grads(self, pms) -> list[Tensor]:
         return [local_data(m.grad) for _p, m in pms if m.grad is not None]
 
-    def swap_out(self, pms) -> None:
+    def swap_out(self, pms, state: bool = True) -> None:
         if self._resident:
             return
-        if self.swapper is not None:
+        if self.swapper is not None and state:
             for t in self.tensors(pms):
                 self.swapper.swap_out(t)
         if self.params is not None:  # the step has written them: written out again
@@ -121,6 +126,14 @@ class OptimizerOffload:
             chunks.setdefault(key, []).append((p, m))
         fresh = {}
         for pms in chunks.values():
+            if self.host is not None:  # on the host, where the state is (NOTE [host step])
+                self.swap_in(pms, state=False)
+                sw = self.swapper
+                t0, moving = time.perf_counter(), sw.seconds_in + sw.seconds_out
+                fresh.update(self.host.step(pms))  # its copies are the swapper's transfer time
+                self.step_seconds += time.perf_counter() - t0 - (sw.seconds_in + sw.seconds_out - moving)
+                self.swap_out(pms, state=False)
+                continue
             self.swap_in(pms)
             t0 = time.perf_counter()
             with _only(opt.inner, {id(m) for _p, m in pms}):

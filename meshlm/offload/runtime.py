@@ -128,6 +128,7 @@ class Offload:
         if self.grads is not None:
             out["offload_grads_out_bytes"] = self.grads.bytes_out
             out["offload_grads_in_bytes"] = self.grads.bytes_in
+            out["offload_grads_transfer_s"] = self.grads.seconds_in + self.grads.seconds_out
         if self.params is not None:
             out["offload_params_in_bytes"] = self.params.swapper.bytes_in
             out["offload_params_prefetched_blocks"] = self.params.prefetched
@@ -167,9 +168,11 @@ def open_offload(cfg, layout, run_dir: "str | Path", rank: int) -> Optional[Offl
 def adamw_impl(t, offload: Optional[Offload], device) -> dict[str, bool]:
     """torch.optim.AdamW's implementation keywords for ``train.optimizer_impl`` (``t``: the
     TrainConfig); auto: fused where the offloaded step runs on the CPU (the offloaded
-    state's arithmetic is then the step's cost: benchmarks/offload_memory.py), else torch's
+    state's arithmetic is then the step's cost: benchmarks/offload_memory.py): on a CPU-only
+    machine, and on the host tier, which steps on the host (NOTE [host step]); else torch's
     default."""
     impl = t.optimizer_impl
     if impl == "auto":
-        impl = "fused" if offload is not None and offload.optimizer is not None and device.type == "cpu" else ""
+        opt = offload.optimizer if offload is not None else None
+        impl = "fused" if opt is not None and (device.type == "cpu" or opt.tier == "host") else ""
     return {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})

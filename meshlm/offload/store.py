@@ -16,7 +16,8 @@ NOTE [swapped storage]
       bytes holds nothing; a read into the tensor's own storage is also the one copy a
       mapping would make on first touch.
     - ``host``: on an accelerator, a pinned host copy (made once, reused).  On a CPU-only
-      machine the device *is* host memory: nothing moves (``host`` is then accounting only).
+      machine the device *is* host memory: nothing moves (``host`` is then accounting only),
+      unless the swapper ``simulate``s an accelerator (tests of the host tier's code path).
 
     Only a tensor that owns its storage whole (contiguous, offset 0, storage exactly its
     bytes) is swapped; a view of a parameter (a same-dtype ZeRO-1/2 master, NOTE [optimizer
@@ -207,12 +208,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def host_empty(shape, dtype) -> Tensor:
+    """An uninitialised host tensor, pinned where there is an accelerator to copy to and from."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
 class Swapper:
     """Swaps tensors' storages out to a tier and back (NOTE [swapped storage])."""
 
-    def __init__(self, tier: str, disk: Optional[SwapDir] = None):
+    def __init__(self, tier: str, disk: Optional[SwapDir] = None, simulate: bool = False):
+        """``simulate``: CPU tensors are treated as an accelerator's (``host`` makes host copies
+        and frees their storage, and the optimizer steps on the host, NOTE [host step]): the
+        host tier's code path, run and checked on a machine without one."""
         self.tier = tier
         self.disk = disk
+        self.simulate = simulate
         self._host: dict[int, Tensor] = {}  # id(tensor) -> pinned host copy
         self._out: dict[int, int] = {}  # id(tensor) -> its storage's bytes, while swapped out
         self._written: set[int] = set()  # id(tensor): has a copy on the tier
@@ -224,7 +234,21 @@ class Swapper:
 
     def moves(self, t: Tensor) -> bool:
         """Whether swapping ``t`` frees memory here (host on a CPU tensor does not)."""
-        return self.tier == "disk" or (self.tier == "host" and t.device.type != "cpu")
+        return self.tier == "disk" or (self.tier == "host" and (t.device.type != "cpu" or self.simulate))
+
+    def host_of(self, t: Tensor) -> Optional[Tensor]:
+        """The host copy holding ``t``'s bytes while ``t`` is out on the ``host`` tier, or None."""
+        return self._host.get(id(t)) if self.tier == "host" and self.is_out(t) else None
+
+    def adopt(self, t: Tensor, host: Tensor) -> None:
+        """Make ``host`` (a host tensor of ``t``'s shape and dtype) ``t``'s copy on the host
+        tier, and free ``t``'s storage: ``t`` is out, with ``host``'s bytes (optimizer state the
+        host step made, NOTE [host step])."""
+        self._host[id(t)] = host
+        self._written.add(id(t))
+        st = t.untyped_storage()
+        self._out[id(t)] = st.nbytes()
+        st.resize_(0)
 
     def is_out(self, t: Tensor) -> bool:
         return id(t) in self._out
@@ -247,9 +271,7 @@ class Swapper:
                 else:
                     h = self._host.get(id(t))
                     if h is None:
-                        h = self._host[id(t)] = torch.empty(
-                            t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available()
-                        )
+                        h = self._host[id(t)] = host_empty(t.shape, t.dtype)
                     h.copy_(t)
             self._written.add(id(t))
             self.bytes_out += nbytes

@@ -108,6 +108,7 @@ def plan(
 
     # ---------------------------------------------------------------- model state
     params = grads = optim = moved = 0  # moved: what offload.optimizer moves (NOTE [planned offload])
+    host_extra = host_up = host_down = 0  # offload.optimizer=host's step on the host (NOTE [host step])
     master_grads = 0  # of ``grads``: the masters' gradients that are buffers of their own
     main_shards = 0  # ZeRO-1's reduce-scattered main gradients (not held whole: only offload moves them)
     grad_one = 0  # the largest parameter's gradient as accumulated (offload.grads keeps two of them)
@@ -134,8 +135,12 @@ def plan(
         # AdamW: exp_avg + exp_avg_sq in the master dtype, a float32 `step` scalar
         optim += k * (2 * n_opt * MB + 4)
         moved += k * 2 * n_opt * MB
+        own = not direct and not (mdt == pdt and _master_is_view(pp, sizes))
+        host_extra += k * n_opt * MB * (1 if own else 2)  # a host master unless its own, a gradient buffer
+        host_up += k * n_opt * B
+        host_down += k * n_opt * MB
         if not direct:
-            if not (mdt == pdt and _master_is_view(pp, sizes)):
+            if own:
                 optim += k * n_opt * MB  # the master copy
                 moved += k * n_opt * MB
             # the master's gradient is a new buffer unless the grad already is in optimizer
@@ -182,6 +187,7 @@ def plan(
         grad_accum,
         (in_blocks, one_block),
         (grads - master_grads, master_grads + main_shards, grad_one),
+        (host_extra, host_up, host_down),
     )
 
     # Activation collectives re-run in backward: only under train.activation_checkpointing

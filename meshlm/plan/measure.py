@@ -265,7 +265,12 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             held, grads = step(cc, made)
         state = model_state_bytes(model, opt)
     kinds = {}
-    if tier is not None:  # what moves (NOTE [offloaded step]) and what moved in the measured step
+    if tier is not None and tier.tier == "host":  # stepped on the host (NOTE [host step]): by its parameters
+        from meshlm.offload.host_step import planned
+
+        extra, up, down = planned(opt)
+        kinds["optimizer"] = {"bytes": opt.offload.nbytes() + extra, "in_bytes": up, "out_bytes": down}
+    elif tier is not None:  # what moves (NOTE [offloaded step]) and what moved in the measured step
         kinds["optimizer"] = {"bytes": opt.offload.nbytes(), "in_bytes": tier.bytes_in, "out_bytes": tier.bytes_out}
     if ptier is not None:  # every block's parameters; the measured peak holds one block's, no read-ahead
         nbytes = sum(t.numel() * t.element_size() for g in poff.groups for t in g)

@@ -13,8 +13,13 @@ NOTE [planned offload]
 
     - ``optimizer`` (NOTE [offloaded step] in meshlm/offload/optimizer.py): every master that
       is a tensor of its own and AdamW's ``exp_avg`` and ``exp_avg_sq`` move
-      (``OptimizerOffload.nbytes``); the 0-dim ``step`` counters stay on the device.  Each
-      step reads them in and writes them out once, chunk by chunk (in = out = the bytes).
+      (``OptimizerOffload.nbytes``); the 0-dim ``step`` counters stay on the device.  On
+      ``disk`` each step reads them in and writes them out once, chunk by chunk (in = out =
+      the bytes).  On ``host`` the step runs on the host (NOTE [host step] in
+      meshlm/offload/host_step.py), which holds as well a copy of each master that is no
+      tensor of its own and a gradient buffer per master; per step the masters' gradients
+      go down (out) and their new values come up in the parameters' dtype (in)
+      (``host_step.planned``).
       The one chunk in memory during the step is not added to the device figure: it is
       there while the step runs, after backward has freed the activations (the measured
       planner runs the chunked step and counts it where it is).
@@ -102,6 +107,7 @@ def analytic(
     grad_accum: int,
     block_params: tuple[int, int] = (0, 0),
     grad_bytes: tuple[int, int, int] = (0, 0, 0),
+    host_step: tuple[int, int, int] = (0, 0, 0),
 ) -> dict[str, dict]:
     """The formula's offload (NOTE [planned offload]): moves the offloaded kinds' bytes out of
     ``memory`` (the device's; updated, ``total`` too) and returns their figures by kind.
@@ -110,7 +116,9 @@ def analytic(
     keep (the rest of ``memory["gathered"]`` is the head's); ``block_params``: (the stored
     bytes of every block's parameters, of the largest block's); ``grad_bytes``: (the
     parameters' gradients as accumulated, the masters' gradients that are buffers of their
-    own, the largest parameter's gradient)."""
+    own, the largest parameter's gradient); ``host_step``: the optimizer on ``host`` steps
+    there (NOTE [host step]): (the host bytes beyond ``optimizer_moved``, the bytes a step
+    moves up, down)."""
     kinds: dict[str, dict] = {}
     if spec.grads != "device":
         acc, masters, one = grad_bytes
@@ -128,7 +136,11 @@ def analytic(
         )
     if spec.optimizer != "device":
         memory["optimizer"] -= optimizer_moved
-        kinds["optimizer"] = kind_entry(spec.optimizer, optimizer_moved, optimizer_moved, optimizer_moved)
+        if spec.optimizer == "host":  # stepped on the host: gradients down, parameters up
+            extra, up, down = host_step
+            kinds["optimizer"] = kind_entry("host", optimizer_moved + extra, up, down)
+        else:
+            kinds["optimizer"] = kind_entry(spec.optimizer, optimizer_moved, optimizer_moved, optimizer_moved)
     if spec.activations != "device":
         saved = memory["activations"] + memory["gathered"]
         layers = max(int(act["layers"]), 1)
@@ -160,7 +172,12 @@ def lines(p) -> list[str]:
             f"offload: {kind}={k['tier']}: {size(k['bytes'])} on {k['tier']}, {size(k['in_bytes'])} in + "
             f"{size(k['out_bytes'])} out per step"
         )
-        if kind == "optimizer":
+        if kind == "optimizer" and k["tier"] == "host":
+            line += (
+                " (stepped on the host: exp_avg, exp_avg_sq, a master and a gradient buffer per parameter there; "
+                "gradients out, new parameters in)"
+            )
+        elif kind == "optimizer":
             line += " (masters of their own, exp_avg, exp_avg_sq; the step counters stay)"
         elif kind == "grads":
             line += (

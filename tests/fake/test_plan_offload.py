@@ -30,13 +30,14 @@ def no_pg():
         dist.destroy_process_group()
 
 
-def _real_optimizer_bytes(layout: str, sizes: dict, master_dtype=None, dtype="bfloat16") -> tuple[int, int]:
+def _real_optimizer_bytes(layout: str, sizes: dict, master_dtype=None, dtype="bfloat16") -> tuple[int, int, tuple]:
     """(what ``offload.optimizer`` moves, the number of parameters) of llama_tiny sharded as
     ``meshlm train`` shards it under ``dtype`` compute, on rank 0 of a fake process group of
     ``sizes`` (real tensors; the collectives do nothing)."""
     import meshlm
     from meshlm.config import TrainConfig
     from meshlm.models import Llama, llama_config
+    from meshlm.offload.host_step import planned
     from meshlm.offload.store import Swapper
     from meshlm.optim import ShardedOptimizer
     from meshlm.precision import shard_dtypes
@@ -51,7 +52,7 @@ def _real_optimizer_bytes(layout: str, sizes: dict, master_dtype=None, dtype="bf
     # host on a CPU tensor moves nothing (NOTE [swapped storage]): only the count is wanted
     mdt = getattr(torch, master_dtype) if master_dtype else None
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, master_dtype=mdt, offload=Swapper("host"))
-    return opt.offload.nbytes(), len(list(model.parameters()))
+    return opt.offload.nbytes(), len(list(model.parameters())), planned(opt)
 
 
 def _plan(layout, sizes, master_dtype=None, **kw):
@@ -78,8 +79,12 @@ def _plan(layout, sizes, master_dtype=None, **kw):
 )
 def test_optimizer_on_disk_is_what_the_runtime_moves(layout, sizes, master, no_pg):
     """The disk holds exactly ``OptimizerOffload.nbytes``; that is the plan's optimizer state
-    less AdamW's 4-byte step counters (which stay), and the device total drops by it."""
-    moved, n_params = _real_optimizer_bytes(layout, sizes, master)
+    less AdamW's 4-byte step counters (which stay), and the device total drops by it.  On
+    host, which steps there (NOTE [host step]), the host holds that and the host step's
+    masters and gradient buffers, and a step moves the gradients down and the parameters up,
+    as ``host_step.planned`` counts from the runtime's optimizer (whose moves
+    tests/dist/test_offload_host.py checks)."""
+    moved, n_params, (extra, up, down) = _real_optimizer_bytes(layout, sizes, master)
     base = _plan(layout, sizes, master)
     off = _plan(layout, sizes, master, offload={"optimizer": "disk"})
     k = off.offload["kinds"]["optimizer"]
@@ -90,7 +95,9 @@ def test_optimizer_on_disk_is_what_the_runtime_moves(layout, sizes, master, no_p
     assert off.tiers == {"device": off.memory["total"], "host": 0, "disk": moved}
     assert k["in_bytes"] == k["out_bytes"] == moved  # read in and written out once a step
     host = _plan(layout, sizes, master, offload={"optimizer": "host"})
-    assert host.tiers == {"device": off.memory["total"], "host": moved, "disk": 0}
+    assert host.tiers == {"device": off.memory["total"], "host": moved + extra, "disk": 0}
+    h = host.offload["kinds"]["optimizer"]
+    assert (h["in_bytes"], h["out_bytes"]) == (up, down) and 0 < up <= down
     assert base.offload["kinds"] == {} and base.tiers == {"device": base.memory["total"], "host": 0, "disk": 0}
 
 
@@ -128,7 +135,7 @@ def test_measured_plan_runs_the_offloaded_step(no_pg):
     from meshlm.models import Llama, llama_config
     from meshlm.plan import plan_model
 
-    moved, n_params = _real_optimizer_bytes("fsdp", {"fsdp": 2})
+    moved, n_params, _host = _real_optimizer_bytes("fsdp", {"fsdp": 2})
     dist.destroy_process_group()
     kw = dict(global_batch=8, seq=128, grad_accum=2, shard_kw={"compute_dtype": torch.bfloat16})
 
@@ -348,7 +355,7 @@ def test_planned_memory_of_an_offloaded_run(no_pg):
     p0 = planned_memory(load_config(base), "fsdp", {"fsdp": 2})
     disk = planned_memory(load_config(base + ["offload.optimizer=disk"]), "fsdp", {"fsdp": 2})
     host = planned_memory(load_config(base + ["offload.optimizer=host"]), "fsdp", {"fsdp": 2})
-    moved, n_params = _real_optimizer_bytes("fsdp", {"fsdp": 2}, dtype="float32")
+    moved, n_params, _host = _real_optimizer_bytes("fsdp", {"fsdp": 2}, dtype="float32")
     assert p0["optimizer"] - disk["optimizer"] == moved == p0["total"] - disk["total"]
     assert disk["optimizer"] == 4 * n_params and disk["params"] == p0["params"] and host == p0
     deep = base + ["model.layers=6"]  # more blocks than the two the device keeps
