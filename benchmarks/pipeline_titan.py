@@ -72,7 +72,7 @@ def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend):
 
         compile_blocks(pipe.model, backend, comms="eager")  # as meshlm train compiles a pipeline
     opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=LR)
-    opt.norm_groups = [pipe.group]
+    pipe.attach(opt)  # as meshlm train: the norm over every stage, reductions started in backward
     lay = meshlm.load_layout(layout)
     inputs = [
         (

@@ -118,6 +118,7 @@ class ShardedOptimizer:
         # offload_params: a meshlm.offload.params.ParamOffload, whose blocks the step moves too;
         # offload_grads: a Swapper for the gradients (NOTE [offloaded gradients])
         self.offload = self.grad_offload = None
+        self.early = None  # NOTE [early reduction] (reduce_early)
         if offload_grads is not None:
             from meshlm.offload.grads import GradOffload
 
@@ -127,6 +128,15 @@ class ShardedOptimizer:
 
             self.offload = OptimizerOffload(self, offload, offload_params, grads=self.grad_offload)
             self.offload.swap_out(self.offload.pairs())
+
+    def reduce_early(self, micro: int) -> None:
+        """Start each chunk's gradient reduction in the backward pass that makes its last
+        gradient, the ``micro``-th of a step (NOTE [early reduction] in optim_early.py)."""
+        from meshlm.optim_early import EarlyReduction
+
+        if self.early is not None:
+            self.early.close()
+        self.early = EarlyReduction(self, micro)
 
     @property
     def param_groups(self):
@@ -164,12 +174,19 @@ class ShardedOptimizer:
             # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), chunk by
             # chunk: a chunk's main gradients are released once it is reduced (NOTE [main grads])
             for key, pms in moving.items():
+                early = self.early.take(key, pms) if self.early is not None else None
+                if early is not None:  # started in backward (NOTE [early reduction])
+                    for (p, m), g in zip(pms, early):
+                        m.grad = g
+                    continue
                 gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in pms]
                 out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
                 del gs
                 for (p, m), g in zip(pms, out):
                     m.grad = g
                     main_grad.release(p)
+            if self.early is not None:
+                self.early.reset()
             self._ready = True
 
     def scale_grads(self, factor: float) -> None:
@@ -308,6 +325,8 @@ class ShardedOptimizer:
                 m.grad = None
         if self.grad_offload is not None:
             self.grad_offload.release()
+        if self.early is not None:
+            self.early.reset()
         self._ready = False
 
     def state_dict(self) -> dict:

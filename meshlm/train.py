@@ -180,7 +180,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         offload_grads=offload.grads if offload else None,
     )
     if pipe is not None:
-        opt.norm_groups = [pipe.group]  # the other stages' gradients count in the norm
+        pipe.attach(opt)  # the other stages' gradients count in the norm; reductions start in backward
     scaler = LossScaler() if t.param_dtype == "float16" else None
 
     micro = t.batch_size // t.grad_accum

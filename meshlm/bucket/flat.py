@@ -224,6 +224,7 @@ def redistribute_flat(
     targets: Sequence[Sequence[Placement]],
     keys: Optional[Sequence] = None,
     into: Optional[Sequence[Optional[DTensor]]] = None,
+    wait: bool = True,
 ) -> list[DTensor]:
     """``t.redistribute(mesh, target)`` for many DTensors on one mesh, with one flat
     collective per mesh dim, kind, dtype and ``keys[j]`` (a chunk: the optimizer passes the
@@ -232,7 +233,8 @@ def redistribute_flat(
     Reduce-scatters go outer mesh dim first, then all-reduces, then all-gathers inner dim
     first (NOTE [shard order]); any other move is done per tensor at the end.  ``into[j]``:
     a DTensor placed as ``targets[j]`` whose local tensor receives result j in place when
-    its last move is an all-gather (then it is what is returned for j)."""
+    its last move is an all-gather (then it is what is returned for j).  ``wait=False``:
+    the reductions are left in flight (local tensors that wait at their first use)."""
     if not ts:
         return []
     mesh = ts[0].device_mesh
@@ -251,7 +253,8 @@ def redistribute_flat(
             for j, d in enumerate(into)
             if d is not None and compat.local_tensor(d).is_contiguous()
         }
-    flat_moves(xs, pls, tg, sizes, groups, order, key=dict(enumerate(keys)) if keys is not None else None, into=dst)
+    keyed = dict(enumerate(keys)) if keys is not None else None
+    flat_moves(xs, pls, tg, sizes, groups, order, key=keyed, into=dst, wait=wait)
     out = []
     for j, t in enumerate(ts):
         if j not in live:

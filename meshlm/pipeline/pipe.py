@@ -204,6 +204,18 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)
         return float(total.item()) / len(self.mbs.inputs)
 
+    def attach(self, opt, early: Optional[bool] = None) -> None:
+        """Connect the step's ``ShardedOptimizer``: every stage's gradients count in its norm
+        (``norm_groups``); with ``early`` (default: on an accelerator, not on a CPU mesh), where
+        gradients are kept local through the micro-batches, each chunk's reduction starts in
+        the backward that makes its last gradient (NOTE [early reduction] in
+        meshlm/optim_early.py)."""
+        opt.norm_groups = [self.group]
+        if early is None:
+            early = self.device.type != "cpu"
+        if early and self.microbatches > 1:
+            opt.reduce_early(self.microbatches)
+
     def step(self, inputs: list, scale: Optional[Callable] = None) -> float:
         """Forward and backward of the micro-batches ``inputs`` ((args, kwargs) each, this
         rank's slice) through the schedule; the gradients are left in place.  Returns the

@@ -53,7 +53,7 @@ class Piped:
         self.pipe = pipe
 
     def setup(self, opt) -> None:
-        opt.norm_groups = [self.pipe.group]
+        self.pipe.attach(opt)
 
     def passes(self, job, model: nn.Module, micro: list, seed: int, step: int) -> list[Tensor]:
         inputs = [job._shard(args, kwargs) for args, kwargs in micro]
