@@ -67,10 +67,22 @@ _COMPILED: dict[str, Step] = {}
 _FROZEN: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Step]]" = weakref.WeakKeyDictionary()
 
 
+def _quiet(compiled: Step) -> Step:
+    """``compiled`` with dynamo's notes on the DTensor internals it traces around unprinted
+    (a sharded model's first decode step would print them on every rank)."""
+
+    def step(m: nn.Module, tokens: Tensor, cache) -> Tensor:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin")
+            return compiled(m, tokens, cache)
+
+    return step
+
+
 def unfrozen(backend: str) -> Step:
     """The shared decode step compiled by ``backend`` (NOTE [compiled decode])."""
     if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_decode, backend=backend, dynamic=True)
+        _COMPILED[backend] = _quiet(torch.compile(_decode, backend=backend, dynamic=True))
     return _COMPILED[backend]
 
 
