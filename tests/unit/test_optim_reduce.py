@@ -98,6 +98,7 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
             inner=torch.optim.SGD([m for _f, _p, m in pairs], lr=1.0),
             mesh=mesh,
             offload=None,
+            early=None,
             grad_offload=None,
         )
         opt.reduce_grads()
