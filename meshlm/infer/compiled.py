@@ -35,6 +35,7 @@ NOTE [frozen decode]
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 import weakref
@@ -67,13 +68,19 @@ _COMPILED: dict[str, Step] = {}
 _FROZEN: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Step]]" = weakref.WeakKeyDictionary()
 
 
-def _quiet(compiled: Step) -> Step:
-    """``compiled`` with dynamo's notes on the DTensor internals it traces around unprinted
-    (a sharded model's first decode step would print them on every rank)."""
+# what compiling a decode step prints that is no news to its user: dynamo's notes on the
+# DTensor internals it traces around (on every rank of a sharded model), inductor's autotuning
+_QUIET = ("Dynamo does not know how to trace the builtin", "TypedStorage is deprecated")
+
+
+def _quiet(compiled, options: Optional[dict] = None) -> Step:
+    """``compiled`` called with ``_QUIET`` unprinted and, where given, inductor's settings
+    ``options`` in effect (read as a call traces and compiles)."""
 
     def step(m: nn.Module, tokens: Tensor, cache) -> Tensor:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin")
+        with compat.inductor_config(options) if options else contextlib.nullcontext(), warnings.catch_warnings():
+            for text in _QUIET:
+                warnings.filterwarnings("ignore", text)
             return compiled(m, tokens, cache)
 
     return step
@@ -97,8 +104,11 @@ def why_not_frozen(model: nn.Module, backend: str) -> Optional[str]:
             return f"parameter {name} is a DTensor"
         if p.device.type != "cpu":
             return f"parameter {name} is on {p.device}; weights are frozen on the CPU only"
+    from meshlm.infer.stages import _ATTR as STAGED
+    from meshlm.offload.params import _ATTR as STREAMED
+
     for name, m in model.named_modules():
-        if any(k in m.__dict__ for k in ("_meshlm_param_offload", "_meshlm_stage")):
+        if STAGED in m.__dict__ or STREAMED in m.__dict__:
             return f"block {name or type(m).__name__} is streamed in per call or runs on another stage"
     return None
 
@@ -115,14 +125,7 @@ def _frozen(model: nn.Module) -> Step:
         return hit[1]
     # a code object of its own: dynamo keeps its compiled graphs (and their frozen weights) on it
     fn = types.FunctionType(_decode.__code__.replace(co_name="_decode_frozen"), _decode.__globals__)
-    compiled = torch.compile(fn, backend="inductor", dynamic=True)
-    options = compat.inductor_options(FROZEN_OPTIONS)
-
-    def step(m: nn.Module, tokens: Tensor, cache) -> Tensor:
-        with compat.inductor_config(options), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "TypedStorage is deprecated")  # inductor's autotuning
-            return compiled(m, tokens, cache)
-
+    step = _quiet(torch.compile(fn, backend="inductor", dynamic=True), compat.inductor_options(FROZEN_OPTIONS))
     _FROZEN[model] = (key, step)
     return step
 

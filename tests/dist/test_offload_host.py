@@ -15,6 +15,8 @@ import torch
 
 from meshlm.testing import dist_pool_fixture
 
+from test_offload import CASES  # the layouts the disk tier's parity runs under
+
 pool1 = dist_pool_fixture(1, timeout_s=90)
 pool2 = dist_pool_fixture(2, timeout_s=90)
 pool4 = dist_pool_fixture(4, timeout_s=90)
@@ -74,14 +76,6 @@ def _job(layout: str, shape: str, host: bool, dtype: str):
                 st |= {f"state/{f}/{n}": v.clone() for n, v in full_many(dict(opt.inner.state.get(m, {}))).items()}
         rec["state"].append(st)
     return rec
-
-
-CASES = [
-    (1, "single", "dp=1", "float32"),
-    (2, "fsdp", "fsdp=2", "float32"),
-    (2, "zero1", "dp=2", "bfloat16"),
-    (4, "fsdp_tp", "fsdp=2,tp=2", "float32"),
-]
 
 
 @pytest.mark.parametrize("world,layout,shape,dtype", CASES)
