@@ -36,7 +36,6 @@ NOTE [host step]
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,10 +44,6 @@ from torch.distributed.tensor import DTensor
 from meshlm import _torch_compat as compat
 from meshlm.memory import local_data
 from meshlm.offload.store import Swapper, host_empty
-
-
-def _local(t: Any) -> Any:
-    return compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 class HostStep:
@@ -97,7 +92,7 @@ class HostStep:
         return h
 
     def _grad(self, m: nn.Parameter, loc: Tensor) -> "Tensor | None":
-        g = _local(m.grad)
+        g = local_data(m.grad)
         if g is None:
             return None
         t0 = time.perf_counter()
@@ -111,7 +106,7 @@ class HostStep:
     def _host_state(self, st: dict) -> dict:
         out = {}
         for k, v in st.items():
-            lv = _local(v)
+            lv = local_data(v)
             if torch.is_tensor(lv) and lv.ndim > 0:
                 h = self.swapper.host_of(lv)
                 out[k] = lv if h is None else h
@@ -124,7 +119,7 @@ class HostStep:
     def _device_state(self, m: nn.Parameter, loc: Tensor, old: "dict | None", new: dict) -> dict:
         if old is not None:  # the device-side tensors stay; the step counters take the new counts
             for k, v in old.items():
-                lv = _local(v)
+                lv = local_data(v)
                 if torch.is_tensor(lv) and lv.ndim == 0 and new[k] is not lv:
                     lv.copy_(new[k])
             return old
@@ -153,7 +148,7 @@ class HostStep:
                 for m in group["params"]:
                     if id(m) not in pairs:
                         continue
-                    loc = compat.local_tensor(m) if isinstance(m, DTensor) else m.data
+                    loc = local_data(m)  # the object the swapper keys a master of its own by
                     h = self._master(pairs[id(m)], m, loc)
                     lp = nn.Parameter(h, requires_grad=m.requires_grad)
                     lp.grad = self._grad(m, loc)
