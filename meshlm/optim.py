@@ -171,20 +171,24 @@ class ShardedOptimizer:
                     moving.setdefault(key, []).append((p, m))
                 else:
                     m.grad = g.to(m.dtype)
-            # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), chunk by
-            # chunk: a chunk's main gradients are released once it is reduced (NOTE [main grads])
+            # one flat reduce-scatter per data axis and block (NOTE [optimizer chunks]), two
+            # chunks in flight at once (NOTE [reductions in flight] in meshlm/bucket/flat.py); a
+            # chunk's main gradients go as its collective reads them (NOTE [main grads])
+            now, keys = [], []
             for key, pms in moving.items():
                 early = self.early.take(key, pms) if self.early is not None else None
                 if early is not None:  # started in backward (NOTE [early reduction])
                     for (p, m), g in zip(pms, early):
                         m.grad = g
                     continue
-                gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in pms]
-                out = redistribute_flat(gs, [m.placements for _p, m in pms], [key] * len(pms))
-                del gs
-                for (p, m), g in zip(pms, out):
-                    m.grad = g
-                    main_grad.release(p)
+                now += pms
+                keys += [key] * len(pms)
+            gs = [(main_grad.get(p) if main_grad.get(p) is not None else p.grad).to(m.dtype) for p, m in now]
+            for p, _m in now:
+                main_grad.release(p)
+            out = redistribute_flat(gs, [m.placements for _p, m in now], keys, consume=True)
+            for (_p, m), g in zip(now, out):
+                m.grad = g
             if self.early is not None:
                 self.early.reset()
             self._ready = True

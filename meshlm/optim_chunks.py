@@ -22,7 +22,8 @@ NOTE [optimizer chunks]
     for each block, and for the parameters outside blocks one per group of them that fits
     in the largest block's bytes (one per parameter where each is larger), so no temporary
     buffer is larger than a block or the largest parameter (DDP's 25 MB buckets and
-    DeepSpeed's bucket sizes bound theirs the same way).  ``ShardedOptimizer(...,
+    DeepSpeed's bucket sizes bound theirs the same way); two chunks' collectives are in
+    flight at once (NOTE [reductions in flight] in meshlm/bucket/flat.py).  ``ShardedOptimizer(...,
     bucket_mb=X)`` (as DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size``)
     merges chunks, in order, until each holds at least X MiB of whole parameters: fewer,
     larger collectives, larger temporary buffers, the same bytes (``meshlm plan`` counts

@@ -112,18 +112,29 @@ def reduce_scatter_flat(
     """Sum over ``group`` and keep this rank's 1/n block of each tensor along its dim, in one
     collective (the inverse layout of ``gather_flat``), in ``dtype`` (default: the
     tensors' own; NOTE [reduce in place of the casts])."""
+    return land(issue_reduce_scatter(gs, dims, group, n, dtype), wait)
+
+
+def issue_reduce_scatter(
+    gs: list[Tensor], dims: list[int], group: str, n: int, dtype: Optional[torch.dtype] = None
+) -> tuple[Tensor, list]:
+    """``reduce_scatter_flat``'s collective, issued and not waited for: (its result, the
+    shapes ``land`` cuts it into)."""
     shapes = []
     for g, d in zip(gs, dims):
         s = tuple(g.shape)
         shapes.append(s[:d] + (s[d] // n,) + s[d + 1 :])
-    out = compat.reduce_scatter_single(pack(gs, dims, n, dtype)[0], "sum", 0, group)
-    out = waited(out) if wait else out
-    return split_flat(out, shapes)
+    return compat.reduce_scatter_single(pack(gs, dims, n, dtype)[0], "sum", 0, group), shapes
 
 
 def all_reduce_flat(
     gs: list[Tensor], group: str, wait: bool = True, dtype: Optional[torch.dtype] = None
 ) -> list[Tensor]:
+    return land(issue_all_reduce(gs, group, dtype), wait)
+
+
+def issue_all_reduce(gs: list[Tensor], group: str, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, list]:
+    """``all_reduce_flat``'s collective, issued and not waited for (as ``issue_reduce_scatter``)."""
     shapes = [tuple(g.shape) for g in gs]
     flat, own = pack(gs, None, 1, dtype)
     if own:
@@ -132,10 +143,15 @@ def all_reduce_flat(
         # ranks of a 2-core machine, four 2.9 MB all-reduces took 50 ms out of place against
         # 39 ms in place (benchmarks/gloo_collectives.py).  Traced code keeps the
         # functional op (the compiler plans its buffers).
-        return split_flat(all_reduce_inplace(flat, group, wait), shapes)
-    out = compat.all_reduce(flat, "sum", group)
-    out = waited(out) if wait else out
-    return split_flat(out, shapes)
+        return all_reduce_inplace(flat, group, False), shapes
+    return compat.all_reduce(flat, "sum", group), shapes
+
+
+def land(issued: tuple[Tensor, list], wait: bool = True) -> list[Tensor]:
+    """The tensors of an issued flat reduction: waited for (``wait``), or left in flight
+    (views of the collective's result, which wait at their first use)."""
+    out, shapes = issued
+    return split_flat(waited(out) if wait else out, shapes)
 
 
 def all_reduce_inplace(flat: Tensor, group: str, wait: bool) -> Tensor:
@@ -168,6 +184,22 @@ def group_indices(idx: list[int], xs: list[Tensor], key: dict, dtype: Optional[t
     return list(out.values())
 
 
+#: NOTE [reductions in flight]
+#:     How many chunks' collectives a waiting ``flat_moves`` keeps in flight: the next
+#:     chunk's first collective is issued before the one before it is waited for, so that
+#:     gloo's worker threads (NCCL's stream) have the next one queued while the previous
+#:     one finishes, instead of the process waiting between them.  Measured on 2 cores
+#:     (benchmarks/gloo_collectives.py --reps 31 [--pairs], results in
+#:     benchmarks/results/gloo_inflight/; 11.8 MB as four reduce-scatters): over 4 ranks,
+#:     32.5 ms one after the other, 24.2 ms two in flight, 22.6 ms all four; over pairs
+#:     of ranks, two pairs at once (the data axis inside a stage of pp=2 x fsdp=2), 18.8,
+#:     16.4 and 15.9 ms.  Two in flight: at most two chunks' buffers at once, each no
+#:     larger than a block (NOTE [optimizer chunks] in meshlm/optim_chunks.py); a chunk's
+#:     later moves (over a second mesh dim) are made when its first lands, so no more than
+#:     two chunks are ever between moves.
+IN_FLIGHT = 2
+
+
 def flat_moves(
     xs: list,
     pls: list,
@@ -181,41 +213,92 @@ def flat_moves(
     dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Move local tensors ``xs[j]`` (None: skipped), placed ``pls[j]``, toward ``tg[j]`` with
-    flat collectives, in place on ``xs`` and ``pls``.  For each (kind, mesh dim) of
-    ``order``, kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard ->
-    Replicate): one collective for each group of the tensors that make that move and share
-    their dtype and ``key[j]``.  ``into[j]``: where tensor j's last move, an all-gather, is
-    written (``gather_flat``).  ``dtype``: the dtype the reductions ("rs", "ar") sum in,
-    each tensor cast as it is packed into the collective's buffer (NOTE [reduce in place of
-    the casts]).  Moves not in ``order`` are left to the caller."""
+    flat collectives, in place on ``xs`` and ``pls``.  Chunk by chunk (the tensors of one
+    ``key[j]``, in order of their first tensor), for each (kind, mesh dim) of ``order``,
+    kind "rs" (Partial -> Shard), "ar" (Partial -> Replicate) or "ag" (Shard -> Replicate):
+    one collective for each dtype of the chunk's tensors that make that move, with up to
+    ``IN_FLIGHT`` chunks' collectives in flight (NOTE [reductions in flight]).  ``into[j]``:
+    where tensor j's last move, an all-gather, is written (``gather_flat``).  ``dtype``: the
+    dtype the reductions ("rs", "ar") sum in, each tensor cast as it is packed into the
+    collective's buffer (NOTE [reduce in place of the casts]).  ``wait=False``: the
+    reductions are left in flight.  A tensor a collective has read is dropped from ``xs``
+    until its result lands, so that the caller's reference to it can be the last one.
+    Moves not in ``order`` are left to the caller."""
     key = key or {}
-    live = [j for j in range(len(xs)) if xs[j] is not None]
-    for kind, i in order:
-        if kind == "ag":
-            idx = [j for j in live if isinstance(pls[j][i], Shard) and isinstance(tg[j][i], Replicate)]
-        else:
-            want = Shard if kind == "rs" else Replicate
-            idx = [j for j in live if is_sum_partial(pls[j][i]) and isinstance(tg[j][i], want)]
-        for grp in group_indices(idx, xs, key, dtype if kind != "ag" else None):
-            part = [xs[j] for j in grp]
-            if kind == "rs":
-                ys = reduce_scatter_flat(part, [tg[j][i].dim for j in grp], groups[i], sizes[i], wait, dtype)
-            elif kind == "ar":
-                ys = all_reduce_flat(part, groups[i], wait, dtype)
+    chunks: dict = {}
+    for j in range(len(xs)):
+        if xs[j] is not None:
+            chunks.setdefault(key.get(j), []).append(j)
+    mv = _Moves(xs, pls, tg, sizes, groups, into, dtype, wait)
+    flight: list = []
+    for idx in chunks.values():
+        steps = iter(order)
+        first = mv.next(idx, steps)
+        if first is not None:
+            flight.append((idx, steps, first))
+        while flight and (not wait or len(flight) >= IN_FLIGHT):
+            mv.finish(*flight.pop(0))
+    while flight:
+        mv.finish(*flight.pop(0))
+
+
+class _Moves:
+    """``flat_moves``'s tensors and targets, and its collectives issued and landed."""
+
+    def __init__(self, xs, pls, tg, sizes, groups, into, dtype, wait):
+        self.xs, self.pls, self.tg, self.sizes, self.groups = xs, pls, tg, sizes, groups
+        self.into, self.dtype, self.wait = into, dtype, wait
+
+    def next(self, idx: list[int], steps) -> Optional[tuple]:
+        """Issue the next move of ``steps`` that some of tensors ``idx`` make: (the move, its
+        collectives in flight), or None when none is left."""
+        xs, pls, tg = self.xs, self.pls, self.tg
+        for kind, i in steps:
+            if kind == "ag":
+                sel = [j for j in idx if isinstance(pls[j][i], Shard) and isinstance(tg[j][i], Replicate)]
             else:
-                last = [
-                    into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(sizes)) if k != i)
-                    for j in grp
-                ]
-                ys = gather_flat(
-                    part,
-                    [pls[j][i].dim for j in grp],
-                    groups[i],
-                    sizes[i],
-                    into=[into[j] if ok else None for j, ok in zip(grp, last)],
-                )
-            for j, y in zip(grp, ys):
-                xs[j], pls[j][i] = y, tg[j][i]
+                want = Shard if kind == "rs" else Replicate
+                sel = [j for j in idx if is_sum_partial(pls[j][i]) and isinstance(tg[j][i], want)]
+            entries = []
+            for grp in group_indices(sel, xs, {}, self.dtype if kind != "ag" else None):
+                part = [xs[j] for j in grp]
+                g, n = self.groups[i], self.sizes[i]
+                if kind == "rs":
+                    issued, part = issue_reduce_scatter(part, [tg[j][i].dim for j in grp], g, n, self.dtype), None
+                elif kind == "ar":
+                    issued, part = issue_all_reduce(part, g, self.dtype), None
+                else:
+                    issued = issue_gather(part, g)
+                for j in grp:
+                    xs[j] = None
+                entries.append((grp, part, issued))
+            if entries:
+                return (kind, i), entries
+        return None
+
+    def finish(self, idx: list[int], steps, first: tuple) -> None:
+        """Land the chunk's collectives in flight, then make its remaining moves."""
+        while first is not None:
+            move, entries = first
+            for entry in entries:
+                self.land(move, *entry)
+            first = self.next(idx, steps)
+
+    def land(self, move: tuple, grp: list[int], part: Optional[list], issued) -> None:
+        (kind, i), pls, tg, into = move, self.pls, self.tg, self.into
+        if kind != "ag":
+            ys = land(issued, self.wait)
+        else:
+            last = [
+                into is not None and j in into and all(pls[j][k] == tg[j][k] for k in range(len(pls[j])) if k != i)
+                for j in grp
+            ]
+            dims = [pls[j][i].dim for j in grp]
+            ys = gather_flat(
+                part, dims, self.groups[i], self.sizes[i], issued, [into[j] if ok else None for j, ok in zip(grp, last)]
+            )
+        for j, y in zip(grp, ys):
+            self.xs[j], pls[j][i] = y, tg[j][i]
 
 
 # --------------------------------------------------------------------------- many tensors at once
@@ -225,6 +308,7 @@ def redistribute_flat(
     keys: Optional[Sequence] = None,
     into: Optional[Sequence[Optional[DTensor]]] = None,
     wait: bool = True,
+    consume: bool = False,
 ) -> list[DTensor]:
     """``t.redistribute(mesh, target)`` for many DTensors on one mesh, with one flat
     collective per mesh dim, kind, dtype and ``keys[j]`` (a chunk: the optimizer passes the
@@ -234,16 +318,24 @@ def redistribute_flat(
     first (NOTE [shard order]); any other move is done per tensor at the end.  ``into[j]``:
     a DTensor placed as ``targets[j]`` whose local tensor receives result j in place when
     its last move is an all-gather (then it is what is returned for j).  ``wait=False``:
-    the reductions are left in flight (local tensors that wait at their first use)."""
+    the reductions are left in flight (local tensors that wait at their first use).
+    ``consume``: ``ts`` is the caller's list, and each tensor that moves is taken out of it
+    (set to None), so that, with no other reference, its memory goes as soon as its
+    collective has read it (the optimizer's main gradients, chunk by chunk)."""
     if not ts:
         return []
     mesh = ts[0].device_mesh
     sizes = tuple(mesh.size(i) for i in range(mesh.ndim))
     groups = tuple(mesh.get_group(i).group_name if sizes[i] > 1 else "" for i in range(mesh.ndim))
     tg = [tuple(x) for x in targets]
-    live = [j for j in range(len(ts)) if tuple(ts[j].placements) != tg[j]]
+    live = {j for j in range(len(ts)) if tuple(ts[j].placements) != tg[j]}
     xs: list = [compat.local_tensor(ts[j]) if j in live else None for j in range(len(ts))]
     pls = [list(t.placements) for t in ts]
+    meta = [(t.shape, t.stride()) for t in ts]
+    kept = list(ts)
+    if consume:
+        for j in live:
+            ts[j] = kept[j] = None
     dims = [i for i in range(mesh.ndim) if sizes[i] > 1]
     order = [("rs", i) for i in dims] + [("ar", i) for i in dims] + [("ag", i) for i in reversed(dims)]
     dst = None
@@ -256,13 +348,13 @@ def redistribute_flat(
     keyed = dict(enumerate(keys)) if keys is not None else None
     flat_moves(xs, pls, tg, sizes, groups, order, key=keyed, into=dst, wait=wait)
     out = []
-    for j, t in enumerate(ts):
+    for j, t in enumerate(kept):
         if j not in live:
             out.append(t)
         elif dst is not None and j in dst and xs[j] is dst[j]:
             out.append(into[j])
         else:
-            d = dtensor_ops.wrap(xs[j], mesh, pls[j], t.shape, t.stride())
+            d = dtensor_ops.wrap(xs[j], mesh, pls[j], *meta[j])
             out.append(d if tuple(pls[j]) == tg[j] else d.redistribute(mesh, tg[j]))
     return out
 

@@ -138,21 +138,24 @@ def test_reduce_grads_and_step(mesh, monkeypatch, local_step):
         # reduce: per chunk, per kind and mesh dim, one collective (chunk 0: cases 0, 1, 5; chunk 1:
         # cases 2 and 8); step: all-gathers, inner dim first, one per chunk and dtype
         ops = [(op, world.groups.index(g), shape[0]) for op, g, _x, shape, _dt_ in world.log[r]]
+        # (chunk 1's first reduce-scatter is issued while chunk 0's is in flight: NOTE [reductions
+        # in flight]; each chunk's later moves once its first has landed)
         assert ops[: res.n_reduce] == [
             ("reduce_scatter", 0, 16 + 16),
-            ("reduce_scatter", 1, 8 + 16),
-            ("all_reduce", 0, 8),
             ("reduce_scatter", 0, 16),
             ("reduce_scatter", 1, 8 + 16),
             ("all_reduce", 0, 8),
+            ("reduce_scatter", 1, 8 + 16),
+            ("all_reduce", 0, 8),
         ]
+        # (chunk by chunk, per dtype: chunk 1's first gathers while chunk 0's are in flight)
         assert ops[res.n_reduce :] == [
             ("all_gather", 1, 4),
             ("all_gather", 1, 8),
             ("all_gather", 1, 4),
             ("all_gather", 1, 8),
             ("all_gather", 0, 8),
-            ("all_gather", 0, 8),
-            ("all_gather", 0, 8),
             ("all_gather", 0, 8 + 8),
+            ("all_gather", 0, 8),
+            ("all_gather", 0, 8),
         ]
