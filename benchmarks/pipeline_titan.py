@@ -2,7 +2,7 @@
 
     python benchmarks/pipeline_titan.py [--model llama_small] [--batch 8] [--seq 128]
                                         [--microbatches 4] [--schedule 1f1b] [--reps 3]
-                                        [--backend none|aot_eager|inductor] [--out DIR]
+                                        [--backend none|aot_eager|inductor] [--early] [--out DIR]
 
 On one 4-rank gloo pool (meshlm.testing.DistPool), with the same Llama (``--model``, the
 same seed-0 weights, fp32, AdamW, the same global batch), for two meshes:
@@ -17,7 +17,9 @@ with ``--backend``, compiled per block (meshlm ``compile_blocks``, torchtitan's 
 per-block compile).  torchtitan runs its own model, module split (copies of the model with
 the other stages' layers deleted), ``parallelize_llama`` and schedule builder
 (benchmarks/titan_llama.py ``build_pipeline``); meshlm runs the model with no pipeline
-code in it (meshlm/pipeline/).  After a warm-up step each, ``--reps`` rounds time one step
+code in it (meshlm/pipeline/).  ``--early`` adds meshlm compiled with early reduction
+(``Pipeline.attach(opt, early=True)``, NOTE [early reduction] in meshlm/optim_early.py;
+off by default on a CPU mesh).  After a warm-up step each, ``--reps`` rounds time one step
 of every variant in turn (interleaved: load on the machine hits all alike; a step is the
 slowest rank's time, the median over rounds).  In separate untimed steps: the peak of
 tracked tensor storage per rank (the largest rank's; eager) and the bytes each rank puts on
@@ -46,7 +48,7 @@ CASES = {"pp=2,fsdp=2": ("fsdp_pp", {"fsdp": 2, "pp": 2}), "pp=4": ("pp", {"pp":
 LR = 1e-3
 
 
-def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend):
+def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend, early=None):
     import meshlm
     from meshlm.models import Llama
     from meshlm.optim import ShardedOptimizer
@@ -72,7 +74,7 @@ def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend):
 
         compile_blocks(pipe.model, backend, comms="eager")  # as meshlm train compiles a pipeline
     opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=LR)
-    pipe.attach(opt)  # as meshlm train: the norm over every stage, reductions started in backward
+    pipe.attach(opt, early=early)  # as meshlm train: the norm over every stage (early: NOTE [early reduction])
     lay = meshlm.load_layout(layout)
     inputs = [
         (
@@ -145,6 +147,11 @@ def _bench(case: str, opts: dict) -> dict:
             v["step"]()  # warm-up (and compile)
             variants[name] = v
             out[name] = {}
+        if opts.get("early") and be is not None:  # meshlm with early reduction, compiled
+            v = _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, be, early=True)
+            v["step"]()
+            variants["meshlm/early"] = v
+            out["meshlm/early"] = {}
     for name, v in variants.items():
         if name.endswith("/eager"):
             cc = CommCounter(v["mesh"])
@@ -182,13 +189,13 @@ def render(results: dict, meta: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for case, res in results.items():
-        for kind in ("eager", "compiled"):
-            m, t = res.get(f"meshlm/{kind}"), res.get(f"titan/{kind}")
+        for kind in ("eager", "compiled", "early"):
+            m, t = res.get(f"meshlm/{kind}"), res.get(f"titan/{kind if kind != 'early' else 'compiled'}")
             if not m or not t:
                 continue
             e_m, e_t = res["meshlm/eager"], res["titan/eager"]
             lines.append(
-                f"| {case} | {kind} | {m['step_s']:.3f} | {t['step_s']:.3f} | {m['step_s'] / t['step_s']:.2f}x | "
+                f"| {case} | {kind if kind != 'early' else 'compiled, early reduction'} | {m['step_s']:.3f} | {t['step_s']:.3f} | {m['step_s'] / t['step_s']:.2f}x | "
                 + (
                     f"{e_m['peak_bytes'] / 1e6:.1f} / {e_t['peak_bytes'] / 1e6:.1f} | "
                     f"{e_m['wire_bytes'] / 1e6:.2f} / {e_t['wire_bytes'] / 1e6:.2f} | "
@@ -209,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backend", default="none", choices=["none", "aot_eager", "inductor"])
+    ap.add_argument(
+        "--early", action="store_true", help="also meshlm compiled with early reduction (NOTE [early reduction])"
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline_titan"))
     args = ap.parse_args(argv)
     import titan_llama

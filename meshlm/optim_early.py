@@ -17,9 +17,10 @@ NOTE [early reduction]
 
     Off by default on a CPU mesh, as the overlapped reduction is (NOTE [overlapped
     reduction] in meshlm/bucket/op.py): gloo's threads take the cores the backward runs on.
-    Measured on 2 cores, 4 ranks (benchmarks/pipeline_titan.py, fsdp_pp, compiled): the
-    reduction at the step fell from 16-24 ms to 3-7 ms and the pipeline's part of the step
-    grew by about as much (187 to 208 ms), and the step went from 1.06x torchtitan's to 1.08x.
+    Measured on 2 cores, 4 ranks (benchmarks/pipeline_titan.py --reps 21 --backend inductor
+    --early, fsdp_pp, compiled): 0.219 s a step with it against 0.209 s without (1.03x and
+    0.98x torchtitan's; the reduction at the step, two chunks in flight, NOTE [reductions in
+    flight] in meshlm/bucket/flat.py, costs less than the backward loses to gloo's threads).
     Not yet measured on a GPU, where NCCL runs the reduction beside the compute.
 """
 

@@ -24,8 +24,14 @@ class Gather(torch.autograd.Function):
         ctx.key, ctx.local, ctx.params = key, local, params
         GATHERING[0] += 1
         try:
-            site = current_site() if b.overlap and local and compat.eager() else None
-            xs = gather_locals(b, params, site)
+            # A gather issued ahead for this block is taken whatever the block (a pipeline step
+            # issues its stages' at its start: NOTE [stage gathers ahead] in pipeline/pipe.py);
+            # the next block's is issued here only under overlap, for local blocks (NOTE [prefetch]).
+            site = current_site() if compat.eager() else None
+            ahead = b.overlap and local
+            if site is not None and not ahead and site[1] not in site[0].inflight:
+                site = None
+            xs = gather_locals(b, params, site, neighbour=ahead)
             out = []
             for x, p, m in zip(xs, params, b.members):
                 if x is compat.local_tensor(p):  # nothing moved: a fresh alias, not the stored tensor

@@ -60,7 +60,10 @@ class Prefetch:
         return flats
 
     def issue_neighbour(self, pos: int) -> None:
-        nxt = pos - 1 if compat.in_backward() else pos + 1
+        self.issue(pos - 1 if compat.in_backward() else pos + 1)
+
+    def issue(self, nxt: int) -> None:
+        """Issue the first gather of block ``nxt`` now, unless one is in flight already."""
         if not 0 <= nxt < len(self.order) or nxt in self.inflight:
             return
         key, get = self.order[nxt]
@@ -76,6 +79,14 @@ class Prefetch:
                     [issue_gather([xs[j] for j in grp], b.groups[i]) for grp in groups],
                 )
                 self.stats["issued"] += 1
+
+    def drain(self) -> None:
+        """Wait for every gather still in flight and drop it (issued ahead, never taken)."""
+        for _stamp_, flats in self.inflight.values():
+            for f in flats:
+                waited(f)
+            self.stats["stale"] += 1
+        self.inflight.clear()
 
 
 Site = Optional[tuple[Prefetch, int]]  # (the model's Prefetch, the block's position), None: no prefetch
@@ -119,9 +130,10 @@ def gather_steps(b: Bucket, xs: list[Tensor]) -> list[tuple[int, list[list[int]]
     return out
 
 
-def gather_locals(b: Bucket, params, site: Site) -> list[Tensor]:
+def gather_locals(b: Bucket, params, site: Site, neighbour: bool = True) -> list[Tensor]:
     """The local tensors of the block's parameters in compute placements (gathered over the
-    data axes), using and issuing prefetches at ``site`` (None: none; NOTE [prefetch])."""
+    data axes), using a prefetch at ``site`` and, with ``neighbour``, issuing the next
+    block's (None: none; NOTE [prefetch])."""
     pre = site[0].take(site[1], params) if site is not None else None
     xs = compute_locals(b, params)
     for n_step, (i, groups) in enumerate(gather_steps(b, xs)):
@@ -130,6 +142,6 @@ def gather_locals(b: Bucket, params, site: Site) -> list[Tensor]:
             issued = pre[g] if pre is not None and n_step == 0 else None
             for j, y in zip(grp, gather_flat([xs[j] for j in grp], dims, b.groups[i], b.sizes[i], issued)):
                 xs[j] = y
-        if n_step == 0 and site is not None:
+        if n_step == 0 and site is not None and neighbour:
             site[0].issue_neighbour(site[1])
     return xs

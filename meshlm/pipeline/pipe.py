@@ -30,6 +30,15 @@ NOTE [pipelined step]
     step).  The gather ops keep no saved tensors, so one gathered tensor can be
     back-propagated through by every micro-batch that used it.
 
+    NOTE [stage gathers ahead]
+    As the gathered parameters are held through the step anyway, the step issues the
+    first gather of every block of the rank's stages at its start (``Prefetch.issue``,
+    NOTE [prefetch] in meshlm/bucket/prefetch.py), and each block takes its own at its
+    first forward: a later stage gathers while it waits for its first activation, and a
+    stage's gathers are in flight together, not one per block in turn (NOTE [reductions in
+    flight] in meshlm/bucket/flat.py).  Any that no block took are waited for and dropped
+    at the end of the step.
+
     The global gradient norm adds every stage's squares over the ``pp`` group as well
     (``ShardedOptimizer.norm_groups``), so clipping, and float16's overflow check, see the
     whole model.  The step's loss, which only the last stage computes, is all-reduced over
@@ -140,13 +149,18 @@ class Pipeline:
 
     @contextlib.contextmanager
     def gathering(self):
-        """Within: parameters gathered once and kept (NOTE [gathered once per step])."""
+        """Within: parameters gathered once and kept (NOTE [gathered once per step]), every
+        block's gather issued on entry (NOTE [stage gathers ahead])."""
         st = self.model._meshlm_state
         st.gathered = {} if self.keep_gathered else None
+        if self.keep_gathered and compat.eager():
+            for pos in range(len(st.prefetch.order)):
+                st.prefetch.issue(pos)
         try:
             yield
         finally:
             st.gathered = None
+            st.prefetch.drain()
 
     # ------------------------------------------------------------------ shapes
     def boundary_shape(self, block: str) -> tuple[tuple[int, ...], torch.dtype]:

@@ -153,8 +153,12 @@ def _one_step_counted(layout, mesh, schedule, v, microbatches):
     pipe.step(inputs())  # warm-up
     opt.zero_grad()
     cc = CommCounter(full)
+    pf = pipe.model._meshlm_state.prefetch
+    before = dict(pf.stats)
     with cc:
         pipe.step(inputs())
+        ahead = {k: v - before[k] for k, v in pf.stats.items()}
+        ahead["blocks"] = len(pf.order)
         with cc.phase("optimizer"):
             opt.clip_grad_norm_(1e9)
             opt.step()
@@ -162,7 +166,7 @@ def _one_step_counted(layout, mesh, schedule, v, microbatches):
     boundary = {s: pipe.boundary_shape(pipe.cut.stages[s][0]) for s in range(1, len(pipe.cut.stages))}
     nbytes = {s: torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for s, (shape, dt) in
               boundary.items()}
-    return summary, list(pipe.cut.ranks), [sm.stage for sm in pipe.stage_modules], nbytes, pipe.pp_rank
+    return summary, list(pipe.cut.ranks), [sm.stage for sm in pipe.stage_modules], nbytes, pipe.pp_rank, ahead
 
 
 def _expected_p2p(ranks, mine, nbytes, microbatches):
@@ -194,7 +198,7 @@ def test_p2p_bytes_are_the_activation_sends(pool4, layout, mesh, schedule, v, wo
     micro-batch and stage boundary, the hidden state forward and its gradient back
     (b·s·h·B each, b this rank's rows), nothing between stages on one rank (zbv's V)."""
     M = 4
-    for summary, ranks, mine, nbytes, _r in pool4.run(_one_step_counted, layout, mesh, schedule, v, M):
+    for summary, ranks, mine, nbytes, _r, _ahead in pool4.run(_one_step_counted, layout, mesh, schedule, v, M):
         sends, recvs = _expected_p2p(ranks, mine, nbytes, M)
         assert summary.get(("send", ("pp",)), (0, 0)) == sends, (summary, ranks, mine)
         assert summary.get(("recv", ("pp",)), (0, 0)) == recvs, (summary, ranks, mine)
@@ -214,6 +218,11 @@ def test_fsdp_gathers_and_reduces_once_per_step(pool4):
             ka = {k: v for k, v in a[0].items() if k[0] == kind}
             kb = {k: v for k, v in b[0].items() if k[0] == kind}
             assert ka and ka == kb, (kind, ka, kb)
+        # every block's gather issued at the step's start and taken by its first forward (NOTE
+        # [stage gathers ahead]): none gathered again, none dropped
+        ahead = b[5]
+        assert ahead["blocks"] > 0 and ahead == {"issued": ahead["blocks"], "used": ahead["blocks"], "stale": 0,
+                                                 "blocks": ahead["blocks"]}, ahead
 
 
 def test_fsdp_pp_regathering_at_every_use(pool4):
