@@ -14,7 +14,6 @@ world (see docs/train.md for the multi-node command).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import json
 import logging
@@ -31,84 +30,18 @@ import torch.distributed as dist
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
 from meshlm import _torch_compat as compat
 from meshlm import lifecycle
+from meshlm import train_setup as setup
 from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
-from meshlm.config import RunConfig, TrainConfig
-from meshlm.errors import ConfigError, MeshError
+from meshlm.config import RunConfig
 from meshlm.mesh import MeshSpec
 from meshlm.offload.runtime import adamw_impl, open_offload
 from meshlm.pipeline import is_pipelined
 from meshlm.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.train's API)
 from meshlm.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
+from meshlm.train_setup import check_world, data_parallel_rank  # noqa: F401 (meshlm.train's API)
 from meshlm.train_step import NonFiniteLossError, accumulate, evaluate, lr_at, train_step  # noqa: F401 (meshlm.train's API)
 
 log = logging.getLogger("meshlm.train")
-
-
-# --------------------------------------------------------------------------- helpers
-def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
-    """(rank, size) of this process among the data-parallel replicas: the mesh axes the
-    layout splits the input batch over (ranks that differ only in tp/pp/ep share a rank)."""
-    from meshlm.layout import INPUT_MESH_AXES, resolve
-    from meshlm.mesh import mesh_spec
-
-    sizes = mesh_spec(mesh).as_dict()
-    plan = resolve(
-        ("batch", "seq"),
-        layout.compute,
-        sizes,
-        shape=(batch, seq),
-        what=f"input batch ({batch} sequences of {seq} tokens per micro-batch)",
-        layout=layout,
-        allow_mesh=INPUT_MESH_AXES,
-    )
-    if plan[1]:
-        raise ConfigError(
-            f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
-            "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp"
-        )
-    names = list(mesh.mesh_dim_names or ())
-    rank, size = 0, 1
-    for a in plan[0]:
-        i = names.index(a)
-        rank = rank * mesh.size(i) + mesh.get_local_rank(i)
-        size *= mesh.size(i)
-    return rank, size
-
-
-def _device(t: TrainConfig) -> torch.device:
-    if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
-    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.pg_timeout_s))
-
-
-def check_world(cfg: RunConfig, world_size: int) -> None:
-    """A mesh whose size differs from the number of processes: say both numbers."""
-    need = cfg.mesh.size(world_size)
-    if need != world_size:
-        raise MeshError(
-            f"mesh {cfg.mesh} has {need} devices but the job has {world_size} processes; make the mesh sizes "
-            f"multiply to {world_size} (e.g. mesh.dp=-1 for 'the rest'), or launch {need} processes"
-        )
-
-
-def _setup_logging(run_dir: Path, rank: int) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    h = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
-    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.handlers[:] = [h]
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 # --------------------------------------------------------------------------- run
@@ -128,8 +61,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     t = cfg.train
     clock = lifecycle.StartupClock()  # where start-up time goes: summary.json's startup_s
     run_dir = Path(run_dir)
-    device = _device(t)
-    _init_process_group(cfg, device)
+    device = setup.device_for(t)
+    setup.init_process_group(cfg, device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     check_world(cfg, world)
     torch.manual_seed(t.seed)
@@ -139,7 +72,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     rank = dist.get_rank()
     is_main = rank == 0
     clock.mark("process_group")
-    _setup_logging(run_dir, rank)
+    setup.logging_to(run_dir, rank)
     # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py), checked before any step; made before
     # the model, since a disk tier sets how freed memory goes back to the system (offload.runtime.return_freed_memory)
     offload = open_offload(cfg, layout, run_dir, rank)
@@ -229,7 +162,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     if offload is not None:
         log.info("offload: %s%s", offload.spec.label(), f" (swap files in {offload.disk.path})" if offload.disk else "")
-    bar = _progress_bar(t, start, life) if is_main else None
+    bar = setup.progress_bar(t, start, life) if is_main else None
     prof = None
     comm_bytes: Optional[int] = None
     tokens_per_step = t.batch_size * t.seq_len
@@ -335,7 +268,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if bar is not None:
             bar.set_postfix_str(f"loss {out.loss:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
             bar.update(1)
-        if life.after_step(step, functools.partial(_ckpt_state, step, loader, scaler)):
+        if life.after_step(step, functools.partial(setup.ckpt_state, step, loader, scaler)):
             break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
     if bar is not None:
         bar.close()
@@ -380,27 +313,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
     return summary
-
-
-def _progress_bar(t: TrainConfig, start: int, life):
-    """rank 0's tqdm bar (None without ``train.progress`` or tqdm); the lifecycle's lines go through it."""
-    if not t.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-    life.say = bar.write
-    return bar
-
-
-def _ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
-    """What a checkpoint holds besides the tensors: step, data-loader position, loss scale."""
-    state = {"step": step, "loader": loader.state_dict()}
-    if scaler is not None:
-        state["loss_scaler"] = scaler.state_dict()
-    return state
 
 
 # --------------------------------------------------------------------------- worker entry
