@@ -178,19 +178,22 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if in_torchrun():
-        return run(cfg, run_dir)
-    t0 = time.time()  # the workers' lifecycle.StartupClock
-    os.environ["MESHLM_LAUNCH_T0"] = str(t0)
-    n = cfg.mesh.size()
-    if n == 1:
+    if in_torchrun() or cfg.mesh.size() == 1:
         import torch.distributed as dist
 
+        if not in_torchrun():
+            os.environ["MESHLM_LAUNCH_T0"] = str(time.time())  # the lifecycle.StartupClock
         try:
             return run(cfg, run_dir)
         finally:
+            # Leave the process group before the interpreter exits (as worker() does): left to
+            # interpreter shutdown, gloo's threads can be torn down in any order, and a rank
+            # under torchrun once aborted there ("terminate called without an active exception").
             if dist.is_initialized():
                 dist.destroy_process_group()
+    t0 = time.time()  # the workers' lifecycle.StartupClock
+    os.environ["MESHLM_LAUNCH_T0"] = str(t0)
+    n = cfg.mesh.size()
     check_world(cfg, n)
     from torch.distributed.elastic.multiprocessing import SignalException
 
