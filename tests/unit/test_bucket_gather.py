@@ -9,6 +9,7 @@ all-gather of updates) the same way, with ``is_sum_partial``, which decides what
 reductions may sum.  Values are small integers: sums are exact in any order, results
 compared bit for bit."""
 
+import threading
 import weakref
 from collections import Counter
 from types import SimpleNamespace
@@ -385,6 +386,44 @@ def test_consumed_tensors_go_as_their_collective_reads_them(monkeypatch, consume
             assert all(gone) and len(freed_first) == 2 and max(freed_first) < second, events
         else:
             assert not any(gone) and not freed_first, events
+
+
+def test_two_chunks_in_flight_at_most(monkeypatch):
+    """NOTE [reductions in flight]: five chunks' reduce-scatters, each issued before the one
+    before it is waited for, and never more than two in flight at once (a bound on the
+    buffers held, each no larger than a chunk)."""
+    sizes = (2,)
+    mesh = fake_mesh(sizes)
+    world = SimWorld(sizes, [mesh.get_group(0).group_name])
+    world.patch(monkeypatch)
+    flight: dict = {}
+    most: dict = {}
+    issue, land = bucket.flat.issue_reduce_scatter, bucket.flat.land
+
+    def counted_issue(*a, **k):
+        t = threading.get_ident()
+        flight[t] = flight.get(t, 0) + 1
+        most[t] = max(most.get(t, 0), flight[t])
+        return issue(*a, **k)
+
+    def counted_land(*a, **k):
+        flight[threading.get_ident()] -= 1
+        return land(*a, **k)
+
+    monkeypatch.setattr(bucket.flat, "issue_reduce_scatter", counted_issue)
+    monkeypatch.setattr(bucket.flat, "land", counted_land)
+    grads = [[_ints((4, 2), f32, torch.Generator().manual_seed(10 * r + j)) for j in range(5)] for r in range(2)]
+
+    def rank(r, c):
+        ts = [DTensor.from_local(g, mesh, (P,), run_check=False, shape=(4, 2), stride=(2, 1)) for g in grads[r]]
+        out = bucket.redistribute_flat(ts, [(S0,)] * 5, [0, 1, 2, 3, 4])
+        assert all(t is not None for t in ts)  # not consumed unless asked
+        return [o.to_local().clone() for o in out]
+
+    for r, out in enumerate(world.run(rank)):
+        for j in range(5):
+            assert torch.equal(out[j], (grads[0][j] + grads[1][j])[2 * r : 2 * r + 2]), (r, j)
+    assert len(most) == 2 and set(most.values()) == {2} and set(flight.values()) == {0}, (most, flight)
 
 
 def test_a_move_no_flat_collective_makes_is_left_to_dtensor():
