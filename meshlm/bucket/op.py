@@ -28,10 +28,7 @@ class Gather(torch.autograd.Function):
             # issues its stages' at its start: NOTE [stage gathers ahead] in pipeline/pipe.py);
             # the next block's is issued here only under overlap, for local blocks (NOTE [prefetch]).
             site = current_site() if compat.eager() else None
-            ahead = b.overlap and local
-            if site is not None and not ahead and site[1] not in site[0].inflight:
-                site = None
-            xs = gather_locals(b, params, site, neighbour=ahead)
+            xs = gather_locals(b, params, site, neighbour=b.overlap and local)
             out = []
             for x, p, m in zip(xs, params, b.members):
                 if x is compat.local_tensor(p):  # nothing moved: a fresh alias, not the stored tensor
