@@ -13,6 +13,7 @@ importing only files below it:
     dtensor_loss.py       cross entropy on class-sharded logits, the backward of mean-reduced losses
     dtensor_embedding.py  vocab-parallel embedding
     dtensor_sdpa.py       CPU flash attention
+    dtensor_scalar.py     a Python number read from a DTensor is the global value
     dtensor_base.py       what the rules share (wrap, default, contiguous_stride)
 
 ``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside this package names

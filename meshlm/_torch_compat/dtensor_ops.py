@@ -37,6 +37,9 @@ once, on the first ``shard``), each rule in a file of its own:
   unflatten of a dim DTensor flattened into two _StridedShards (seq sharded over two mesh
   axes, flattened for the loss), which DTensor's view rule cannot undo in torch 2.13
   (NOTE [strided unflatten]); both in meshlm/_torch_compat/dtensor_views.py.
+* ``bool(x)``, ``x.item()`` of a Partial or sharded DTensor: the global value, not the local
+  part DTensor reads, so a data-dependent branch takes one path on every rank (NOTE [global
+  scalars] in meshlm/_torch_compat/dtensor_scalar.py).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from meshlm._torch_compat.dtensor_loss import (
     _mean_loss_backward_handler,
     _on_class_submesh,
 )
+from meshlm._torch_compat.dtensor_scalar import local_scalar_handler
 from meshlm._torch_compat.dtensor_sdpa import _register_sdpa_cpu
 
 # ``wrap`` is re-exported: the lowering, the buckets and main_grad build DTensors through
@@ -84,6 +88,7 @@ def install() -> None:
 
         for op in dtensor_views.VIEW_OPS:
             _MINE[op] = dtensor_views.view_handler
+        _MINE[aten._local_scalar_dense.default] = local_scalar_handler
         handlers.update(_MINE)
         _installed = True
 
