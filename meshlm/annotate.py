@@ -108,7 +108,7 @@ def constrain(x: Tensor, axes: Axes) -> Tensor:
     return x if h is None else h(x, axes)
 
 
-def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
+def reduce_batch(x: Tensor, op: str = "mean", weight: Optional[Tensor] = None) -> Tensor:
     """Declare that ``x`` (a loss, a metric, a per-class count) is a reduction over the
     batch rows this forward sees: ``"mean"`` (a mean over rows) or ``"sum"``.
 
@@ -116,14 +116,31 @@ def reduce_batch(x: Tensor, op: str = "mean") -> Tensor:
     that value and comes back unchanged.  Where a data-parallel layout runs the model's
     root on each rank's own rows (NOTE [local root] in meshlm/lowering/local_root.py), it becomes the
     reduction over the global batch: a sum is summed over ranks; a mean is averaged over
-    ranks (every rank has the same number of rows), except a mean ``F.cross_entropy`` /
-    ``F.nll_loss``, which is weighted by each rank's count of targets that are not ignored,
-    so it equals the one-device loss exactly.  Gradients flow to every rank's share.
+    ranks weighted by ``weight``, or by each rank's count of targets that are not ignored
+    for a mean ``F.cross_entropy`` / ``F.nll_loss``, or equally (every rank has the same
+    number of rows) for any other mean.  Gradients flow to every rank's share.
+
+    ``weight`` (``"mean"`` only): the total weight ``x`` averages over on these rows, for a
+    mean of your own, e.g. a masked token mean::
+
+        loss = meshlm.reduce_batch((per_token * mask).sum() / mask.sum(), "mean", weight=mask.sum())
+
+    is the one-device mean over the whole batch's counted tokens under every layout, and
+    ``train.grad_accum`` combines micro-batches by the same weight (NOTE [token weighting]
+    in meshlm/weighting.py).
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"reduce_batch(x, op={op!r}): op is 'mean' or 'sum'")
+    if weight is not None and op != "mean":
+        raise ValueError(f"reduce_batch(x, op={op!r}, weight=...): a weight is for op='mean' only")
     fn = getattr(active_handler(), "reduce_batch", None)
-    return x if fn is None else fn(x, op)
+    if fn is not None:
+        return fn(x, op, weight)
+    if weight is None:
+        return x
+    from meshlm import weighting
+
+    return weighting.attach(x.view_as(x), weight)
 
 
 def dropout(x: Tensor, p: float, axes: Axes, training: bool = True) -> Tensor:

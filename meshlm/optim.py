@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshlm import _torch_compat as compat
-from meshlm import main_grad
+from meshlm import main_grad, unused
 from meshlm.bucket import redistribute_flat
 from meshlm.lower import iter_params, placements, shard_state
 from meshlm.memory import where
@@ -110,6 +110,8 @@ class ShardedOptimizer:
             model, [p for _f, p, _m in self._pairs], None if bucket_mb is None else int(bucket_mb * 2**20)
         )
         self.inner = optim_cls(masters, **kwargs)
+        # NOTE [unused parameters] in meshlm/unused.py: where ranks may disagree on what they used
+        self._usage_groups = unused.local_reductions(model, st)
         self._ready = False
         self._local_step = not whole
         self._locals: dict[int, nn.Parameter] = {}
@@ -155,8 +157,10 @@ class ShardedOptimizer:
         with torch.no_grad():
             if self._ready:
                 return
+            dropped = self._unused()
             if self.grad_offload is not None:  # NOTE [offloaded gradients]
                 self.grad_offload.reduce(self)
+                self._drop(dropped)
                 self._ready = True
                 return
             moving: dict = {}  # chunk -> [(param, master)]
@@ -191,7 +195,23 @@ class ShardedOptimizer:
                 m.grad = g
             if self.early is not None:
                 self.early.reset()
+            self._drop(dropped)
             self._ready = True
+
+    def _unused(self) -> list[int]:
+        """The pairs whose parameter no rank used in this step (NOTE [unused parameters])."""
+        flags = unused.used_anywhere(
+            [unused.used_here(p) for _f, p, _m in self._pairs], self._usage_groups, self.mesh.device_type
+        )
+        return [i for i, used in enumerate(flags) if not used]
+
+    def _drop(self, which: list[int]) -> None:
+        """No gradient for these pairs: the torch optimizer skips them, as on one device."""
+        for i in which:
+            _f, p, m = self._pairs[i]
+            p.grad = None
+            main_grad.release(p)
+            m.grad = None
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the gradients the optimizer steps with by ``factor`` (after
@@ -325,6 +345,7 @@ class ShardedOptimizer:
         for _fqn, p, m in self._pairs:
             p.grad = None
             main_grad.release(p)
+            unused.reset(p)
             if m is not p:
                 m.grad = None
         if self.grad_offload is not None:

@@ -175,7 +175,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if pipe is not None:
         passes = pipe.passes(loader.next, device)
     else:
-        passes = accumulate(model, loader.next, t, cfg.model, device, rank)
+        passes = accumulate(model, loader.next, t, cfg.model, device, rank, opt)
     if offload is not None:
         passes = offload.wrap(passes)
         offload.trim()  # what the optimizer and the blocks moved out, back to the system now

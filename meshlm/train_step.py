@@ -100,28 +100,34 @@ def evaluate(model, loader, batches: int, mcfg, device) -> float:
     return total / n
 
 
-def accumulate(model, next_batch, t, mcfg, device, rank: int) -> Passes:
-    """Plain gradient accumulation: ``t.grad_accum`` micro-batches of forward and backward,
-    each loss divided by ``t.grad_accum``.  ``next_batch()`` gives (tokens, targets), or
-    (tokens, targets, extras), for ``model(tokens, targets, **extras)`` (:func:`model_inputs`);
-    ``scale`` (set by ``train_step``) multiplies each micro-batch loss before backward
-    (float16 loss scaling).  The injected faults of ``train.inject_nan_step`` and
-    ``train.inject_crash_step`` (tests) are raised here."""
+def accumulate(model, next_batch, t, mcfg, device, rank: int, opt=None) -> Passes:
+    """Gradient accumulation: ``t.grad_accum`` micro-batches of forward and backward,
+    weighted as one device would weight the step's whole batch (NOTE [token weighting] in
+    meshlm/weighting.py): each micro-batch's loss back-propagated with its coefficient, and
+    the accumulated gradients of ``opt`` rescaled at the end where the weights were unequal
+    (``opt`` is needed then).  ``next_batch()`` gives (tokens, targets), or (tokens, targets,
+    extras), for ``model(tokens, targets, **extras)`` (:func:`model_inputs`); ``scale`` (set
+    by ``train_step``) multiplies each micro-batch loss before backward (float16 loss
+    scaling).  Returns the step's weighted loss.  The injected faults of
+    ``train.inject_nan_step`` and ``train.inject_crash_step`` (tests) are raised here."""
     from meshlm.model_config import loss_of
+    from meshlm.weighting import Accumulation, rescale
 
     def passes(step: int, scale: Optional[Callable[[Tensor], Tensor]] = None) -> float:
-        total = 0.0
+        acc = Accumulation(t.grad_accum)
         for _ in range(t.grad_accum):
             args, extras = model_inputs(next_batch(), device)
             loss = loss_of(model(*args, **extras), mcfg)
+            coef = acc.coefficient(loss)
             if step == t.inject_nan_step:
                 loss = loss * float("nan")
+                acc.weighted = float("nan")
             if t.inject_crash_step == step and rank == t.inject_crash_rank:
                 raise RuntimeError(f"injected crash on rank {rank} at step {step} (train.inject_crash_step)")
-            micro = loss / t.grad_accum
+            micro = loss * coef
             (scale(micro) if scale else micro).backward()
-            total += float(loss.detach())
-        return total / t.grad_accum
+        rescale(acc.grad_factor(), opt, model)
+        return acc.loss()
 
     return passes
 

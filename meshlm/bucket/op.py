@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from meshlm import _torch_compat as compat
-from meshlm import main_grad
+from meshlm import main_grad, unused
 from meshlm._torch_compat import dtensor_ops
 from meshlm.bucket.flat import flat_moves, is_sum_partial
 from meshlm.bucket.prefetch import current_site, gather_locals
@@ -22,6 +22,8 @@ class Gather(torch.autograd.Function):
     def forward(ctx, key: int, local: bool, *params):  # type: ignore[override]
         b = BUCKETS[key]
         ctx.key, ctx.local, ctx.params = key, local, params
+        # NOTE [unused parameters] in meshlm/unused.py: an output nothing used gets None, not zeros
+        ctx.set_materialize_grads(False)
         GATHERING[0] += 1
         try:
             # A gather issued ahead for this block is taken whatever the block (a pipeline step
@@ -34,6 +36,9 @@ class Gather(torch.autograd.Function):
                 if x is compat.local_tensor(p):  # nothing moved: a fresh alias, not the stored tensor
                     x = x.view_as(x)
                 out.append(x if local else dtensor_ops.wrap(x, b.mesh, m.compute, m.shape, m.stride))
+            # a local bucket that reduces over other ranks fills an unused member's gradient
+            # with zeros of its local shape (every rank packs the same flat collective)
+            ctx.fill = [(tuple(x.shape), x.dtype, x.device) for x in xs] if local and max(b.sizes) > 1 else None
             return tuple(out)
         finally:
             GATHERING[0] -= 1
@@ -45,6 +50,13 @@ class Gather(torch.autograd.Function):
         xs: list = [None] * n
         pls: list = [None] * n
         for j, g in enumerate(grads):
+            if ctx.fill is not None:  # NOTE [unused parameters] in meshlm/unused.py
+                if g is None:
+                    shape, dtype, device = ctx.fill[j]
+                    g = torch.zeros(shape, dtype=dtype, device=device)
+                    unused.mark_filled(ctx.params[j])
+                else:
+                    unused.mark_used(ctx.params[j])
             if g is None:
                 continue
             if ctx.local:  # NOTE [local blocks]: this rank's share of a sum over every mesh axis

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshlm import _torch_compat as compat
-from meshlm import annotate, bucket, rng, tree
+from meshlm import annotate, bucket, rng, tree, weighting
 from meshlm.absent import Absent
 from meshlm.axes import DATA_AXES, Axes
 from meshlm.errors import AnnotationError
@@ -130,12 +130,13 @@ class LocalHandler(rng.Handler):
         got = self.seen.get(id(x))
         return got[1] if got is not None and got[0]() is x else None
 
-    def reduce_batch(self, x: Tensor, op: str) -> Tensor:
+    def reduce_batch(self, x: Tensor, op: str, weight: Optional[Tensor] = None) -> Tensor:
+        if op == "mean" and weight is None:
+            weight = _nll_weight(x)
         if self.world == 1:
-            out = x
+            out = x if weight is None else weighting.attach(x.view_as(x), weight)
         else:
-            weight = _nll_weight(x) if op == "mean" else None
-            out = BatchReduce.apply(x, weight, op, _data_groups(self.st))
+            out = batch_reduce(x, weight, op, _data_groups(self.st))
         out._meshlm_global = True  # already over the global batch: lifted as it is
         return out
 
@@ -221,7 +222,7 @@ def _lift(path: str, out: Tensor, st, handler: LocalHandler, rows_pl: tuple, row
                 "meshlm.reduce_batch(x, 'mean'|'sum') or compute it on batch-first targets"
             )
         mean = nll[0] == 1
-        return BatchReduce.apply(out, nll[1] if mean else None, "mean" if mean else "sum", _data_groups(st))
+        return batch_reduce(out, nll[1] if mean else None, "mean" if mean else "sum", _data_groups(st))
     axes = handler.axes_of(out)
     if axes is None:
         if out.shape[0] != rows:
@@ -270,6 +271,13 @@ def _nll_rows_ok(target: Tensor, rows: int) -> bool:
     return target.ndim > 0 and target.shape[0] % rows == 0
 
 
+def batch_reduce(x: Tensor, weight: Optional[Tensor], op: str, groups) -> Tensor:
+    """``BatchReduce``; a weighted mean carries its global total weight (NOTE [token
+    weighting] in meshlm/weighting.py)."""
+    out, total = BatchReduce.apply(x, weight, op, groups)
+    return out if weight is None else weighting.attach(out, total)
+
+
 class BatchReduce(torch.autograd.Function):
     """This rank's value over its rows -> the value over every rank's rows (a mean weighted
     by ``weight``, one per rank where None, or a sum); backward hands this rank its share of
@@ -281,19 +289,21 @@ class BatchReduce(torch.autograd.Function):
         xf = x.detach().to(torch.float32)
         if mean:
             w = (weight.detach() if weight is not None else torch.ones((), device=x.device)).to(torch.float32)
-            buf = torch.cat([(xf * w).reshape(-1), w.reshape(1)])
+            # a rank whose rows count no target has a NaN mean (0/0) and weight 0: it adds nothing
+            buf = torch.cat([torch.where(w > 0, xf * w, torch.zeros_like(xf)).reshape(-1), w.reshape(1)])
         else:
             buf = xf.reshape(-1)
         for g in groups:
             buf = bucket.waited(compat.all_reduce(buf, "sum", g))
         if mean:
             ctx.scale = w / buf[-1]
-            out = (buf[:-1] / buf[-1]).view(x.shape)
+            out, total = (buf[:-1] / buf[-1]).view(x.shape), buf[-1].clone()
         else:
             ctx.scale = None
-            out = buf.view(x.shape)
-        return out.to(x.dtype)
+            out, total = buf.view(x.shape), torch.zeros((), device=x.device)
+        ctx.mark_non_differentiable(total)
+        return out.to(x.dtype), total
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g, _total):  # type: ignore[override]
         return (g if ctx.scale is None else g * ctx.scale.to(g.dtype)), None, None, None

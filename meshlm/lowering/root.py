@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
-from meshlm import annotate, tree
+from meshlm import annotate, tree, weighting
 from meshlm._torch_compat import dtensor_ops
 from meshlm.lowering.inputs import arguments, input_axes, set_arguments, wrap_input
 from meshlm.lowering.local_root import local_root_forward, local_rows
@@ -49,7 +49,12 @@ def root_forward(self, *args, **kwargs):
     dtensor_ops.allow_implicit_replication()
     with annotate.handling(st.handler):  # constrain, and dropout (NOTE [dropout keys] in rng.py)
         out = orig(*bound.args, **bound.kwargs)
-    # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is
-    return tree.map_tensors(
-        out, lambda _p, t: t.full_tensor() if isinstance(t, DTensor) and t.ndim == 0 else t, strict=False
-    )
+    # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is, with
+    # its weight (NOTE [token weighting] in meshlm/weighting.py)
+    return tree.map_tensors(out, lambda _p, t: _whole(t) if isinstance(t, DTensor) and t.ndim == 0 else t, strict=False)
+
+
+def _whole(t: DTensor) -> Tensor:
+    w = weighting.weight_tensor(t)
+    out = t.full_tensor()
+    return out if w is None else weighting.attach(out, w)

@@ -42,14 +42,15 @@ NOTE [pipelined step]
     The global gradient norm adds every stage's squares over the ``pp`` group as well
     (``ShardedOptimizer.norm_groups``), so clipping, and float16's overflow check, see the
     whole model.  The step's loss, which only the last stage computes, is all-reduced over
-    ``pp`` (one 8-byte all-reduce per step), so every rank reports it.
+    ``pp`` with its total weight and reference weight (NOTE [token weighting] in
+    meshlm/weighting.py: one 24-byte all-reduce per step), so every rank reports it and
+    rescales its gradients alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -58,6 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm import _torch_compat as compat
+from meshlm import weighting
 from meshlm.annotate import outer_blocks
 from meshlm.axes import MESH_AXES, Axes
 from meshlm.errors import ConfigError, LayoutError, MeshlmError
@@ -144,6 +146,8 @@ class Pipeline:
         self.pp_rank = mesh.get_local_rank("pp")
         self.device = torch.device(mesh.device_type)
         self._schedule = None
+        self._opt = None  # the ShardedOptimizer attached (attach)
+        self._acc = None  # this step's weighting (NOTE [token weighting] in meshlm/weighting.py)
         self._scale: Optional[Callable] = None
         self.keep_gathered = microbatches > 1 and not regather  # NOTE [gathered once per step]
 
@@ -193,14 +197,24 @@ class Pipeline:
             out.append(PipelineStage(sm, s, n, self.device, input_args=inp, output_args=res, group=self.group))
         return out
 
-    def _loss_fn(self, out, _target):
-        m = out.sum() / self.microbatches
+    def _loss_fn(self, out, target):
+        # NOTE [token weighting] in meshlm/weighting.py: micro-batch j's loss weighted by its
+        # weight; a planner's fake step has no values to weigh by, and divides by their number
+        if compat.fake_mode_active():
+            c = 1.0 / self.microbatches
+        else:
+            j = int(target.reshape(-1)[0])
+            w = self.mbs.weights[j]
+            c = self._acc.add(None if w is None else weighting.number(w), float(self.mbs.losses[j]))
+        m = out.sum() * c
         return self._scale(m) if self._scale is not None else m
 
     # ------------------------------------------------------------------ a step
     def begin(self, inputs: list) -> None:
         self.mbs.inputs = inputs
         self.mbs.losses = [None] * len(inputs)
+        self.mbs.weights = [None] * len(inputs)
+        self._acc = weighting.Accumulation(len(inputs))
         with compat.outside_fake():
             self.mbs.rng = torch.get_rng_state()
         for sm in self.stage_modules:
@@ -213,10 +227,16 @@ class Pipeline:
         if any(not torch.equal(ends[0], e) for e in ends[1:]):
             raise RuntimeError("pipeline: the stages of this rank ended the step at different generator states")
         torch.set_rng_state(ends[0])
-        got = [float(x) for x in self.mbs.losses if x is not None]
-        total = torch.tensor([math.fsum(got)], dtype=torch.float64, device=self.device)
+        # the last stage's weighted sum, total weight and reference weight (NOTE [token
+        # weighting]), zeros elsewhere: one all-reduce over pp gives every rank the step's loss
+        # and the factor its gradients take
+        acc = self._acc
+        total = torch.tensor([acc.weighted, acc.total, acc.ref or 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.group)
-        return float(total.item()) / len(self.mbs.inputs)
+        acc.weighted, acc.total, acc.ref = (float(v) for v in total.tolist())
+        acc.ref = acc.ref or None
+        weighting.rescale(acc.grad_factor(), self._opt, nn.ModuleList(self.stage_modules))
+        return acc.loss()
 
     def attach(self, opt, early: Optional[bool] = None) -> None:
         """Connect the step's ``ShardedOptimizer``: every stage's gradients count in its norm
@@ -225,6 +245,7 @@ class Pipeline:
         the backward that makes its last gradient (NOTE [early reduction] in
         meshlm/optim_early.py)."""
         opt.norm_groups = [self.group]
+        self._opt = opt  # whose gradients a step rescales (NOTE [token weighting])
         if early is None:
             early = self.device.type != "cpu"
         if early and self.microbatches > 1:

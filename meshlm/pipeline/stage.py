@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
+from meshlm import weighting
 from meshlm.absent import absent_like, has_absent, is_absent
 from meshlm.axes import Axes
 from meshlm.errors import ConfigError, MeshlmError
@@ -158,6 +159,7 @@ class MicroBatches:
 
     inputs: list = field(default_factory=list)  # (args, kwargs) per micro-batch
     losses: list = field(default_factory=list)  # loss per micro-batch, detached (the last stage's rank)
+    weights: list = field(default_factory=list)  # its weight tensor (NOTE [token weighting]), None: unknown
     rng: Optional[Tensor] = None
     # the generator state each micro-batch's forward starts from, where the caller sets one
     # per micro-batch (the parity harness reseeds before each); None: chained (meshlm train)
@@ -246,6 +248,7 @@ class StageModule(nn.Module):
                 "hidden state it receives and its own parameters"
             )
         self.mbs.losses[m] = loss.detach()  # read after the step (a planner's fake step has no values)
+        self.mbs.weights[m] = weighting.weight_tensor(loss)  # NOTE [token weighting] in meshlm/weighting.py
         return loss.reshape(1)  # torch's schedules concatenate the last stage's outputs
 
     def _install(self) -> None:

@@ -135,6 +135,11 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
     # the loss and its weight under a local root)
     for ax in data_batch:
         add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
+    # which parameters some rank used, under a local root: a byte per parameter, one
+    # all-reduce per data mesh dim at the step (NOTE [unused parameters] in meshlm/unused.py)
+    if local_root:
+        for ax in data_active:
+            add("all_reduce", ax, "optimizer", sum(prm.count for prm in params_), "used-parameter flags")
     _activation_comm(cfg, lay, sizes, b, s, CB, add, accum, ckpt)
     return list(out.values())
 

@@ -59,6 +59,7 @@ from meshlm.testing.parity_mp import BF16
 from meshlm.testing.recipes import FP32, full_many
 from meshlm.testing.recipes import forward_seed as _forward_seed
 from meshlm.testing.recipes import full as _full
+from meshlm.weighting import rescale
 
 # The optimizers the harness knows bounds for (NOTE [tolerances after steps]).  SGD's lr is
 # large enough that a gradient off by 2x moves the weights by far more than rounding.
@@ -254,6 +255,7 @@ class _Job:
     strict: bool
     recipe: FP32
     runner: Any = None  # how a step's micro-batches run: _OneByOne, or parity_pp.Piped (pipeline layouts)
+    grad_factor: float = 1.0  # what the step's micro-batch weights rescale the gradients by (one_by_one)
 
     def plain(self, weights: dict[str, Tensor], seed: int, slot: dict, key: str) -> nn.Module:
         """A plain torch copy of the model holding ``weights`` (built once per ``key`` in ``slot``)."""
@@ -329,9 +331,17 @@ class _Job:
                     )
                 # the gradients the optimizer steps with: reduced at the step (ZeRO-1/2), on the masters
                 with at_step():
+                    rescale(self.grad_factor, opt)
                     opt.reduce_grads()
             masters = opt.masters()
-            for n, g in full_many({n: m.grad for n, m in masters.items()}).items():
+            for n, m in masters.items():  # NOTE [unused parameters] in meshlm/unused.py: torch.optim skips these
+                if (m.grad is None) != (probe_grads[n] is None):
+                    raise AssertionError(
+                        f"{self.layout} on {self.mesh.shape}, {name} step {k}: {n} has "
+                        f"{'no gradient' if m.grad is None else 'a gradient'} where one device has "
+                        f"{'none' if probe_grads[n] is None else 'one'}"
+                    )
+            for n, g in full_many({n: m.grad for n, m in masters.items() if m.grad is not None}).items():
                 gp = probe_grads[n]
                 self._check(
                     f"{name} step {k}: gradient of {n} the optimizer steps with",
@@ -358,8 +368,9 @@ class _Job:
                 if n not in mine_p:  # held by another pipeline stage, which checks it
                     continue
                 st = ref_opt.state[p]
-                bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
-                bound = bounds[n].bound
+                if p.grad is not None:  # else the optimizer skipped it: its weights and state stay as they were
+                    bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
+                bound = {"param": torch.zeros_like(p), **bounds[n].bound}
                 stored = after[("param", n)]
                 self._check(
                     f"{name} step {k}: parameter {n}",
@@ -393,14 +404,18 @@ class _Job:
 
     def one_by_one(self, model: nn.Module, micro: list, seed: int, step: int) -> list[Tensor]:
         """Forward and backward of each micro-batch (this rank's slice) in turn: the losses."""
+        from meshlm.weighting import Accumulation
+
         out = []
+        acc = Accumulation(len(micro))  # as meshlm.train weighs micro-batches (NOTE [token weighting])
         for j, (args, kwargs) in enumerate(micro):
             a, kw = self._shard(args, kwargs)
             torch.manual_seed(_forward_seed(seed, step, j))
             loss = model(*a, **kw)
-            (loss / self.grad_accum).backward()
+            (loss * acc.coefficient(loss)).backward()
             self._check_placed(model)
             out.append(_full(loss))
+        self.grad_factor = acc.grad_factor()
         return out
 
     def _check_placed(self, model: nn.Module) -> None:
@@ -412,6 +427,8 @@ class _Job:
         st = shard_state(model)
         for n, p in model.named_parameters():
             g = p.grad if main_grad.get(p) is None else main_grad.get(p)  # NOTE [main grads]
+            if g is None:  # not used so far in this step (NOTE [unused parameters] in meshlm/unused.py)
+                continue
             assert isinstance(g, DTensor), f"grad of {n} is not a DTensor"
             want_dtype = self.recipe.grad_dtype
             assert want_dtype is None or g.dtype == want_dtype, f"grad of {n} in {g.dtype}, not {want_dtype}"

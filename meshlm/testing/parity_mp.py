@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.testing import tolerances as tol
-from meshlm.testing.recipes import FP32, full_many
+from meshlm.testing.recipes import FP32, forwards, full_many
 from meshlm.testing.recipes import accumulate as _accumulate
 from meshlm.testing.recipes import forward_seed as _forward_seed
 
@@ -77,10 +77,8 @@ class BF16(FP32):
         low = self._copy(model)
         pairs = list(zip(model.parameters(), low.parameters()))
         losses = []
-        for j, (args, kwargs) in enumerate(micro):
-            torch.manual_seed(_forward_seed(seed, step, j))
-            loss = low(*args, **kwargs)
-            (loss / grad_accum).backward()
+        for loss, share in forwards(low, micro, seed, step):  # the whole step's weighting (recipes.accumulate)
+            (loss * share).backward()
             losses.append(loss.detach())
             with torch.no_grad():  # accumulate in float32
                 for p, q in pairs:
@@ -111,6 +109,7 @@ class BF16(FP32):
             and c.phase != "forward"
             and any(a in DATA_AXES for a in c.axes)
             and c.dtype != torch.float32
+            and c.dtype.is_floating_point  # a gradient (NOTE [unused parameters]' flags are bytes)
         ]
         assert not bad, (
             f"{what}: {len(bad)} gradient reductions over data axes not in float32, e.g. "

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from meshlm import _torch_compat as compat
 from meshlm.testing import tolerances as tol
 
 
@@ -74,14 +75,37 @@ def forward_seed(seed: int, step: int, micro: int) -> int:
 
 
 def accumulate(model: nn.Module, micro_batches: list, grad_accum: int, seed: int, step: int) -> list[Tensor]:
-    """Forward and ``(loss / grad_accum).backward()`` per micro-batch, as meshlm.train does."""
+    """Forward of each micro-batch, then the backward of each loss times its share of the
+    step's total weight (``step_weight``): the gradients of the step's whole batch as one
+    device computes it."""
+    outs = forwards(model, micro_batches, seed, step)
+    for loss, share in outs:
+        (loss * share).backward()
+    return [full(loss) for loss, _share in outs]
+
+
+def forwards(model: nn.Module, micro_batches: list, seed: int, step: int) -> list[tuple[Tensor, float]]:
+    """Each micro-batch's loss (its graph kept) and its share of the step's total weight."""
     losses = []
     for j, (args, kwargs) in enumerate(micro_batches):
         torch.manual_seed(forward_seed(seed, step, j))
-        loss = model(*args, **kwargs)
-        (loss / grad_accum).backward()
-        losses.append(full(loss))
-    return losses
+        losses.append(model(*args, **kwargs))
+    weights = [step_weight(x) for x in losses]
+    total = sum(weights)
+    return [(x, w / total if total > 0 else 0.0) for x, w in zip(losses, weights)]
+
+
+def step_weight(loss: Tensor) -> float:
+    """The weight of a micro-batch's loss in the whole step's mean, as one device computes
+    it: torch's own total weight of a mean ``F.cross_entropy`` / ``F.nll_loss`` (saved on
+    its autograd node: the count of targets not ignored), the ``weight`` a model declared
+    through ``meshlm.reduce_batch`` (on one device meshlm only records it), else 1 (a plain
+    mean of equal micro-batches)."""
+    w = getattr(loss, "_meshlm_weight", None)
+    nll = compat.nll_node_fields(loss.grad_fn)  # torch's node, read through the compat wrapper
+    if w is None and nll is not None and nll[0] == 1:
+        w = nll[1]
+    return 1.0 if w is None else float(w)
 
 
 class FP32:
@@ -115,5 +139,6 @@ class FP32:
     ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """The one-step tolerances (per micro-batch loss, per parameter gradient) at the
         probe's ``weights``, given the probe's ``losses`` and ``grads``."""
-        floor = tol.grad_noise_floor(grads.values())
-        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g, floor) for n, g in grads.items()}
+        have = {n: g for n, g in grads.items() if g is not None}  # none: a parameter the step did not use
+        floor = tol.grad_noise_floor(have.values())
+        return [tol.LOSS_RTOL * x.abs() for x in losses], {n: tol.grad_tol(g, floor) for n, g in have.items()}

@@ -90,6 +90,13 @@ def budget(layout: str, mesh: dict) -> dict:
     if layout != "single":
         for a in data:
             add("all_reduce", a, "forward", 1, 8 if pure_data else 4)
+    if pure_data:
+        # Local blocks and roots may use different parameters on different ranks: at the step
+        # one all-reduce per data mesh dim of a byte per parameter says which some rank used
+        # (NOTE [unused parameters] in meshlm/unused.py); under DTensor every rank runs the
+        # same program and none is needed.
+        for a in data:
+            add("all_reduce", a, "optimizer", 1, L * (len(attn) + len(mlp) + len(norms)) + len(emb) + 1)
     if layout == "ddp":  # DDP: all-reduce of the gradients, 2(N-1)/N·Ψ·B on the wire
         add("all_reduce", "dp", "backward", L + 1, P)
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,

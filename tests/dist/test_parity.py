@@ -287,7 +287,7 @@ def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
                         m.grad.div_(self.mesh.size())
         ShardedOptimizer.reduce_grads = reduce_grads
     elif bug == "loss_ignores_grad_accum":  # the local root's loss drops the 1/grad_accum of its gradient
-        local_root.BatchReduce.backward = staticmethod(lambda ctx, g: (torch.ones_like(g) * ctx.scale.to(g.dtype)
+        local_root.BatchReduce.backward = staticmethod(lambda ctx, g, *_: (torch.ones_like(g) * ctx.scale.to(g.dtype)
                                                                   if ctx.scale is not None else torch.ones_like(g),
                                                                   None, None, None))
     elif bug == "main_grad_doubled":  # NOTE [main grads]: the reduced gradient added twice

@@ -43,6 +43,13 @@ def fake_world():
         dist.destroy_process_group()
 
 
+class _Ctx(SimpleNamespace):
+    """An autograd Function's ctx, as far as ``Gather`` uses one."""
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
 def _ints(shape, dtype, gen):
     return torch.randint(-8, 9, tuple(shape), generator=gen).to(dtype)
 
@@ -92,7 +99,7 @@ def test_gather_then_reduce_on_local_rows(monkeypatch, compute_dtype, reduce_dty
 
     def rank(r, c):
         params = [SimpleNamespace(_local_tensor=s[c]) for s in stored]
-        ctx = SimpleNamespace()
+        ctx = _Ctx()
         ys = bucket.Gather.forward(ctx, key, True, *params)
         n_fwd = len(world.log[r])
         out = bucket.Gather.backward(ctx, *grads[r])
@@ -164,7 +171,7 @@ def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
             DTensor.from_local(s[c], mesh, m.storage, run_check=False, shape=m.shape, stride=m.stride)
             for s, m in zip(stored, b.members)
         ]
-        return params, bucket.Gather.forward(SimpleNamespace(), key, False, *params)
+        return params, bucket.Gather.forward(_Ctx(), key, False, *params)
 
     bucket.GATHERING[0] += 2  # as if two other gathers were running (the ranks' threads share it)
     try:
@@ -199,7 +206,7 @@ def test_reduce_a_dtensor_blocks_gradients_over_data_then_other_axes(monkeypatch
             DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride)
             for p, pl, m in zip(parts, arrive, b.members)
         ]
-        return bucket.Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
+        return bucket.Gather.backward(_Ctx(key=key, local=False, params=(), fill=None), *gs)
 
     for r, out in enumerate(world.run(rank)):
         c = world.coords[r]
@@ -235,7 +242,7 @@ def test_a_missing_gradient_and_a_move_no_flat_collective_makes(monkeypatch):
             DTensor.from_local(p[c], mesh, pl, run_check=False, shape=m.shape, stride=m.stride) if pl else None
             for p, pl, m in zip(parts, arrive, b.members)
         ]
-        return bucket.Gather.backward(SimpleNamespace(key=key, local=False, params=()), *gs)
+        return bucket.Gather.backward(_Ctx(key=key, local=False, params=(), fill=None), *gs)
 
     for r, out in enumerate(world.run(rank)):
         assert out[:3] == (None, None, None), r
@@ -265,7 +272,7 @@ def test_main_grads_take_the_reduced_gradient_in_their_dtype(monkeypatch, reduce
     def rank(_r, _c):
         params = [SimpleNamespace() for _ in specs]
         for _step in range(2):  # main gradients accumulate across backward passes
-            out = bucket.Gather.backward(SimpleNamespace(key=key, local=True, params=params), *grads[_r])
+            out = bucket.Gather.backward(_Ctx(key=key, local=True, params=params, fill=None), *grads[_r])
             assert out == (None,) * 4  # nothing to autograd
         return params
 
