@@ -40,6 +40,7 @@ NOTE [dropout keys]
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,7 +49,17 @@ from torch import Tensor
 from meshlm.axes import Axes
 from meshlm.errors import AnnotationError
 
-__all__ = ["THRESHOLD_BITS", "Handler", "draw_key", "dropout_plain", "dropout_rows", "dropout_whole", "keep_mask"]
+__all__ = [
+    "THRESHOLD_BITS",
+    "Handler",
+    "draw_key",
+    "dropout_plain",
+    "dropout_rows",
+    "dropout_whole",
+    "forward_seed",
+    "keep_mask",
+    "seed_forward",
+]
 
 _M32 = 0xFFFFFFFF
 THRESHOLD_BITS = 24  # the keep decision compares the hash's top 24 bits with p * 2^24
@@ -58,6 +69,22 @@ def draw_key() -> Tensor:
     """One dropout key: an int64 0-d CPU tensor from torch's global default generator
     (NOTE [dropout keys]).  62 bits, so that two keys collide with negligible probability."""
     return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+def forward_seed(seed: int, step: int, micro: int) -> int:
+    """The seed torch's generators start micro-batch ``micro`` (from 0) of optimizer step
+    ``step`` from, in a run of seed ``seed`` (NOTE [dropout keys]): a hash of the three, not a
+    sum, so that no other (seed, step, micro) replays it.  sha256, unlike ``hash()``, is the
+    same in every process; 63 bits, which every torch generator accepts."""
+    digest = hashlib.sha256(f"meshlm-forward:{seed}:{step}:{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_forward(seed: int, step: int, micro: int) -> None:
+    """Seed torch's generators (the CPU one the dropout keys come from, and every
+    accelerator's) for micro-batch ``micro`` of step ``step`` (:func:`forward_seed`), so that
+    what its forward draws depends on neither the world size nor the generator state before."""
+    torch.manual_seed(forward_seed(seed, step, micro))
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

@@ -105,14 +105,18 @@ def accumulate(model, next_batch, t, mcfg, device, rank: int) -> Passes:
     each loss divided by ``t.grad_accum``.  ``next_batch()`` gives (tokens, targets), or
     (tokens, targets, extras), for ``model(tokens, targets, **extras)`` (:func:`model_inputs`);
     ``scale`` (set by ``train_step``) multiplies each micro-batch loss before backward
-    (float16 loss scaling).  The injected faults of ``train.inject_nan_step`` and
-    ``train.inject_crash_step`` (tests) are raised here."""
+    (float16 loss scaling).  Each micro-batch's forward starts from torch's generators
+    seeded by (``t.seed``, step, micro-batch) (``meshlm.rng.seed_forward``, NOTE [dropout
+    keys]).  The injected faults of ``train.inject_nan_step`` and ``train.inject_crash_step``
+    (tests) are raised here."""
     from meshlm.model_config import loss_of
+    from meshlm.rng import seed_forward
 
     def passes(step: int, scale: Optional[Callable[[Tensor], Tensor]] = None) -> float:
         total = 0.0
-        for _ in range(t.grad_accum):
+        for j in range(t.grad_accum):
             args, extras = model_inputs(next_batch(), device)
+            seed_forward(t.seed, step, j)
             loss = loss_of(model(*args, **extras), mcfg)
             if step == t.inject_nan_step:
                 loss = loss * float("nan")
