@@ -7,9 +7,26 @@ NOTE [dropout keys]
 
     - Each call draws one key, an int64 0-d tensor, from torch's global default CPU
       generator (``draw_key``).  meshlm requires that generator to be in the same state on
-      every rank (``meshlm train`` seeds it with ``train.seed`` on every rank and the
-      checkpoint restores it), and every rank makes the same calls in the same order as the
-      one-device model, so every rank and the one-device model draw the same keys.
+      every rank, and every rank makes the same calls in the same order as the one-device
+      model, so every rank and the one-device model draw the same keys.
+    - ``meshlm train`` sets that state at the start of every micro-batch's forward, from
+      ``(train.seed, step, micro-batch)`` alone (``seed_forward``: ``torch.manual_seed`` of
+      a sha256 of the three, ``forward_seed``), on every rank, rather than carrying it over
+      from the previous step.  So the keys of micro-batch ``j`` of step ``k`` are the same
+      on any world size, under any layout, after any resume, whatever state the generator
+      was in before (a fresh ``train.seed`` at another world size, or the state a checkpoint
+      restored: NOTE [checkpoint rng] below), and a step's masks are a function of (seed,
+      step, global row, position, layer) only.  ``train.grad_accum`` is part of that
+      function: micro-batch ``j`` holds rows ``[j*b, (j+1)*b)`` of the step's global batch
+      (``b = train.batch_size / train.grad_accum``, the loader's order), its keys come from
+      ``(seed, step, j)`` and its elements are indexed within the micro-batch, so the same
+      run with another ``grad_accum`` (the same data) draws other masks.  Indexing rows
+      within the step's batch instead would need the micro-batch's row offset inside
+      ``keep_mask``, kept through recomputes that a pipeline schedule runs after later
+      micro-batches' forwards, and as a graph input under torch.compile; not done.  The
+      pipeline gives each micro-batch's forward the same seeded state on every stage
+      (``MicroBatches.starts``, NOTE [stage forward] in meshlm/pipeline/stage.py), so pp
+      draws the keys plain gradient accumulation draws.
     - The keep decision of an element is ``hash(key, i) >= p * 2^24``, with ``i`` the
       element's linear index in the *global* tensor (``keep_mask``).  Each rank computes
       the indices of the elements it holds: from its DTensor placements under a DTensor
@@ -31,6 +48,15 @@ NOTE [dropout keys]
       generator unless ``torch._inductor.config.fallback_random`` is set, which
       ``meshlm.compile.compile_blocks`` sets for the inductor backend (the one random op
       of a block is a 0-d key, so the fallback costs nothing).
+
+    NOTE [checkpoint rng]: a checkpoint still saves each rank's generator states
+    (``rng/rank<r>.pt``) and restores them when the world size is unchanged, for loops of
+    one's own around ``meshlm.checkpoint``; ``meshlm train`` does not depend on them (it
+    reseeds at every micro-batch, and evaluation runs in eval mode, which draws nothing).
+    ``torch.manual_seed`` also seeds every accelerator's generator, so a model's own
+    ``F.dropout`` on CUDA is reproducible across a resume under the same layout too (but
+    not layout-exact, below); under pp only the CPU generator's state is set per
+    micro-batch and stage.
 
     ``F.dropout`` and other torch random ops are *not* layout-exact: on local rows every
     data-parallel rank would draw the same mask for different rows (the global generator
