@@ -28,14 +28,13 @@ pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 
 
-def _cfg(layout: str, mesh: dict, grad_accum: int, ck: Path, resume: str | None = None) -> RunConfig:
+def _cfg(layout: str, mesh: dict, train: dict, ck: Path, resume: str | None = None) -> RunConfig:
     model = load_config(["model=llama_tiny"]).model.to_dict()
     model["dropout"] = 0.1
     t = {
         "steps": STEPS,
         "batch_size": 8,
         "seq_len": 32,
-        "grad_accum": grad_accum,
         "lr": 3e-3,
         "min_lr": 3e-3,
         "warmup_steps": 2,
@@ -44,6 +43,7 @@ def _cfg(layout: str, mesh: dict, grad_accum: int, ck: Path, resume: str | None 
         "progress": False,
         "count_comm": False,
         "pg_timeout_s": 60,
+        **train,
     }
     return from_dict(
         {
@@ -72,14 +72,20 @@ def _same(got: dict[int, float], want: dict[int, float], steps) -> None:
     assert worst <= tol.INVARIANCE_RTOL, (worst, got, want)
 
 
-@pytest.mark.parametrize(
-    "layout,mesh,grad_accum", [("fsdp", {"fsdp": 2}, 1), ("pp", {"pp": 2}, 2)], ids=["fsdp2", "pp2-grad_accum2"]
-)
-def test_dropout_resume_at_another_world_size(pool1, pool2, tmp_path, layout, mesh, grad_accum):
+CASES = [
+    ("fsdp", {"fsdp": 2}, 1, {"activation_checkpointing": "full"}),
+    ("pp", {"pp": 2}, 2, {}),
+]
+
+
+@pytest.mark.parametrize("layout,mesh,grad_accum,two_train", CASES, ids=["fsdp2-checkpointed", "pp2-grad_accum2"])
+def test_dropout_resume_at_another_world_size(pool1, pool2, tmp_path, layout, mesh, grad_accum, two_train):
     """Single on 1 process uninterrupted; ``layout`` on 2; each resumed from the other's
-    checkpoint of step 2.  pp: the pipeline's micro-batches start from the same generator
-    states as plain gradient accumulation's."""
-    single, two = ("single", {"dp": 1}, grad_accum), (layout, mesh, grad_accum)
+    checkpoint of step 2.  fsdp recomputes its blocks in backward (the recompute redraws the
+    forward's keys); pp: the pipeline's micro-batches start from the same generator states
+    as plain gradient accumulation's."""
+    single = ("single", {"dp": 1}, {"grad_accum": grad_accum})
+    two = (layout, mesh, {"grad_accum": grad_accum, **two_train})
     a = pool1.run(_losses, _cfg(*single, tmp_path / "ck_single"), str(tmp_path / "single"))[0]
     b = pool2.run(_losses, _cfg(*two, tmp_path / "ck_two"), str(tmp_path / "two"))[0]
     _same(b, a, range(1, STEPS + 1))  # the same masks under both layouts (no resume yet)
