@@ -22,7 +22,8 @@ What is saved (flat keys, so nothing depends on parameter order or rank count):
 * ``extra.pt`` (rank 0): the caller's ``extra`` dict (step, data-loader position, LR
   schedule, ...), the optimizer's param-group hyperparameters and non-tensor state;
 * ``rng/rank<r>.pt``: each rank's torch RNG states (restored when the world size is
-  unchanged).
+  unchanged; ``meshlm train`` does not depend on them: it seeds every micro-batch from
+  (train.seed, step, micro-batch), NOTE [checkpoint rng] in meshlm/rng.py).
 
 NOTE [commit protocol]: ranks write into ``<dir>/.tmp_step_<N>/``; after a barrier rank 0
 writes ``meta.json``, then the ``COMMIT`` marker, fsyncs, and renames the directory to

@@ -7,9 +7,26 @@ NOTE [dropout keys]
 
     - Each call draws one key, an int64 0-d tensor, from torch's global default CPU
       generator (``draw_key``).  meshlm requires that generator to be in the same state on
-      every rank (``meshlm train`` seeds it with ``train.seed`` on every rank and the
-      checkpoint restores it), and every rank makes the same calls in the same order as the
-      one-device model, so every rank and the one-device model draw the same keys.
+      every rank, and every rank makes the same calls in the same order as the one-device
+      model, so every rank and the one-device model draw the same keys.
+    - ``meshlm train`` sets that state at the start of every micro-batch's forward, from
+      ``(train.seed, step, micro-batch)`` alone (``seed_forward``: ``torch.manual_seed`` of
+      a sha256 of the three, ``forward_seed``), on every rank, rather than carrying it over
+      from the previous step.  So the keys of micro-batch ``j`` of step ``k`` are the same
+      on any world size, under any layout, after any resume, whatever state the generator
+      was in before (a fresh ``train.seed`` at another world size, or the state a checkpoint
+      restored: NOTE [checkpoint rng] below), and a step's masks are a function of (seed,
+      step, global row, position, layer) only.  ``train.grad_accum`` is part of that
+      function: micro-batch ``j`` holds rows ``[j*b, (j+1)*b)`` of the step's global batch
+      (``b = train.batch_size / train.grad_accum``, the loader's order), its keys come from
+      ``(seed, step, j)`` and its elements are indexed within the micro-batch, so the same
+      run with another ``grad_accum`` (the same data) draws other masks.  Indexing rows
+      within the step's batch instead would need the micro-batch's row offset inside
+      ``keep_mask``, kept through recomputes that a pipeline schedule runs after later
+      micro-batches' forwards, and as a graph input under torch.compile; not done.  The
+      pipeline gives each micro-batch's forward the same seeded state on every stage
+      (``MicroBatches.starts``, NOTE [stage forward] in meshlm/pipeline/stage.py), so pp
+      draws the keys plain gradient accumulation draws.
     - The keep decision of an element is ``hash(key, i) >= p * 2^24``, with ``i`` the
       element's linear index in the *global* tensor (``keep_mask``).  Each rank computes
       the indices of the elements it holds: from its DTensor placements under a DTensor
@@ -32,6 +49,15 @@ NOTE [dropout keys]
       ``meshlm.compile.compile_blocks`` sets for the inductor backend (the one random op
       of a block is a 0-d key, so the fallback costs nothing).
 
+    NOTE [checkpoint rng]: a checkpoint still saves each rank's generator states
+    (``rng/rank<r>.pt``) and restores them when the world size is unchanged, for loops of
+    one's own around ``meshlm.checkpoint``; ``meshlm train`` does not depend on them (it
+    reseeds at every micro-batch, and evaluation runs in eval mode, which draws nothing).
+    ``torch.manual_seed`` also seeds every accelerator's generator, so a model's own
+    ``F.dropout`` on CUDA is reproducible across a resume under the same layout too (but
+    not layout-exact, below); under pp only the CPU generator's state is set per
+    micro-batch and stage.
+
     ``F.dropout`` and other torch random ops are *not* layout-exact: on local rows every
     data-parallel rank would draw the same mask for different rows (the global generator
     is the same on every rank), and under DTensor they follow DTensor's own RNG tracker.
@@ -40,6 +66,7 @@ NOTE [dropout keys]
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,7 +75,17 @@ from torch import Tensor
 from meshlm.axes import Axes
 from meshlm.errors import AnnotationError
 
-__all__ = ["THRESHOLD_BITS", "Handler", "draw_key", "dropout_plain", "dropout_rows", "dropout_whole", "keep_mask"]
+__all__ = [
+    "THRESHOLD_BITS",
+    "Handler",
+    "draw_key",
+    "dropout_plain",
+    "dropout_rows",
+    "dropout_whole",
+    "forward_seed",
+    "keep_mask",
+    "seed_forward",
+]
 
 _M32 = 0xFFFFFFFF
 THRESHOLD_BITS = 24  # the keep decision compares the hash's top 24 bits with p * 2^24
@@ -58,6 +95,22 @@ def draw_key() -> Tensor:
     """One dropout key: an int64 0-d CPU tensor from torch's global default generator
     (NOTE [dropout keys]).  62 bits, so that two keys collide with negligible probability."""
     return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+def forward_seed(seed: int, step: int, micro: int) -> int:
+    """The seed torch's generators start micro-batch ``micro`` (from 0) of optimizer step
+    ``step`` from, in a run of seed ``seed`` (NOTE [dropout keys]): a hash of the three, not a
+    sum, so that no other (seed, step, micro) replays it.  sha256, unlike ``hash()``, is the
+    same in every process; 63 bits, which every torch generator accepts."""
+    digest = hashlib.sha256(f"meshlm-forward:{seed}:{step}:{micro}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_forward(seed: int, step: int, micro: int) -> None:
+    """Seed torch's generators (the CPU one the dropout keys come from, and every
+    accelerator's) for micro-batch ``micro`` of step ``step`` (:func:`forward_seed`), so that
+    what its forward draws depends on neither the world size nor the generator state before."""
+    torch.manual_seed(forward_seed(seed, step, micro))
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

@@ -173,7 +173,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     measure_step = min(start + 2, t.steps)  # NOTE [run memory] in meshlm/metrics.py
     mem_kinds: dict[str, Any] = {}
     if pipe is not None:
-        passes = pipe.passes(loader.next, device)
+        passes = pipe.passes(loader.next, device, seed=t.seed)
     else:
         passes = accumulate(model, loader.next, t, cfg.model, device, rank, opt)
     if offload is not None:

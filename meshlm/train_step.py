@@ -104,19 +104,23 @@ def accumulate(model, next_batch, t, mcfg, device, rank: int, opt=None) -> Passe
     """Gradient accumulation: ``t.grad_accum`` micro-batches of forward and backward,
     weighted as one device would weight the step's whole batch (NOTE [token weighting] in
     meshlm/weighting.py): each micro-batch's loss back-propagated with its coefficient, and
-    the accumulated gradients of ``opt`` rescaled at the end where the weights were unequal
-    (``opt`` is needed then).  ``next_batch()`` gives (tokens, targets), or (tokens, targets,
+    the accumulated gradients rescaled at the end where the weights were unequal (``opt``'s,
+    else ``model``'s).  ``next_batch()`` gives (tokens, targets), or (tokens, targets,
     extras), for ``model(tokens, targets, **extras)`` (:func:`model_inputs`); ``scale`` (set
     by ``train_step``) multiplies each micro-batch loss before backward (float16 loss
-    scaling).  Returns the step's weighted loss.  The injected faults of
-    ``train.inject_nan_step`` and ``train.inject_crash_step`` (tests) are raised here."""
+    scaling).  Each micro-batch's forward starts from torch's generators seeded by
+    (``t.seed``, step, micro-batch) (``meshlm.rng.seed_forward``, NOTE [dropout keys]).
+    Returns the step's weighted loss.  The injected faults of ``train.inject_nan_step`` and
+    ``train.inject_crash_step`` (tests) are raised here."""
     from meshlm.model_config import loss_of
+    from meshlm.rng import seed_forward
     from meshlm.weighting import Accumulation, rescale
 
     def passes(step: int, scale: Optional[Callable[[Tensor], Tensor]] = None) -> float:
         acc = Accumulation(t.grad_accum)
-        for _ in range(t.grad_accum):
+        for j in range(t.grad_accum):
             args, extras = model_inputs(next_batch(), device)
+            seed_forward(t.seed, step, j)
             loss = loss_of(model(*args, **extras), mcfg)
             coef = acc.coefficient(loss)
             if step == t.inject_nan_step:

@@ -68,6 +68,7 @@ from meshlm.mesh import MeshSpec, init_distributed
 from meshlm.pipeline.cut import Cut, Probe, cut, probe
 from meshlm.pipeline.schedule import make_schedule, schedule_spec
 from meshlm.pipeline.stage import MicroBatches, StageModule, block_call
+from meshlm.rng import seed_forward
 
 DEFAULT_AXES: Axes = ("batch", "seq", "embed")
 
@@ -273,16 +274,30 @@ class Pipeline:
             self._schedule.step(x, target=target)
         return self.finish()
 
-    def passes(self, next_batch: Callable[[], tuple], device, scale_hook=None):
+    def passes(self, next_batch: Callable[[], tuple], device, scale_hook=None, seed: Optional[int] = None):
         """A ``meshlm.train_step.Passes``: ``train.grad_accum`` micro-batches from
-        ``next_batch()`` ((tokens, targets)) through the pipeline."""
+        ``next_batch()`` ((tokens, targets)) through the pipeline.  ``seed``: each
+        micro-batch's forward starts from torch's generator seeded by (seed, step,
+        micro-batch), as ``meshlm.train_step.accumulate`` does (NOTE [dropout keys]); None:
+        the stages chain the generator from the state the step starts at."""
 
         def passes(step: int, scale=None) -> float:
             inputs = []
             for _ in range(self.microbatches):
                 x, y = next_batch()
                 inputs.append(((x.to(device), y.to(device)), {}))
-            return self.step(inputs, scale)
+            if seed is None:
+                return self.step(inputs, scale)
+            starts = []
+            with compat.outside_fake():
+                for j in range(self.microbatches):
+                    seed_forward(seed, step, j)
+                    starts.append(torch.get_rng_state())
+            self.mbs.starts = starts
+            try:
+                return self.step(inputs, scale)
+            finally:
+                self.mbs.starts = None
 
         return passes
 

@@ -27,11 +27,13 @@ NOTE [stage forward]
     (torch 2.11 sends no DTensor between stages).  On a local root (NOTE [local root])
     the plain rows are sent as they are.
 
-    Randomness: each stage keeps its own chain of torch generator states, from the step's
-    start state, one full forward per micro-batch, so that every stage draws the
-    one-device keys for its micro-batches whatever order the schedule runs them in (NOTE
-    [dropout keys] in meshlm/rng.py); after the step the generator is at the state after
-    all micro-batches, as on one device.
+    Randomness: every stage runs micro-batch ``m``'s forward from the same CPU generator
+    state, so that every stage draws the one-device keys for its micro-batches whatever
+    order the schedule runs them in (NOTE [dropout keys] in meshlm/rng.py): the state the
+    caller gives for ``m`` (``MicroBatches.starts``: ``meshlm train`` seeds it from
+    (train.seed, step, m), the parity harness reseeds likewise), or else each stage's own
+    chain from the step's start state, one full forward per micro-batch.  After the step
+    the generator is at the state after the last micro-batch's forward, as on one device.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class MicroBatches:
     weights: list = field(default_factory=list)  # its weight tensor (NOTE [token weighting]), None: unknown
     rng: Optional[Tensor] = None
     # the generator state each micro-batch's forward starts from, where the caller sets one
-    # per micro-batch (the parity harness reseeds before each); None: chained (meshlm train)
+    # per micro-batch (meshlm train and the parity harness seed each); None: chained
     starts: Optional[list] = None
 
 

@@ -129,3 +129,61 @@ def test_rows_are_a_block_of_the_batch():
     xt = x.transpose(0, 1).contiguous()
     wt = rng.dropout_whole(xt, 0.5, key)
     assert torch.equal(rng.dropout_rows(xt[:, 4:6], 0.5, ("seq", "batch", "embed"), key, (2, 4)), wt[:, 4:6])
+
+
+def test_forward_seed_is_a_hash_of_seed_step_and_micro_batch():
+    """A change of the derivation changes every run's masks: the values are pinned.  A sum
+    such as 1000 * step + micro would make (step 0, micro 1000) replay (step 1, micro 0)."""
+    assert rng.forward_seed(0, 1, 0) == 587689796025622926
+    assert rng.forward_seed(0, 1, 1) == 7629128703749145003
+    seeds = {rng.forward_seed(s, k, j) for s in range(3) for k in range(4) for j in range(3)}
+    assert len(seeds) == 36 and all(0 <= x < 2**63 for x in seeds)
+
+
+def _step_masks(monkeypatch, model, step: int, before: int) -> list[torch.Tensor]:
+    """The keep-masks that ``meshlm train``'s micro-batches (meshlm.train_step.accumulate:
+    2 micro-batches) draw at ``step``, the global generator seeded with ``before`` (and then
+    drawn from) before the step."""
+    from meshlm.config import TrainConfig, load_config
+    from meshlm.train_step import accumulate
+
+    masks: list[torch.Tensor] = []
+    real = rng.keep_mask
+
+    def spy(*args, **kwargs):
+        masks.append(real(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(rng, "keep_mask", spy)
+    gen = torch.Generator().manual_seed(0)
+    batches = iter([(torch.randint(0, 256, (2, 8), generator=gen),) * 2 for _ in range(2)])
+    passes = accumulate(
+        model,
+        lambda: next(batches),
+        TrainConfig(seed=3, grad_accum=2),
+        load_config(["model=llama_tiny"]).model,
+        "cpu",
+        0,
+    )
+    torch.manual_seed(before)
+    torch.rand(before)
+    passes(step)
+    model.zero_grad()
+    monkeypatch.setattr(rng, "keep_mask", real)
+    return masks
+
+
+def test_step_masks_do_not_depend_on_the_generator_before_the_step(monkeypatch):
+    """``meshlm train`` seeds torch's generator at each micro-batch from (train.seed, step,
+    micro-batch) (NOTE [dropout keys]): whatever state a resumed run's generator is in (a
+    fresh seed at another world size, a restored one at the same), a step draws the same
+    keys and masks."""
+    model = Llama(llama_config("llama_tiny", dropout=0.1))
+    a = _step_masks(monkeypatch, model, 5, before=0)
+    b = _step_masks(monkeypatch, model, 5, before=12345)
+    assert len(a) == 2 * 2 * 2  # micro-batches x layers x (attention, MLP) residual dropouts
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # not vacuous: another step, and each micro-batch and layer, draw other masks
+    c = _step_masks(monkeypatch, model, 6, before=0)
+    assert not any(torch.equal(x, y) for x, y in zip(a, c))
+    assert len({tuple(m.flatten().tolist()) for m in a}) == len(a)
