@@ -35,7 +35,9 @@ class Block(nn.Module):
     def __init__(self, width: int, mlp: int, up: nn.Linear | None = None):
         super().__init__()
         self.norm = meshlm.set_axes(nn.LayerNorm(width), weight=("embed",), bias=("embed",))
-        self.up = up if up is not None else meshlm.set_axes(nn.Linear(width, mlp), weight=("mlp", "embed"), bias=("mlp",))
+        self.up = (
+            up if up is not None else meshlm.set_axes(nn.Linear(width, mlp), weight=("mlp", "embed"), bias=("mlp",))
+        )
         self.down = meshlm.set_axes(nn.Linear(mlp, width), weight=("embed", "mlp"), bias=("embed",))
         self.register_buffer("gain", torch.linspace(0.5, 1.5, width))  # a fixed table inside a block
 
