@@ -2,8 +2,9 @@
 written with ``meshlm.nn`` as the README's "A model" describes, and trained with
 ``meshlm train model._target_=mymodels.TinyLM model.width=32`` with no change to meshlm.
 
-``TinyLM`` keeps the contract; the others each break one clause of it, for the tests of
-the errors that say so.
+``TinyLM`` keeps the contract; ``SharedUp`` shares one module between its blocks; the
+others each break one clause of it, for the tests of the errors that say so.  Plain
+PyTorch models (torch's layers, weights made in ``__init__``) are in ``mymodels.plain``.
 """
 
 from __future__ import annotations
