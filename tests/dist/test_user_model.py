@@ -86,7 +86,8 @@ def test_contract_breaks_stop_the_run_naming_them(pool4, tmp_path, model, words)
 def test_one_module_in_two_blocks_trains_as_one_weight_and_stops_a_pipeline(pool4, reference, tmp_path):
     """NOTE [ties] in meshlm/ties.py: the same Linear as ``blocks.0.up`` and ``blocks.1.up``
     trains under fsdp (the loss falls); pipeline stages would hold two copies of it, so a
-    pp layout stops with the error that names both paths (it used to hang in the schedule)."""
+    pp layout stops with the error that names both paths (it used to fail inside the
+    schedule with a raw stage error, or hang in it)."""
     shared = {**TINY, "_target_": "mymodels.SharedUp"}
     shared.pop("depth"), shared.pop("heads"), shared.pop("mlp")
     got = pool4.run(_run, _cfg("fsdp", MESHES["fsdp"], shared), str(tmp_path / "fsdp"))[0]
