@@ -33,6 +33,7 @@ from meshlm._ckpt_files import (
 from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
 from meshlm.absent import absent_params
 from meshlm.errors import CheckpointError
+from meshlm.lowering.buffers import persistent as persistent_buffers
 
 
 def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = True) -> Optional[str]:
@@ -121,11 +122,22 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 f"checkpoint {path}: the master of `{fqn}` has shape "
                 f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}"
             )
+    bufs = persistent_buffers(model)  # NOTE [buffers] in meshlm/lowering/buffers.py
+    for fqn, b in bufs.items():
+        m = saved.get(f"model/{fqn}")
+        if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(b.shape):
+            got = (
+                "none" if m is None else _fmt_shape(m.size) if isinstance(m, TensorStorageMetadata) else "a non-tensor"
+            )
+            raise CheckpointError(
+                f"checkpoint {path}: buffer `{fqn}` of shape {_fmt_shape(b.shape)} is {got} there: it was saved "
+                f"from a different model{cfg_note}"
+            )
     elsewhere = absent_params(model)  # another pipeline stage's: loaded there (NOTE [absent values])
     extra_keys = sorted(
         k[len("model/") :]
         for k in saved
-        if k.startswith("model/") and k[len("model/") :] not in params and k[len("model/") :] not in elsewhere
+        if k.startswith("model/") and k[len("model/") :] not in params | bufs and k[len("model/") :] not in elsewhere
     )
     if extra_keys:
         raise CheckpointError(
@@ -134,6 +146,7 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
         )
     masters = _masters(optimizer)
     sd, post = weight_targets(saved, params, masters)  # NOTE [checkpoint weights]
+    sd.update({f"model/{fqn}": b for fqn, b in bufs.items()})  # loaded in place, whole on every rank
     if optimizer is not None:
         inner = _inner(optimizer)
         for fqn, m in masters.items():

@@ -237,8 +237,8 @@ def declare_axes(module: nn.Module, **descriptions: str) -> nn.Module:
 
 def init_params(root: nn.Module, seed: int) -> None:
     """The canonical initialisation: one generator seeded with ``seed``, and each module's
-    ``init_weights(generator)`` (which fills that module's *own* parameters, not its
-    children's) called in ``root.modules()`` order.  The lowering replays exactly this
+    ``init_weights(generator)`` (which fills that module's *own* parameters and buffers, not
+    its children's) called in ``root.modules()`` order.  The lowering replays exactly this
     order shard by shard, so a sharded model initialised from a seed equals the one-device
     model of the same seed.  The draws are made on float32 CPU stand-ins (init_module), so
     the weights of a seed are the same, up to rounding, in any dtype and on any device."""
@@ -249,28 +249,45 @@ def init_params(root: nn.Module, seed: int) -> None:
         drawn = init_module(m, gen, own)
         with torch.no_grad():
             for n, t in drawn.items():
-                if id(m._parameters[n]) not in done:
+                if n in m._buffers:  # NOTE [buffers] in meshlm/lowering/buffers.py
+                    m._buffers[n].copy_(t)
+                elif id(m._parameters[n]) not in done:
                     m._parameters[n].copy_(t)
         done.update(id(p) for _n, p in own)
 
 
 def init_module(m: nn.Module, gen: torch.Generator, own: list) -> dict[str, Tensor]:
     """``m.init_weights(gen)`` run on CPU stand-ins for the parameters ``own`` (name,
-    parameter) of ``m``, float32 for the narrower float dtypes; returns the stand-ins by
-    name ({} if ``m`` has no init_weights).  Why float32: torch's random kernels draw a
-    different stream per dtype (and the bf16 one changed between torch 2.11 and 2.13), so
-    drawing in the storage dtype would make the weights of a seed depend on the dtype and
-    the torch version; drawn in float32 and rounded, they depend on neither."""
+    parameter) and the buffers of ``m``, float32 for the narrower float dtypes; returns the
+    parameters' stand-ins and those of the buffers it filled, by name ({} if ``m`` has no
+    init_weights; NOTE [buffers] in meshlm/lowering/buffers.py).  Why float32: torch's random
+    kernels draw a different stream per dtype (and the bf16 one changed between torch 2.11
+    and 2.13), so drawing in the storage dtype would make the weights of a seed depend on
+    the dtype and the torch version; drawn in float32 and rounded, they depend on neither."""
     fn = getattr(m, "init_weights", None)
     if not callable(fn):
         return {}
-    saved = dict(m._parameters)
+    saved, saved_bufs = dict(m._parameters), dict(m._buffers)
+    stand: dict[str, tuple[int, int]] = {}  # each buffer stand-in's identity and version: filled if changed
     try:
         for n, p in own:
-            dt = torch.float32 if p.dtype.is_floating_point and p.dtype.itemsize < 4 else p.dtype
-            m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=dt), requires_grad=p.requires_grad)
+            m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=_draw_dtype(p)), requires_grad=p.requires_grad)
+        for n, b in saved_bufs.items():
+            if b is not None:
+                m._buffers[n] = torch.empty(b.shape, dtype=_draw_dtype(b))
+                stand[n] = (id(m._buffers[n]), m._buffers[n]._version)
         with torch.no_grad():
             fn(gen)
-        return {n: m._parameters[n].data for n, _ in own}
+        out = {n: m._parameters[n].data for n, _ in own}
+        for n, was in stand.items():
+            b = m._buffers.get(n)
+            if b is not None and (id(b), b._version) != was:
+                out[n] = b
+        return out
     finally:
         m._parameters.update(saved)
+        m._buffers.update(saved_bufs)
+
+
+def _draw_dtype(t: Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype.is_floating_point and t.dtype.itemsize < 4 else t.dtype

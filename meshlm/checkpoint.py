@@ -9,7 +9,9 @@ with no conversion step.
 
 What is saved (flat keys, so nothing depends on parameter order or rank count):
 
-* ``model/<fqn>``: every parameter (DTensor, storage placements);
+* ``model/<fqn>``: every parameter (DTensor, storage placements) and every persistent
+  buffer (whole, the same on every rank: NOTE [buffers] in meshlm/lowering/buffers.py; the
+  non-persistent ones are not saved, as ``state_dict`` leaves them out);
 * ``master/<fqn>``: the optimizer's master copy when its dtype differs from the
   parameter's (bf16 ZeRO-1/2 under ``meshlm train``: the fp32 weights, which the bf16
   parameter rounds); a load takes the weights from it where saved (NOTE [checkpoint
@@ -80,6 +82,7 @@ from meshlm._ckpt_files import (  # noqa: F401 (re-exported: meshlm.checkpoint i
 )
 from meshlm._ckpt_load import load_checkpoint, verify_checkpoint
 from meshlm.errors import CheckpointError
+from meshlm.lowering.buffers import persistent as persistent_buffers
 
 __all__ = [
     "CheckpointConfig",
@@ -115,6 +118,8 @@ def _tensor_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Tensor], 
     params = _params(model)
     for fqn, p in params.items():
         sd[f"model/{fqn}"] = p.detach()
+    for fqn, b in persistent_buffers(model).items():  # NOTE [buffers]: equal on every rank
+        sd[f"model/{fqn}"] = b.detach()
     other: dict[str, dict] = {}
     groups: list[dict] = []
     if optimizer is not None:

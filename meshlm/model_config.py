@@ -12,7 +12,9 @@ NOTE [model node]
     meshlm's own keys (``name``, ``init_from``) are not passed to the target.  The target is
     called with the node's other keys as keyword arguments plus ``device`` (``"meta"`` for
     training, planning and ``meshlm layout show``: the lowering materialises each rank's
-    shard), passed only if its signature takes ``device`` (or ``**kwargs``), and always
+    shard; then ``"cpu"`` under ``torch.manual_seed(train.seed)`` for a plain model whose
+    modules lack ``init_weights``, NOTE [model build] in meshlm/model_plain.py), passed
+    only if its signature takes ``device`` (or ``**kwargs``), and always
     inside ``with torch.device(device)``, so a model that creates its parameters without a
     device argument lands there too.  Nested nodes with their own ``_target_`` are
     instantiated first; other nested values arrive as plain dicts and lists.

@@ -68,7 +68,25 @@ def memory_line(s: dict[str, Any]) -> str:
         p = s.get(f"planned_{'total' if k == 'peak' else k}_bytes")
         if m is not None:
             parts.append(f"{k} {fmt_bytes(m)}" + (f" (planned {fmt_bytes(p)})" if p is not None else ""))
-    return ", ".join(parts + [f"RSS {fmt_bytes(s['rss_bytes_per_rank'])}"])
+    return ", ".join(parts + [f"RSS {fmt_bytes(s['rss_bytes_per_rank'])}"]) + build_note(s)
+
+
+# How the model was built (NOTE [model build] in meshlm/model_plain.py), for the memory line.
+BUILDS = {
+    "meta": "built on meta, initialised shard by shard",
+    "host": "built whole on the host from train.seed, then sliced",
+    "init_from": "loaded from model.init_from",
+}
+
+
+def build_note(s: dict[str, Any]) -> str:
+    """``"; model <how> (<bytes> whole...)"``, or "" where the summary does not say."""
+    how = s.get("build")
+    if how not in BUILDS:
+        return ""
+    n = s.get("build_bytes")
+    size = f" ({fmt_bytes(n)} whole{', one copy per host while building' if how == 'host' else ''})" if n else ""
+    return f"; model {BUILDS[how]}{size}"
 
 
 def gather_memory(mem_kinds: dict, device, world: int) -> dict[str, Any]:
@@ -119,6 +137,7 @@ def run_summary(
     wall,
     startup,
     checkpointed,
+    build=None,
 ) -> dict[str, Any]:
     """summary.json of a run: what ran (layout, mesh, model, steps), how fast (the median
     tokens/s of the timed steps: robust to noisy neighbours), memory by kind measured
@@ -152,4 +171,6 @@ def run_summary(
         "wall_s": wall,
         "startup_s": startup,
         "activation_checkpointed_blocks": checkpointed,
+        "build": (build or {}).get("how"),  # NOTE [model build] in meshlm/model_plain.py
+        "build_bytes": (build or {}).get("bytes"),
     }

@@ -20,6 +20,14 @@ NOTE [ties]
     - initialised from a seed, every slot's ``init_weights`` draws (so the generator stream
       does not depend on ties) and the first slot's draw is kept, on one device
       (``init_params``) as shard by shard.
+    One *module* registered at several places (the same ``nn.Linear`` as ``blocks.0.up``
+    and ``blocks.1.up``) is the other way to share weights, and it is exact too: its
+    parameters are one Parameter each, named at their first path, and every block that
+    holds the module gathers them at its entry and reduces their gradient at its exit into
+    the one ``.grad``, so the gradient is the sum of both uses, as on one device
+    (tests/dist/test_plain_models.py).  Under a pipeline layout the places may land on
+    different stages, each with its own copy: ``shared_across_blocks`` raises an
+    AnnotationError naming both paths there.
 """
 
 from __future__ import annotations
@@ -135,3 +143,32 @@ def aliases(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
         _f0, m0, n0 = ss[0]
         out += [(m, n, m0, n0) for _f, m, n in ss[1:]]
     return out
+
+
+def shared_across_blocks(model: nn.Module, why: str) -> None:
+    """Raise an AnnotationError naming both paths if a module holding parameters is
+    registered in two outer blocks, or in a block and outside blocks (NOTE [ties]); ``why``:
+    what cannot hold such a module."""
+    from meshlm.annotate import outer_blocks
+
+    blocks = {id(b) for b in outer_blocks(model)}
+    places: dict[int, list[tuple[str, str]]] = {}  # module id -> (path, its outer block's path or "")
+    for path, m in model.named_modules(remove_duplicate=False):
+        if any(p is not None for p in m._parameters.values()):
+            parts = path.split(".") if path else []
+            pres = [".".join(parts[: i + 1]) for i in range(len(parts))]
+            home = next((pre for pre in pres if id(model.get_submodule(pre)) in blocks), "")
+            places.setdefault(id(m), []).append((path, home))
+    for ps in places.values():
+        for a, ha in ps[1:]:
+            if ha != ps[0][1]:
+                raise AnnotationError(
+                    f"module `{ps[0][0]}` is also registered as `{a}` ({_where(ps[0][1])} and {_where(ha)}): "
+                    f"{why}, so the two places would hold two copies of one weight. Give each place its own "
+                    "module, or train under a layout without pp, where one module in two blocks is one weight "
+                    "(NOTE [ties] in meshlm/ties.py)."
+                )
+
+
+def _where(home: str) -> str:
+    return f"in block `{home}`" if home else "outside blocks"

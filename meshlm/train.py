@@ -297,6 +297,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         wall=wall,
         startup=clock.result(),
         checkpointed=n_ckpt,
+        build=getattr(model, "_meshlm_build", None) or ({"how": "meta", "bytes": None} if pipe else None),
     )
     if is_main:
         assert writer is not None

@@ -18,7 +18,7 @@
    redistribute activations, plain tensors made inside forward are treated as replicated,
    and a scalar loss comes back as a plain tensor.  Under a pure data-parallel layout the
    root runs on local tensors instead and its outputs are lifted back (``local_root``,
-   NOTE [local root]).
+   NOTE [local root]).  Buffers stay whole on every rank (NOTE [buffers] in buffers.py).
 
 All per-model state lives in one ``ShardState`` (``state``) attached to the root module
 (``model._meshlm_state``); what a module needs at run time is on that module.  The only
@@ -35,6 +35,7 @@ meshlm._torch_compat and the vocabulary modules), never one above:
     local_root.py   the local root and the lifting of its outputs
     inputs.py       input axes, shard_batch, wrapping inputs as DTensors
     materialize.py  each rank's shards from a seed or from real weights
+    buffers.py      buffers: whole on every rank, averaged where a forward changed them
     blocks.py       the block runtime: bucket at entry, free or checkpoint to re-gather
     policies.py     checkpoint policies, keep_constraints
     atuse.py        gather at use (AtUse) and the parameter getters

@@ -47,11 +47,12 @@ def materialize(
         owner[id(p)] = fqn
     every = set(owner)
     first: dict[int, tuple[nn.Module, str]] = {}  # NOTE [ties] in ties.py: each parameter's first slot
-    any_meta = any(p.is_meta for p in model.parameters())
+    any_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     # each outer block's last module in the walk below: the block is complete once it is done
     ends = {id(list(b.modules())[-1]): b for b in annotate.outer_blocks(model)} if after_block else {}
     dropped: set[int] = set()  # ids of the parameters another stage holds (``keep``)
+    placed: dict[int, torch.Tensor] = {}  # each buffer (by id) as placed: a buffer registered twice stays one
     for mname, m in model.named_modules():
         # every slot draws (the stream does not depend on ties); its first slot's draw is kept
         own = [(n, p) for n, p in m._parameters.items() if p is not None and id(p) in every]
@@ -107,6 +108,7 @@ def materialize(
                         init, mesh, opl, run_check=False, shape=torch.Size(plans[fqn].shape), stride=stride
                     ),
                 )
+        _place_buffers(m, mname, fulls, dev, seed, placed)
         if id(m) in ends:
             after_block(ends[id(m)])
     for m in model.modules(remove_duplicate=False):  # NOTE [absent values] in meshlm/absent.py
@@ -120,6 +122,33 @@ def materialize(
                 f, fn = first[id(p)]
                 m._parameters[n] = f._parameters[fn]
     _check_no_shared_params(model)
+
+
+def _place_buffers(
+    m: nn.Module, mname: str, fulls: dict, dev: torch.device, seed: Optional[int], placed: dict[int, torch.Tensor]
+) -> None:
+    """``m``'s own buffers, whole, on ``dev``: as built, or (meta) as its ``init_weights``
+    filled them (``fulls``); NOTE [buffers] in meshlm/lowering/buffers.py."""
+    for n, b in list(m._buffers.items()):
+        if b is None:
+            continue
+        if id(b) not in placed:
+            if not b.is_meta:
+                val = b
+            elif n in fulls:
+                val = fulls[n]
+            elif seed is None:  # to be loaded (a checkpoint keeps the persistent ones)
+                val = torch.empty(b.shape, dtype=b.dtype)
+            else:
+                fqn = f"{mname}.{n}" if mname else n
+                raise AnnotationError(
+                    f"buffer `{fqn}` (shape {tuple(b.shape)}) is on the meta device and nothing fills it: "
+                    f"{type(m).__name__} has no init_weights(generator) that sets it. Fill it in "
+                    f"{type(m).__name__}.init_weights (as its parameters), or build the model with real "
+                    "weights (meshlm train does that for a model without init_weights: docs/train.md)."
+                )
+            placed[id(b)] = val.to(dev, dtype=b.dtype)
+        m._buffers[n] = placed[id(b)]
 
 
 def _check_no_shared_params(model: nn.Module) -> None:

@@ -21,13 +21,24 @@ from torch.distributed.tensor import DTensor
 from meshlm import _torch_compat as compat
 from meshlm import annotate, tree, weighting
 from meshlm._torch_compat import dtensor_ops
+from meshlm.lowering import buffers
 from meshlm.lowering.inputs import arguments, input_axes, set_arguments, wrap_input
 from meshlm.lowering.local_root import local_root_forward, local_rows
 
 
 def root_forward(self, *args, **kwargs):
-    """The forward of a sharded root module (installed by ``meshlm.shard``)."""
+    """The forward of a sharded root module (installed by ``meshlm.shard``); the buffers it
+    changed are then averaged over the ranks (NOTE [buffers] in lowering/buffers.py)."""
     st = self._meshlm_state
+    if not st.has_buffers or torch.compiler.is_compiling():
+        return _root_forward(self, st, *args, **kwargs)
+    before = buffers.versions(self)
+    out = _root_forward(self, st, *args, **kwargs)
+    buffers.average_changed(self, st.mesh, before)
+    return out
+
+
+def _root_forward(self, st, *args, **kwargs):
     orig = self._meshlm_orig_forward
     bound = inspect.signature(orig).bind(self, *args, **kwargs)
     inputs = arguments(bound)
@@ -47,7 +58,8 @@ def root_forward(self, *args, **kwargs):
     set_arguments(bound, tree.map_tensors(inputs, wrap))
     dtensor_ops.ensure_installed()
     dtensor_ops.allow_implicit_replication()
-    with annotate.handling(st.handler):  # constrain, and dropout (NOTE [dropout keys] in rng.py)
+    local_mods = st.local_block_modules if st.has_buffers else set()
+    with annotate.handling(st.handler), buffers.replicated(self, st.mesh, local_mods):  # NOTE [buffers]
         out = orig(*bound.args, **bound.kwargs)
     # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is, with
     # its weight (NOTE [token weighting] in meshlm/weighting.py)

@@ -117,6 +117,13 @@ def shard(
     for sc in layout.scopes:  # NOTE [scoped layouts] in meshlm/scopes.py
         enter_scope(model.get_submodule(sc.path), st.handler, st.scope_handler(sc.layout))
     link_blocks(model, st)
+    st.has_buffers = any(True for _ in model.buffers())
+    st.local_block_modules = {
+        id(sub)
+        for b in outer_blocks(model)
+        if getattr(b, "_meshlm_block", None) and b._meshlm_block.local
+        for sub in b.modules()
+    }
     st.root = root_spec(model, st) if bucket else None
     root_cls = type(model)
     model._meshlm_orig_forward = root_cls.forward

@@ -49,6 +49,8 @@ class ShardState:
     # parameters gathered in this pipeline step, kept for its next micro-batches (NOTE
     # [gathered once per step] in meshlm/pipeline/pipe.py); None: gather at every use
     gathered: Optional[dict] = None
+    has_buffers: bool = False  # the model has buffers (NOTE [buffers] in lowering/buffers.py)
+    local_block_modules: set = field(default_factory=set)  # ids of the modules of blocks run on local tensors
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()

@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm import _torch_compat as compat
-from meshlm import weighting
+from meshlm import ties, weighting
 from meshlm.annotate import outer_blocks
 from meshlm.axes import MESH_AXES, Axes
 from meshlm.errors import ConfigError, LayoutError, MeshlmError
@@ -366,6 +366,7 @@ def build_pipeline(
     spec = schedule_spec(schedule, stages_per_rank, pp, microbatches)
     with compat.outside_fake():  # shapes on meta, outside the planner's FakeTensorMode if one is active
         shadow = build("meta")
+        ties.shared_across_blocks(shadow, "pipeline stages each hold the blocks they run")
         pr = probe(shadow, *example)
     c = cut(pr, pp * stages_per_rank, pp, spec.style, split)
     _agree(c)

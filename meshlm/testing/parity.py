@@ -23,7 +23,9 @@ model gets this rank's slice of each).  It asserts (tolerances and their derivat
   (``opt.grad_norm()``, over every pipeline stage), within the norm of those tolerances;
 * after every step, every parameter, every master and every optimizer state tensor
   (``opt.inner.state[master]``: SGD's momentum buffer, AdamW's exp_avg, exp_avg_sq and step)
-  equal the reference's within bounds propagated through the optimizer's update rule.
+  equal the reference's within bounds propagated through the optimizer's update rule, and
+  every module buffer (a positional table, running statistics: NOTE [buffers] in
+  meshlm/lowering/buffers.py) the reference's, integer ones exactly.
 
 ``precision="bf16"`` checks mixed precision as ``meshlm train`` runs it under
 ``train.param_dtype=bfloat16`` (the sharded model gets ``meshlm.train.shard_dtypes``: bf16
@@ -398,9 +400,23 @@ class _Job:
                         worst,
                         "state",
                     )
+            self._check_buffers(name, k, model, ref, worst)
             ref_opt.zero_grad()
             opt.zero_grad()
         return worst, losses
+
+    def _check_buffers(self, name: str, k: int, model: nn.Module, ref: nn.Module, worst: dict) -> None:
+        """Every buffer equals the reference's (NOTE [buffers] in meshlm/lowering/buffers.py)."""
+        mine = dict(model.named_buffers())
+        for n, b in ref.named_buffers():
+            if n not in mine:  # held by another pipeline stage
+                continue
+            got = mine[n].detach().cpu()
+            if not b.is_floating_point():
+                assert torch.equal(got, b), f"{name} step {k}: buffer {n} is {got}, one device {b}"
+                continue
+            bound = torch.full_like(b, tol.BUFFER_ATOL_OF_MAX * float(b.abs().max()))
+            self._check(f"{name} step {k}: buffer {n}", got.float() - b.float(), bound, worst, "buffer")
 
     def one_by_one(self, model: nn.Module, micro: list, seed: int, step: int) -> list[Tensor]:
         """Forward and backward of each micro-batch (this rank's slice) in turn: the losses."""

@@ -111,6 +111,25 @@ def test_train_user_model(tmp_path):
     assert saved == {"_target_": "mymodels.TinyLM", "name": None, "init_from": None, "width": 32}
 
 
+def test_train_plain_model(tmp_path):
+    """A plain PyTorch model (weights and buffers made in ``__init__``, no ``init_weights``:
+    tests/usermodel/mymodels/plain.py) trains as it is: built whole on the host from
+    ``train.seed`` (NOTE [model build] in meshlm/model_plain.py), which the memory line says."""
+    env = _env()
+    env["PYTHONPATH"] = str(REPO / "tests" / "usermodel") + os.pathsep + env["PYTHONPATH"]
+    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "model._target_=mymodels.plain.PlainLM",
+                        "model.seq=16", "train.seq_len=16", "train.batch_size=8", "train.warmup_steps=1",
+                        "train.val_every=0", "train.val_batches=1", "train.progress=false", "layout=fsdp_tp",
+                        "mesh=fsdp2_tp2", "train.steps=8", "train.pg_timeout_s=60", f"hydra.run.dir={tmp_path}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_outputs(tmp_path, 8)
+    done = r.stdout.strip().splitlines()[-1]
+    assert "model built whole on the host from train.seed, then sliced (" in done, done
+    assert "one copy per host while building" in done, done
+    assert json.loads((tmp_path / "summary.json").read_text())["build"] == "host"
+
+
 def _csv(path: Path) -> list[dict]:
     import csv
 

@@ -73,14 +73,29 @@ def test_user_model_trains_under_every_layout(pool4, reference, tmp_path, layout
 
 @pytest.mark.parametrize("model,words", [
     ({**TINY, "_target_": "mymodels.LogitsOnly"}, ["LogitsOnly", "returned a tensor of shape", "scalar loss"]),
-    ({"_target_": "mymodels.NoInit"}, ["`w`", "meta device", "init_weights(generator)"]),
+    ({"_target_": "mymodels.plain.HugeLM"}, ["too large to build whole on the host", "init_weights(generator)"]),
     ({"_target_": "mymodels.Unannotated"}, ["scale"]),
     ({"_target_": "mymodels.not_a_model"}, ["mymodels.not_a_model returned a Tensor", "torch.nn.Module"]),
-], ids=["forward_returns_logits", "no_init_weights", "unannotated", "not_a_module"])
+], ids=["forward_returns_logits", "too_large_without_init_weights", "unannotated", "not_a_module"])
 def test_contract_breaks_stop_the_run_naming_them(pool4, tmp_path, model, words):
     with pytest.raises(WorkerError) as e:
         pool4.run(_run, _cfg("fsdp", {"fsdp": 4}, model), str(tmp_path))
     assert all(w in str(e.value) for w in words), str(e.value)[-2000:]
+
+
+def test_one_module_in_two_blocks_trains_as_one_weight_and_stops_a_pipeline(pool4, reference, tmp_path):
+    """NOTE [ties] in meshlm/ties.py: the same Linear as ``blocks.0.up`` and ``blocks.1.up``
+    trains under fsdp (the loss falls); pipeline stages would hold two copies of it, so a
+    pp layout stops with the error that names both paths (it used to fail inside the
+    schedule with a raw stage error, or hang in it)."""
+    shared = {**TINY, "_target_": "mymodels.SharedUp"}
+    shared.pop("depth"), shared.pop("heads"), shared.pop("mlp")
+    got = pool4.run(_run, _cfg("fsdp", MESHES["fsdp"], shared), str(tmp_path / "fsdp"))[0]
+    assert got["loss"][-1] < got["loss"][0], got
+    with pytest.raises(WorkerError) as e:
+        pool4.run(_run, _cfg("pp", MESHES["pp"], shared), str(tmp_path / "pp"))
+    msg = str(e.value)
+    assert "module `blocks.0.up` is also registered as `blocks.1.up`" in msg and "pipeline stages" in msg, msg[-2000:]
 
 
 def test_token_ids_beyond_the_model_vocab_stop_the_run(pool4, tmp_path):

@@ -2,8 +2,9 @@
 written with ``meshlm.nn`` as the README's "A model" describes, and trained with
 ``meshlm train model._target_=mymodels.TinyLM model.width=32`` with no change to meshlm.
 
-``TinyLM`` keeps the contract; the others each break one clause of it, for the tests of
-the errors that say so.
+``TinyLM`` keeps the contract; ``SharedUp`` shares one module between its blocks; the
+others each break one clause of it, for the tests of the errors that say so.  Plain
+PyTorch models (torch's layers, weights made in ``__init__``) are in ``mymodels.plain``.
 """
 
 from __future__ import annotations
@@ -98,22 +99,18 @@ class LogitsOnly(TinyLM):
         return meshlm.constrain(self.head(x), ("batch", "seq", "vocab"))
 
 
-class NoInit(nn.Module):
-    """A raw parameter with axes but no ``init_weights``: it cannot be built on meta."""
-
-    param_axes = {"w": ("vocab", "embed")}
-
-    def __init__(self, vocab: int = 256, width: int = 32, device=None):
-        super().__init__()
-        self.w = nn.Parameter(torch.empty(vocab, width, device=device))
-
-    def forward(self, tokens, targets):
-        return F.cross_entropy(F.embedding(tokens, self.w) @ self.w.T, targets)
-
-
 class Unannotated(TinyLM):
     """A parameter without logical axes."""
 
     def __init__(self, width: int = 32, device=None):
         super().__init__(width=width, device=device)
         self.scale = nn.Parameter(torch.ones(width, device=device))
+
+
+class SharedUp(TinyLM):
+    """``blocks.1.up`` is ``blocks.0.up``: one module registered in two blocks (one weight
+    under a layout without pp; an error under pipeline stages, which would copy it)."""
+
+    def __init__(self, width: int = 32, device=None):
+        super().__init__(width=width, device=device)
+        self.blocks[1].up = self.blocks[0].up
