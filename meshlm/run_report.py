@@ -80,9 +80,11 @@ BUILDS = {
 
 
 def build_note(s: dict[str, Any]) -> str:
-    """``"; model <how> (<bytes> whole...)"``, or "" where the summary does not say."""
+    """``"; model built whole on the host ... (<bytes> whole, one copy per host while
+    building)"`` after a plain model's build, the one that costs a whole copy per host; ""
+    after the others (meta, init_from), which ``summary.json``'s ``build`` still records."""
     how = s.get("build")
-    if how not in BUILDS:
+    if how != "host":
         return ""
     n = s.get("build_bytes")
     size = f" ({fmt_bytes(n)} whole{', one copy per host while building' if how == 'host' else ''})" if n else ""

@@ -81,9 +81,23 @@ def whole_tensor_step(layout: str, mesh: str):
     assert not bad, bad
 
 
+def real_model(layout: str, mesh: str, model: str, root_per_rank: bool = True):
+    """tests/dist/test_real_models.py: a model meshlm did not write (``branchy``: a branch
+    unused on some steps and ranks, uneven counted targets; ``masked``: the same with a
+    hand-written masked mean; ``moe``: an expert no token reaches) against plain torch."""
+    t = _tests_module("test_real_models")
+    build = {"branchy": t.build_branchy, "masked": t.build_masked, "moe": t.build_moe}[model]
+    batches = t.moe_batches if model == "moe" else t.Gated(root_per_rank)
+    parity(layout, mesh, build=build, batches=batches, from_seed=False)
+
+
 BATTERY = [
     ("whole-tensor step fsdp fsdp=2", 2, whole_tensor_step, ("fsdp", "fsdp=2"), {}),
     ("grad norm and clip fsdp_tp fsdp=2,tp=2", 4, grad_norm_and_clip, (), {}),
+    ("real model ddp dp=2", 2, real_model, ("ddp", "dp=2", "branchy"), {}),
+    ("real model moe zero2 dp=2", 2, real_model, ("zero2", "dp=2", "moe"), {}),
+    ("real model masked mean fsdp fsdp=2", 2, real_model, ("fsdp", "fsdp=2", "masked", False), {}),
+    ("real model tp tp=2", 2, real_model, ("tp", "tp=2", "branchy"), {}),
     ("parity ddp dp=2", 2, parity, ("ddp", "dp=2"), {}),
     ("parity zero1 dp=2", 2, parity, ("zero1", "dp=2"), {}),
     ("parity zero2 fsdp=2", 2, parity, ("zero2", "fsdp=2"), {}),

@@ -322,6 +322,9 @@ class Pipeline:
                     h = here[s](args[0]) if s == 0 else here[s](h)
                     if s < n - 1 and self.cut.ranks[s + 1] != rank:
                         dist.send(h, dst=dist.get_global_rank(self.group, self.cut.ranks[s + 1]), group=self.group)
+            loss, w = self.mbs.losses[0], self.mbs.weights[0]
+            if loss is not None:  # the last stage's rank: the loss, as the schedule's loss_fn takes it
+                self._acc.add(None if w is None else weighting.number(w), float(loss))
             total += self.finish()
         return total / len(inputs)
 

@@ -36,8 +36,21 @@ pool4 = dist_pool_fixture(4, timeout_s=90)
 VOCAB, EMBED, MLP, BATCH, SEQ = 64, 16, 32, 8, 8
 
 
+class Lin(nn.Linear):
+    """torch's Linear (its own initialisation when built on CPU), and an ``init_weights`` so
+    that a pipeline's stages can initialise it from a seed on the meta device."""
+
+    def init_weights(self, gen: torch.Generator) -> None:
+        nn.init.normal_(self.weight, std=0.2, generator=gen)
+
+
+class Emb(nn.Embedding):
+    def init_weights(self, gen: torch.Generator) -> None:
+        nn.init.normal_(self.weight, generator=gen)
+
+
 def _lin(i: int, o: int, axes) -> nn.Linear:
-    return meshlm.set_axes(nn.Linear(i, o, bias=False), weight=axes)
+    return meshlm.set_axes(Lin(i, o, bias=False), weight=axes)
 
 
 class FFN(nn.Module):
@@ -62,7 +75,7 @@ class Block(nn.Module):
 
     def forward(self, x, gate):
         h = x + self.ffn(x)
-        if bool(gate.any()):
+        if gate is not None and bool(gate.any()):
             h = h + self.alt(x) * gate[:, None, None].to(x.dtype)
         return h
 
@@ -73,9 +86,10 @@ class Branchy(nn.Module):
     is below VOCAB // 4, for the root when its second is.  ``F.cross_entropy`` with
     ignore_index -100."""
 
-    def __init__(self, masked_mean: bool = False):
+    def __init__(self, masked_mean: bool = False, gated: bool = True):
         super().__init__()
-        self.embed = meshlm.set_axes(nn.Embedding(VOCAB, EMBED), weight=("vocab", "embed"))
+        self.gated = gated  # False: ``alt`` and ``extra`` are never used
+        self.embed = meshlm.set_axes(Emb(VOCAB, EMBED), weight=("vocab", "embed"))
         self.blocks = nn.ModuleList([Block(), Block()])
         self.extra = _lin(EMBED, EMBED, ("embed", None))
         self.head = _lin(EMBED, VOCAB, ("vocab", "embed"))
@@ -85,8 +99,8 @@ class Branchy(nn.Module):
         gate, root_gate = tokens[:, 0] < VOCAB // 4, tokens[:, 1] < VOCAB // 4
         x = self.embed(tokens)
         for blk in self.blocks:
-            x = blk(x, gate)
-        if bool(root_gate.any()):
+            x = blk(x, gate if self.gated else None)
+        if self.gated and bool(root_gate.any()):
             x = x + self.extra(x) * root_gate[:, None, None].to(x.dtype)
         logits = self.head(x)
         if not self.masked_mean:
@@ -138,6 +152,18 @@ class TinyMoE(nn.Module):
 def build_branchy(device: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return Branchy()
+
+
+def build_branchy_seeded(device: str, seed: int) -> nn.Module:
+    """Without the data-dependent branches (a pipeline probes its model on the meta device,
+    where no branch on the data can be taken): ``alt`` and ``extra`` are never used.  On the
+    meta device for ``meshlm.shard`` to initialise from ``seed`` (pipeline stages), or on CPU
+    initialised from it as one device would be (``meshlm.init_params``)."""
+    with torch.device(device):
+        m = Branchy(gated=False)
+    if device != "meta":
+        meshlm.init_params(m, seed)
+    return m
 
 
 def build_masked(device: str, seed: int) -> nn.Module:
@@ -212,6 +238,21 @@ def test_unused_branch_and_uneven_tokens_2(pool2, layout, mesh):
 @pytest.mark.parametrize("layout,mesh", LAYOUTS_4, ids=[f"{a}-{b}" for a, b in LAYOUTS_4])
 def test_unused_branch_and_uneven_tokens_4(pool4, layout, mesh):
     assert_parity(pool4.run(_check, layout, mesh, build_branchy, Gated(layout not in ZERO3)))
+
+
+def _check_seeded(layout, mesh, batches):
+    return check_training(layout, mesh, build=build_branchy_seeded, batches=batches)
+
+
+def test_unused_branch_and_uneven_tokens_in_a_pipeline(pool2):
+    """pp=2: the blocks' ``alt`` in each stage and ``extra`` on the last get no gradient (AdamW's
+    weight decay would move them), micro-batches of uneven counted targets weighed by the
+    pipeline's loss function (NOTE [token weighting])."""
+    assert_parity(pool2.run(_check_seeded, "pp", "pp=2", Gated(True)))
+
+
+def test_unused_branch_and_uneven_tokens_in_a_zero3_pipeline(pool4):
+    assert_parity(pool4.run(_check_seeded, "fsdp_pp", "fsdp=2,pp=2", Gated(False)))
 
 
 @pytest.mark.parametrize("layout,mesh", [("ddp", "dp=2"), ("fsdp", "fsdp=2"), ("tp", "tp=2")])
