@@ -401,11 +401,7 @@ def validate(cfg: RunConfig) -> None:
     for k in ("warmup_steps", "val_every"):
         if getattr(t, k) < 0:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
-    if t.batch_size % t.grad_accum:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
-            "each micro-batch holds batch_size // grad_accum sequences"
-        )
+    check_batch(cfg)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     if t.grad_clip < 0:
@@ -425,6 +421,46 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
+
+
+def batch_shards(cfg: RunConfig, sizes: "dict[str, int] | None" = None) -> tuple[int, str]:
+    """How many data-parallel ranks split each micro-batch under ``cfg``'s layout on the
+    mesh ``sizes`` (default ``cfg.mesh``), and which mesh axes they are (``"dp x fsdp"``):
+    1 while the layout is chosen later (``auto``), a mesh axis is -1 (the world size is not
+    known yet), or the layout cannot be read (where it is loaded, that says why)."""
+    from meshlm.errors import MeshlmError
+    from meshlm.layout import INPUT_MESH_AXES, load_layout, resolve
+
+    sizes = sizes if sizes is not None else {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if cfg.layout.name == "auto" or -1 in sizes.values():
+        return 1, ""
+    try:
+        layout = load_layout(cfg.layout.name)
+        (axes,) = resolve(("batch",), layout.compute, sizes, layout=layout, allow_mesh=INPUT_MESH_AXES)
+    except MeshlmError:
+        return 1, ""
+    return math.prod(sizes[a] for a in axes), " x ".join(axes)
+
+
+def check_batch(cfg: RunConfig, sizes: "dict[str, int] | None" = None) -> None:
+    """``train.batch_size`` splits into ``train.grad_accum`` micro-batches, each split evenly
+    over the data-parallel ranks of the layout on the mesh (``sizes``: default ``cfg.mesh``);
+    else a ConfigError naming ``train.batch_size``, the divisor and the nearest valid values."""
+    t = cfg.train
+    ranks, axes = batch_shards(cfg, sizes)
+    n = t.grad_accum * ranks
+    if t.batch_size % n == 0:
+        return
+    below, above = t.batch_size // n * n, (t.batch_size // n + 1) * n
+    nearest = " or ".join(str(v) for v in (below, above) if v > 0)
+    parts = [f"train.grad_accum={t.grad_accum} micro-batches"] if t.grad_accum > 1 else []
+    if ranks > 1:
+        parts.append(f"{ranks} data-parallel ranks ({axes} of mesh {cfg.mesh} under layout {cfg.layout.name})")
+    change = "train.grad_accum or the mesh" if ranks > 1 else "train.grad_accum"
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} does not split evenly into {' x '.join(parts)}; set train.batch_size "
+        f"to a multiple of {n}, the nearest being {nearest} (or change {change})"
+    )
 
 
 def offload_spec(cfg: RunConfig, layout: Any):
