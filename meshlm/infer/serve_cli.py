@@ -101,7 +101,7 @@ def _worker(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    from meshlm.launch import in_torchrun, run_workers
+    from meshlm.launch import check_local, in_torchrun, run_workers
     from meshlm.mesh import MeshSpec
 
     a = parser().parse_args(argv)
@@ -116,5 +116,6 @@ def serve_main(argv: list[str]) -> int:
         check_port(a.host, a.port)
     if n == 1 or in_torchrun():
         return run(a)
+    check_local(n, f"--mesh {a.mesh}", "--mesh")
     run_workers(n, _worker, argv)
     return 0
