@@ -58,10 +58,19 @@ MESH_AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "cp", "pp", "ep")
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp")
 
 
-def closest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``."""
-    near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+def closest(name: str, known: Iterable[str], n: int = 1) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``name`` (``'x' or 'y'``: the
+    ``n`` closest), or ``""``."""
+    near = difflib.get_close_matches(name, list(known), n=n, cutoff=0.6)
+    return did_you_mean(near)
+
+
+def did_you_mean(names: Sequence[str]) -> str:
+    """`` (did you mean 'x' or 'y'?)``, or ``""`` for no names."""
+    if not names:
+        return ""
+    quoted = [repr(x) for x in names]
+    return f" (did you mean {' or '.join([', '.join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)}?)"
 
 
 def check_logical(name: str, where: str, known: Optional[Collection[str]] = None) -> None:

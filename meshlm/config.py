@@ -227,12 +227,81 @@ RETIRED_KEYS = {
 
 
 def check_overrides(overrides: "list[str]") -> None:
-    """Refuse command-line overrides of a retired key with the message that names its
-    replacement (Hydra itself would only say that the key is not in the config)."""
+    """Refuse, before Hydra composes anything, a command-line override of a retired key (with
+    the message that names its replacement) or of a key or group option that does not exist
+    (with the closest ones): Hydra itself would only say that the key is not in struct."""
+    searchpath = any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides)
     for o in overrides:
-        key, _, value = o.lstrip("+~").partition("=")
+        key, eq, value = o.lstrip("+~").partition("=")
         if key in RETIRED_KEYS:
             raise ConfigError(f"{key} is not a config key: " + RETIRED_KEYS[key].format(value=value or "..."))
+        # flags (-m, --cfg job), additions and deletions (+key=, ~key), Hydra's own keys and
+        # packages (hydra.run.dir=, hydra/launcher=, group@pkg=): Hydra's to judge
+        if o.startswith(("-", "+", "~")) or not eq or "/" in key or "@" in key or key.split(".")[0] == "hydra":
+            continue
+        _check_key(key, value, groups=not searchpath)
+
+
+def _fields_of(section: str) -> list[str]:
+    return [f.name for f in fields(type(_SECTIONS[section]()))]
+
+
+def _near_keys(key: str) -> list[str]:
+    """The config keys closest to ``key``: in its own section first, then anywhere (a key
+    under another section, a section misspelt), then keys whose last name is ``key``'s."""
+    import difflib
+
+    section, _, rest = key.partition(".")
+    name = rest.split(".")[0]
+    keys = [f"{s}.{f}" for s in _SECTIONS if s != "model" for f in _fields_of(s)]
+    if section in _SECTIONS and section != "model" and name:
+        near = difflib.get_close_matches(name, _fields_of(section), n=3, cutoff=0.6)
+        if near:
+            return [f"{section}.{n}" for n in near]
+    same = [k for k in keys if k.rsplit(".", 1)[1] == (name or section)]
+    return same or difflib.get_close_matches(key, keys + list(_SECTIONS), n=3, cutoff=0.6)
+
+
+def _check_key(key: str, value: str, groups: bool = True) -> None:
+    """One ``key=value`` override: ``key`` names a config key or a config group, and a group's
+    ``value`` one of its options (a comma list in a sweep)."""
+    from meshlm.axes import did_you_mean
+
+    section, dot, rest = key.partition(".")
+    if section not in _SECTIONS:
+        raise ConfigError(
+            f"{key} is not a config key{did_you_mean(_near_keys(key))}; the config sections are: "
+            f"{', '.join(_SECTIONS)} (e.g. train.steps=5, or a group: model=llama_tiny)"
+        )
+    if section == "model":  # an open node: its keys are the target's (check_args)
+        return
+    if dot:
+        name = rest.split(".")[0]
+        if name not in _fields_of(section):
+            raise ConfigError(
+                f"{section}.{name} is not a config key{did_you_mean(_near_keys(key))}; the keys of {section}: "
+                f"{', '.join(_fields_of(section))}"
+            )
+        return
+    try:
+        options = sorted(p.stem for p in (conf_dir() / section).glob("*.yaml"))
+    except ConfigError:
+        return
+    if not options:
+        raise ConfigError(
+            f"{key}={value}: {key} is a config section, not a group with options; set its keys instead "
+            f"({key}.KEY=VALUE), one of: {', '.join(_fields_of(section))}"
+        )
+    if not groups or "(" in value or "$" in value:  # another search path; sweep functions, interpolations
+        return
+    from meshlm.axes import closest
+
+    for v in value.split(","):
+        if v not in options:
+            raise ConfigError(
+                f"{key}={v}: no option {v!r} in the config group {key} (conf/{key}/){closest(v, options, n=3)}; "
+                f"the options: {', '.join(options)}"
+            )
 
 
 def _section(name: str, cls: type, data: Any) -> Any:
@@ -250,7 +319,12 @@ def _section(name: str, cls: type, data: Any) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ConfigError(f"unknown key {name}.{unknown[0]}; allowed keys in {name}: {', '.join(known)}")
+        from meshlm.axes import did_you_mean
+
+        raise ConfigError(
+            f"unknown key {name}.{unknown[0]}{did_you_mean(_near_keys(f'{name}.{unknown[0]}'))}; allowed keys in "
+            f"{name}: {', '.join(known)}"
+        )
     kwargs = {k: _coerce(f"{name}.{k}", v, str(known[k].type), known[k].default) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -327,11 +401,7 @@ def validate(cfg: RunConfig) -> None:
     for k in ("warmup_steps", "val_every"):
         if getattr(t, k) < 0:
             raise ConfigError(f"train.{k}={getattr(t, k)} must be >= 0")
-    if t.batch_size % t.grad_accum:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
-            "each micro-batch holds batch_size // grad_accum sequences"
-        )
+    check_batch(cfg)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     if t.grad_clip < 0:
@@ -351,6 +421,46 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.pg_timeout_s <= 0:
         raise ConfigError(f"train.pg_timeout_s={t.pg_timeout_s} must be > 0 seconds")
+
+
+def batch_shards(cfg: RunConfig, sizes: "dict[str, int] | None" = None) -> tuple[int, str]:
+    """How many data-parallel ranks split each micro-batch under ``cfg``'s layout on the
+    mesh ``sizes`` (default ``cfg.mesh``), and which mesh axes they are (``"dp x fsdp"``):
+    1 while the layout is chosen later (``auto``), a mesh axis is -1 (the world size is not
+    known yet), or the layout cannot be read (where it is loaded, that says why)."""
+    from meshlm.errors import MeshlmError
+    from meshlm.layout import INPUT_MESH_AXES, load_layout, resolve
+
+    sizes = sizes if sizes is not None else {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if cfg.layout.name == "auto" or -1 in sizes.values():
+        return 1, ""
+    try:
+        layout = load_layout(cfg.layout.name)
+        (axes,) = resolve(("batch",), layout.compute, sizes, layout=layout, allow_mesh=INPUT_MESH_AXES)
+    except MeshlmError:
+        return 1, ""
+    return math.prod(sizes[a] for a in axes), " x ".join(axes)
+
+
+def check_batch(cfg: RunConfig, sizes: "dict[str, int] | None" = None) -> None:
+    """``train.batch_size`` splits into ``train.grad_accum`` micro-batches, each split evenly
+    over the data-parallel ranks of the layout on the mesh (``sizes``: default ``cfg.mesh``);
+    else a ConfigError naming ``train.batch_size``, the divisor and the nearest valid values."""
+    t = cfg.train
+    ranks, axes = batch_shards(cfg, sizes)
+    n = t.grad_accum * ranks
+    if t.batch_size % n == 0:
+        return
+    below, above = t.batch_size // n * n, (t.batch_size // n + 1) * n
+    nearest = " or ".join(str(v) for v in (below, above) if v > 0)
+    parts = [f"train.grad_accum={t.grad_accum} micro-batches"] if t.grad_accum > 1 else []
+    if ranks > 1:
+        parts.append(f"{ranks} data-parallel ranks ({axes} of mesh {cfg.mesh} under layout {cfg.layout.name})")
+    change = "train.grad_accum or the mesh" if ranks > 1 else "train.grad_accum"
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} does not split evenly into {' x '.join(parts)}; set train.batch_size "
+        f"to a multiple of {n}, the nearest being {nearest} (or change {change})"
+    )
 
 
 def offload_spec(cfg: RunConfig, layout: Any):
@@ -407,6 +517,6 @@ def load_config(overrides: "list[str] | None" = None) -> RunConfig:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             dc = compose(config_name="config", overrides=model_overrides(list(overrides or [])))
-    except HydraException as e:
-        raise ConfigError(str(e)) from None
+    except HydraException as e:  # what check_overrides could not see: its first line, on one line
+        raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     return from_dict(OmegaConf.to_container(dc, resolve=True))  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from meshlm.config import RunConfig
-from meshlm.errors import MeshlmError
+from meshlm.errors import MeshError, MeshlmError
 
 
 class JobFailedError(MeshlmError):
@@ -150,6 +150,67 @@ def _worker_threads(n: int):
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
+# NOTE [local process limit]
+#     The local launcher starts one process per mesh device on this machine, and some meshes
+#     cannot be hosted that way; they are refused before any process starts, with the limit
+#     that binds (``local_limit``), rather than failing deep inside the launcher:
+#     * the fork server (the default start method) receives a new process's file descriptors
+#       in one message of at most ``multiprocessing.forkserver.MAXFDS_TO_SEND`` (256), and
+#       torch's elastic launcher hands every worker the two pipe ends of every worker's result
+#       queue, so 2 n + 4 must stay below it: n <= 125 ("ValueError: too many fds" otherwise);
+#     * the open-file limit (``ulimit -n``): the launcher holds those 2 n pipe ends, and every
+#       worker inherits them and opens a gloo socket to every other rank, ~4 per worker with
+#       room for the rest;
+#     * memory: ``_WORKER_MIB`` per worker, a floor (a worker of llama_tiny under layout=ddp
+#       mesh=dp4 on CPU, torch 2.13, fork server: 63 MiB private, 103 MiB PSS; its model,
+#       activations and gloo's buffers to more peers come on top).
+#     CPU cores are not a limit: more workers than cores run, slower (the tests run 8 on 2).
+#     ``meshlm plan`` (a fake process group in one process) starts no workers and is not
+#     limited; a mesh larger than one machine runs under torchrun across nodes.
+_WORKER_MIB = 128
+
+
+def local_limit(start_method: str) -> tuple[int, str]:
+    """The most worker processes this machine can start at once for one job, and why
+    (NOTE [local process limit])."""
+    import multiprocessing.forkserver
+    import resource
+
+    limits = []
+    if start_method == "forkserver":
+        cap = multiprocessing.forkserver.MAXFDS_TO_SEND
+        limits.append(
+            (
+                (cap - 5) // 2,
+                f"the fork server passes a new process at most {cap} file descriptors, 2 per worker "
+                "(MESHLM_START_METHOD=spawn lifts this, at the cost of a slower start)",
+            )
+        )
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(((soft - 64) // 4, f"the open-file limit is {soft} (ulimit -n), about 4 per worker"))
+    try:
+        mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (ValueError, OSError, AttributeError):
+        mib = 0
+    if mib:
+        limits.append((mib // _WORKER_MIB, f"{mib / 1024:.0f} GiB of memory, {_WORKER_MIB} MiB per worker at least"))
+    return min(limits, default=(2**31, "no limit known"))
+
+
+def check_local(n: int, label: str = "the mesh", key: str = "mesh") -> None:
+    """Refuse to start ``n`` local worker processes where this machine cannot host them
+    (NOTE [local process limit]): a MeshError naming ``label`` (the mesh), the config key or
+    flag ``key`` that sets it, the size and the limit."""
+    limit, why = local_limit(_start_method())
+    if n > limit:
+        raise MeshError(
+            f"{label} needs {n} worker processes but this machine can start at most {limit} ({why}); set a "
+            f"smaller {key}, plan a mesh this large without running it with `meshlm plan`, or run it under "
+            "torchrun across nodes (docs/train.md, Multi-node)"
+        )
+
+
 def prestart(mesh: Mapping[str, Any]) -> None:
     """Start the forkserver of a job of ``mesh`` (the composed ``mesh`` section) now, so that
     it imports torch and meshlm while this process checks the config, which imports them
@@ -165,8 +226,8 @@ def prestart(mesh: Mapping[str, Any]) -> None:
     except (TypeError, ValueError):
         return  # not sizes: the config check says so
     n = math.prod(sizes)
-    if n <= 1 or min(sizes) < 1 or _start_method() != "forkserver":
-        return
+    if n <= 1 or min(sizes) < 1 or _start_method() != "forkserver" or n > local_limit("forkserver")[0]:
+        return  # (too many processes: launch says so)
     with _worker_threads(n):
         multiprocessing.forkserver.ensure_running()
 
@@ -191,9 +252,10 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
             # under torchrun once aborted there ("terminate called without an active exception").
             if dist.is_initialized():
                 dist.destroy_process_group()
+    n = cfg.mesh.size()
+    check_local(n, f"mesh {cfg.mesh}")  # before any process starts (NOTE [local process limit])
     t0 = time.time()  # the workers' lifecycle.StartupClock
     os.environ["MESHLM_LAUNCH_T0"] = str(t0)
-    n = cfg.mesh.size()
     check_world(cfg, n)
     from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -225,6 +287,7 @@ def run_workers(n: int, fn: Any, *args: Any) -> None:
     # "Received 15 death signal, shutting down workers": the run says what it did on a signal
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)  # "terminating process ..." on a failure
+    check_local(n)
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

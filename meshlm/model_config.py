@@ -23,8 +23,10 @@ NOTE [model node]
     ``model.KEY=VALUE`` override adds the key when the node lacks it, and a ``_target_``
     given without a ``model=NAME`` group starts from the empty node ``conf/model/custom.yaml``
     (:func:`model_overrides`), so a shipped model's arguments do not leak into yours.  A
-    target that cannot be imported, does not take a key, or lacks a required one fails
-    before any process starts with a ConfigError naming ``model.<key>``.
+    target that cannot be imported, does not take a key, lacks a required one, or is given a
+    value of another type than it declares (``model.embed=big`` for an ``int``; NOTE
+    [argument types] in meshlm/arg_types.py) fails before any process starts with a
+    ConfigError naming ``model.<key>``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from meshlm.arg_types import check_value, parameter_types
+from meshlm.axes import closest
 from meshlm.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads where a model is built (meshlm.config imports this module, and stays light)
@@ -41,6 +45,13 @@ if TYPE_CHECKING:  # torch loads where a model is built (meshlm.config imports t
 
 OWN_KEYS = ("_target_", "name", "init_from")  # meshlm's keys of the node, never passed to the target
 LLAMA_TARGET = "meshlm.models.llama_model"
+#: shipped targets that take their config dataclass's fields as ``**fields``, and the function
+#: that checks those fields and builds the dataclass (no model): what check_args calls for them
+SHIPPED_FIELDS = {
+    LLAMA_TARGET: "meshlm.models.llama.llama_fields",
+    "meshlm.models.gpt2_model": "meshlm.models.gpt2.gpt2_fields",
+    "meshlm.models.vlm_model": "meshlm.models.vlm.vlm_fields",
+}
 
 
 @dataclass
@@ -150,8 +161,10 @@ def _signature(fn: Callable) -> Optional[inspect.Signature]:
 
 
 def check_args(cfg: ModelConfig) -> None:
-    """The target exists and its signature takes the node's keys: a typo or a missing
-    required argument fails naming ``model.<key>`` (before any process starts)."""
+    """The target exists, its signature takes the node's keys and each value is of the type
+    the target declares (NOTE [argument types] in meshlm/arg_types.py): a typo, a missing
+    required argument or a value of the wrong type fails naming ``model.<key>`` (before any
+    process starts)."""
     fn = locate(cfg)
     if "device" in cfg.args:
         raise ConfigError(
@@ -167,7 +180,8 @@ def check_args(cfg: ModelConfig) -> None:
         for k in cfg.args:
             if k not in params or params[k].kind not in (params[k].POSITIONAL_OR_KEYWORD, params[k].KEYWORD_ONLY):
                 raise ConfigError(
-                    f"model.{k}: {cfg.target} takes no argument {k!r}; it takes: {', '.join(takes) or 'none'}"
+                    f"model.{k}: {cfg.target} takes no argument {k!r}{closest(k, takes)}; it takes: "
+                    f"{', '.join(takes) or 'none'}"
                 )
     for n, p in params.items():
         if (
@@ -177,6 +191,16 @@ def check_args(cfg: ModelConfig) -> None:
             and n != "device"
         ):
             raise ConfigError(f"model.{n} is required by {cfg.target}: set model.{n}=VALUE")
+    # NOTE [argument types]: each value against what the target declares for it
+    declared = parameter_types(fn, sig)
+    for k, v in cfg.args.items():
+        if k in declared:
+            check_value(f"model.{k}", v, *declared[k], owner=cfg.target or "")
+    if cfg.target in SHIPPED_FIELDS:  # a shipped model's **fields: its config dataclass checks them
+        import importlib
+
+        module, name = SHIPPED_FIELDS[cfg.target].rsplit(".", 1)
+        getattr(importlib.import_module(module), name)(**cfg.args)
 
 
 def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.Module:

@@ -32,7 +32,7 @@ from meshlm import _torch_compat as compat
 from meshlm import lifecycle
 from meshlm import train_setup as setup
 from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
-from meshlm.config import RunConfig
+from meshlm.config import RunConfig, check_batch
 from meshlm.mesh import MeshSpec
 from meshlm.offload.runtime import adamw_impl, open_offload
 from meshlm.pipeline import is_pipelined
@@ -82,6 +82,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     mcfg = lifecycle.model_config(cfg, cfg.model)  # resumed: the checkpoint's model and shapes
     sizes = MeshSpec.parse(cfg.mesh.as_dict(), world).as_dict()
+    check_batch(cfg, sizes)  # the config check skipped it while a mesh axis was -1 (the rest of the world)
     eff = effective_layout(cfg, layout, sizes)  # layout.strict=true: a degenerate layout stops here
 
     shard_kw = dict(shard_dtypes(t, layout, sizes), overlap=t.overlap)

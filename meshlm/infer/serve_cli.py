@@ -5,6 +5,7 @@ tensor parallel over workers it starts (rank 0 serves HTTP)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshlm.errors import ConfigError
@@ -66,12 +67,41 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
+def check_port(host: str, port: int) -> None:
+    """A ConfigError naming ``--port`` where ``host:port`` cannot be listened on (in use, a
+    privileged port, a host that is not this machine's), checked by binding it as uvicorn
+    will (SO_REUSEADDR), before the model loads: that takes a while, and then the server
+    would print its address and fail."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a port number; choose one in 1-65535")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, OverflowError, UnicodeError) as e:
+        raise ConfigError(f"--host {host} --port {port}: not an address to listen on ({e}); check --host and --port")
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except (OSError, OverflowError) as e:
+            import errno
+
+            code = getattr(e, "errno", None)
+            fix = {
+                errno.EADDRINUSE: "choose another port (--port N) or stop the process that holds it",
+                errno.EACCES: "ports below 1024 need privileges: choose --port 1024 or above",
+            }.get(code, "check --host (an address of this machine) and --port (0-65535)")
+            why = getattr(e, "strerror", None) or str(e)
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({why}); {fix}") from None
+
+
 def _worker(argv: list[str]) -> int:
     return run(parser().parse_args(argv))
 
 
 def serve_main(argv: list[str]) -> int:
-    from meshlm.launch import in_torchrun, run_workers
+    from meshlm.launch import check_local, in_torchrun, run_workers
     from meshlm.mesh import MeshSpec
 
     a = parser().parse_args(argv)
@@ -82,7 +112,10 @@ def serve_main(argv: list[str]) -> int:
         print('meshlm serve: needs FastAPI and uvicorn: pip install "meshlm[serve]"', file=sys.stderr)
         return 2
     n = MeshSpec.parse(a.mesh).size if a.mesh else 1
+    if not in_torchrun() or os.environ.get("RANK") == "0":  # the rank that serves HTTP
+        check_port(a.host, a.port)
     if n == 1 or in_torchrun():
         return run(a)
+    check_local(n, f"--mesh {a.mesh}", "--mesh")
     run_workers(n, _worker, argv)
     return 0

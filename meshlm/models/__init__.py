@@ -1,4 +1,5 @@
-"""Reference models.  Model code imports ``meshlm.annotate``, ``meshlm.axes`` and ``meshlm.nn`` only."""
+"""Reference models.  Model code imports ``meshlm.annotate``, ``meshlm.axes`` and ``meshlm.nn`` only (and
+``meshlm.errors``, ``meshlm.arg_types`` to check the config values a model is built from)."""
 
 from meshlm.models.gpt2 import CONFIGS as GPT2_CONFIGS
 from meshlm.models.gpt2 import GPT2, GPT2Config, gpt2_config, gpt2_model

@@ -241,14 +241,25 @@ def gpt2_config(name: str, **overrides) -> GPT2Config:
     return replace(CONFIGS[name], **overrides)
 
 
-def gpt2_model(device=None, seed: Optional[int] = 0, **config) -> GPT2:
-    """``GPT2(GPT2Config(**config), device, seed)``: the Hydra ``_target_`` of
-    conf/model/gpt2*.yaml (``meshlm.models.gpt2_model``); every other key is a
-    :class:`GPT2Config` field."""
+def gpt2_fields(**config) -> GPT2Config:
+    """A GPT2Config from ``model.<field>`` values (``conf/model/gpt2*.yaml``); a field GPT-2
+    does not have, or a value of another type than the field's, is a ConfigError naming the key."""
+    from meshlm.arg_types import check_fields
+    from meshlm.axes import closest
     from meshlm.errors import ConfigError
 
     names = [f.name for f in fields(GPT2Config)]
     for k in config:
         if k not in names:
-            raise ConfigError(f"model.{k}: GPT-2 has no such field; its fields are {', '.join(names)}")
-    return GPT2(GPT2Config(**config), device=device, seed=seed)
+            raise ConfigError(
+                f"model.{k}: GPT-2 has no such field{closest(k, names)}; its fields are {', '.join(names)}"
+            )
+    check_fields(GPT2Config, config, "meshlm.models.gpt2_model")
+    return GPT2Config(**config)
+
+
+def gpt2_model(device=None, seed: Optional[int] = 0, **config) -> GPT2:
+    """``GPT2(GPT2Config(**config), device, seed)``: the Hydra ``_target_`` of
+    conf/model/gpt2*.yaml (``meshlm.models.gpt2_model``); every other key is a
+    :class:`GPT2Config` field."""
+    return GPT2(gpt2_fields(**config), device=device, seed=seed)

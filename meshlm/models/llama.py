@@ -79,15 +79,21 @@ CONFIGS: dict[str, LlamaConfig] = {
 
 def llama_fields(**fields) -> LlamaConfig:
     """A LlamaConfig from ``model.<field>`` values (``conf/model/llama_*.yaml``); a field
-    Llama does not have, or a size that is not positive, is a ConfigError naming the key."""
+    Llama does not have, a value of another type than the field's, or a size that is not
+    positive, is a ConfigError naming the key."""
+    from meshlm.arg_types import check_fields
+    from meshlm.axes import closest
     from meshlm.errors import ConfigError
 
     known = [f.name for f in dataclass_fields(LlamaConfig)]
-    for k, v in fields.items():
+    for k in fields:
         if k not in known:
             raise ConfigError(
-                f"model.{k}: meshlm.models.llama_model takes no argument {k!r}; it takes: {', '.join(known)}"
+                f"model.{k}: meshlm.models.llama_model takes no argument {k!r}{closest(k, known)}; it takes: "
+                f"{', '.join(known)}"
             )
+    check_fields(LlamaConfig, fields, "meshlm.models.llama_model")
+    for k, v in fields.items():
         if k == "dropout":
             if v is not None and not 0.0 <= v < 1.0:
                 raise ConfigError(f"model.dropout={v} must be in [0, 1)")

@@ -180,12 +180,19 @@ CONFIGS: dict[str, VLMConfig] = {
 
 def vlm_fields(**fields) -> VLMConfig:
     """A VLMConfig from ``model.<field>`` values (``conf/model/vlm_*.yaml``); ``language``
-    may be a mapping of :class:`LlamaConfig` fields.  An unknown field is a ConfigError
-    naming the key."""
+    may be a mapping of :class:`LlamaConfig` fields.  An unknown field, or a value of
+    another type than the field's, is a ConfigError naming the key."""
+    from meshlm.arg_types import check_fields
+    from meshlm.axes import closest
+
     known = [f.name for f in dataclass_fields(VLMConfig)]
     for k in fields:
         if k not in known:
-            raise _error(f"model.{k}: meshlm.models.vlm_model takes no argument {k!r}; it takes: {', '.join(known)}")
+            raise _error(
+                f"model.{k}: meshlm.models.vlm_model takes no argument {k!r}{closest(k, known)}; it takes: "
+                f"{', '.join(known)}"
+            )
+    check_fields(VLMConfig, fields, "meshlm.models.vlm_model")
     lang = fields.get("language")
     if isinstance(lang, Mapping):
         from meshlm.errors import ConfigError

@@ -216,6 +216,19 @@ def test_bad_config_value_names_key_and_choices(tmp_path):
     assert "train.compile='jit'" in r.stderr and "aot_eager" in r.stderr
 
 
+def test_mesh_too_large_for_this_machine_stops_before_any_worker(tmp_path):
+    """256 ranks on one machine (NOTE [local process limit] in meshlm/launch.py): one line
+    naming the mesh, its size and the limit, status 1, no worker started (no rank's log);
+    it was a 65-line traceback ending in 'too many fds' after 125 workers had started."""
+    t0 = time.time()
+    r = meshlm("train", *TINY, "mesh=dp4_fsdp8_tp8", "layout=fsdp_tp", "train.batch_size=256",
+               f"hydra.run.dir={tmp_path}", timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "mesh dp=4,fsdp=8,tp=8 needs 256 worker processes but this machine can start at most" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "logs").exists() and time.time() - t0 < 100
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -49,6 +49,14 @@ def test_every_shipped_layout_has_a_conf_entry():
         ("model._target_=nosuch.Model", ["model._target_=nosuch.Model", "PYTHONPATH"]),
         ("data.format=csv", ["data.format", "text", "tokens"]),
         ("train.grad_accum=3", ["train.batch_size", "train.grad_accum"]),
+        ("train.stpes=5", ["train.stpes is not a config key (did you mean 'train.steps'?)", "keys of train: steps"]),
+        ("trian.steps=5", ["trian.steps is not a config key (did you mean 'train.steps'?)", "model, layout"]),
+        ("steps=5", ["steps is not a config key (did you mean 'train.steps'?)"]),
+        ("modle=llama_tiny", ["modle is not a config key (did you mean 'model'?)"]),
+        ("train.format=text", ["train.format", "did you mean 'data.format' or 'plan.format'"]),
+        ("layout=fsdp_tpp", ["layout=fsdp_tpp: no option 'fsdp_tpp'", "did you mean 'fsdp_tp'", "zero2"]),
+        ("mesh=dp3", ["no option 'dp3' in the config group mesh", "dp4"]),
+        ("checkpoint=x", ["checkpoint is a config section", "checkpoint.KEY=VALUE", "resume"]),
         ("mesh.tp=0", ["mesh.tp"]),
         ("pipeline.schedule=1f1", ["pipeline.schedule", "gpipe", "1f1b", "zbv"]),
         ("pipeline.stages_per_rank=0", ["pipeline.stages_per_rank=0", ">= 1"]),
@@ -60,6 +68,51 @@ def test_bad_value_names_key_and_choices(override, words):
         load_config([override])
     for w in words:
         assert w in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["layout=ddp", "mesh=dp4", "train.batch_size=6"], ["train.batch_size=6", "4 data-parallel ranks (dp of mesh dp=4 under layout ddp)", "multiple of 4", "4 or 8"]),
+        (["layout=fsdp", "mesh=dp2_fsdp2", "train.batch_size=12", "train.grad_accum=2"], ["train.grad_accum=2 micro-batches x 4 data-parallel ranks (dp x fsdp", "multiple of 8", "8 or 16"]),
+        (["layout=fsdp_tp", "mesh=fsdp2_tp2", "train.batch_size=1"], ["train.batch_size=1", "multiple of 2", "nearest being 2 ("]),
+        (["mesh=cpu1", "train.batch_size=7", "train.grad_accum=2"], ["train.grad_accum=2 micro-batches;", "6 or 8", "change train.grad_accum)"]),
+    ],
+)  # fmt: skip
+def test_batch_size_that_does_not_split_names_it_and_the_nearest_values(overrides, words):
+    """Checked when the config is read (it failed in the workers, as a layout error that never
+    named train.batch_size); a mesh with a -1 axis is checked once the world size is known."""
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_batch_size_of_every_shape_that_splits_passes():
+    from meshlm.config import check_batch
+
+    load_config(["layout=tp", "mesh=tp4", "train.batch_size=3"])  # tp does not split the batch
+    load_config(["layout=auto", "train.batch_size=3"])  # the planner picks a mesh that splits it
+    cfg = load_config(["layout=ddp", "mesh.dp=-1", "mesh.fsdp=1", "mesh.tp=1", "train.batch_size=6"])
+    with pytest.raises(ConfigError, match=r"train.batch_size=6 .* 4 data-parallel ranks .* 4 or 8"):
+        check_batch(cfg, {"dp": 4})  # meshlm.train.run, the world size known
+    check_batch(cfg, {"dp": 3})
+
+
+def test_config_typo_on_the_command_line_is_one_line_with_the_closest_key(capsys):
+    """Before Hydra, which said "Key 'stpes' is not in struct" over six lines, and exited."""
+    from meshlm.cli import main
+
+    assert main(["train", "train.stpes=5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm train: error: train.stpes is not a config key (did you mean 'train.steps'?)"), err
+    assert err.count("\n") == 1, err
+    assert main(["train", "-m", "layout=ddp,zeroo2"]) == 1
+    assert "(did you mean 'zero2'" in capsys.readouterr().err
+    assert main(["plan", "trian.steps=5"]) == 1
+    assert (
+        "meshlm plan: error: trian.steps is not a config key (did you mean 'train.steps'?)" in capsys.readouterr().err
+    )
 
 
 def test_one_spelling_per_idea(capsys):
@@ -86,7 +139,9 @@ def test_one_spelling_per_idea(capsys):
 
 
 def test_unknown_key_and_group_option():
-    with pytest.raises(ConfigError, match="allowed keys in train"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key train.stepz \(did you mean 'train.steps'\?\); allowed keys in train"
+    ):
         from_dict({"train": {"stepz": 3}})
     with pytest.raises(ConfigError, match="layout"):
         load_config(["layout=nope"])

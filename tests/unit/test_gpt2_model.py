@@ -52,7 +52,9 @@ def test_logits_and_loss():
 
 
 def test_unknown_field_is_named():
-    with pytest.raises(ConfigError, match=r"model.n_embd: GPT-2 has no such field; its fields are vocab, "):
+    with pytest.raises(
+        ConfigError, match=r"model.n_embd: GPT-2 has no such field \(did you mean 'embed'\?\); its fields"
+    ):
         gpt2_model(device="meta", n_embd=64)
 
 

@@ -5,8 +5,10 @@ show`` for a user's model from a package outside meshlm (tests/usermodel/mymodel
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Literal, Optional
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ import torch
 from meshlm.config import ModelConfig, build_model, from_dict, load_config
 from meshlm.errors import AnnotationError, ConfigError
 from meshlm.model_config import loss_of, model_vocab
+
+if TYPE_CHECKING:
+    from unknown_package import Unknown  # only for a type checker: the annotation cannot be read at run time
 
 USERMODEL = str(Path(__file__).resolve().parents[1] / "usermodel")
 
@@ -61,6 +66,75 @@ def test_bad_node_names_the_key(overrides, words):
     with pytest.raises(ConfigError) as e:
         load_config(overrides)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (
+            ["model=llama_tiny", "model.embed=big"],
+            ["model.embed='big' is not an integer", "embed is int", "model.embed=64"],
+        ),
+        (["model=llama_tiny", "model.norm_eps=small"], ["model.norm_eps='small' is not a number"]),
+        (["model=llama_tiny", "model.tie_embeddings=1"], ["model.tie_embeddings=1 is not true or false"]),
+        (["model=llama_tiny", "model.layers=2.0"], ["model.layers=2.0 is not an integer"]),
+        (["model=gpt2_tiny", "model.embed=big"], ["model.embed='big'", "meshlm.models.gpt2_model's embed is int"]),
+        (["model=gpt2_tiny", "model.seed=x"], ["model.seed='x' is not an integer (or null)"]),
+        (["model=vlm_tiny", "model.vision_embed=big"], ["model.vision_embed='big' is not an integer"]),
+        (["model=vlm_tiny", "model.language.embed=big"], ["model.language: model.embed='big' is not an integer"]),
+        (["model=vlm_tiny", "model.pixel_mean=[0.5,a,0.5]"], ["model.pixel_mean", "a list of numbers (or null)"]),
+        (["model._target_=mymodels.TinyLM", "model.width=big"], ["model.width='big'", "mymodels.TinyLM's width"]),
+        (["model._target_=torch.nn.Linear", "model.in_features=big", "model.out_features=2"], ["in_features is int"]),
+        (["model=llama_tiny", "model.layer=3"], ["model.layer", "(did you mean 'layers'?)"]),
+    ],
+)
+def test_value_of_another_type_names_key_value_and_type(overrides, words):
+    """NOTE [argument types]: checked when the config is read, before any model is built
+    (``model.embed=big`` reached torch.empty inside the workers)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_values_the_target_takes_pass():
+    """An int where a float is declared, a null, a list for a tuple, and every shipped
+    model's node as shipped, build."""
+    cfg = load_config(["model=llama_tiny", "model.rope_theta=10000", "model.head_dim=null"])
+    assert cfg.model.llama().rope_theta == 10000
+    for name in ("llama_tiny", "gpt2_tiny", "vlm_tiny"):
+        assert next(build_model(load_config([f"model={name}"]).model).parameters()).is_meta
+    for name in ("llama_small", "llama_1b", "llama3_8b", "llama3_70b", "llama3_405b", "gpt2", "vlm", "vlm_small"):
+        load_config([f"model={name}"])
+    load_config(["model=vlm_tiny", "model.pixel_mean=[0.5,0.5,0.5]", "model.pixel_std=[1,1,1]"])
+
+
+def test_argument_types_from_annotations_and_defaults():
+    """What a target declares, read from PEP 563 strings (this module's annotations are
+    strings), with an unreadable annotation left unchecked, and from number defaults."""
+    from meshlm.arg_types import check_value, parameter_types
+
+    def target(a: int, b: float = 1.0, c: Optional[int] = None, d: bool = False, e=3, f="x", g: Unknown = 1, h=None,
+               i: "list[int] | None" = None, j: Literal["x", "y"] = "x", **kw):  # fmt: skip
+        pass
+
+    declared = parameter_types(target, inspect.signature(target))
+
+    def bad(k, v):
+        with pytest.raises(ConfigError) as e:
+            check_value(f"model.{k}", v, *declared[k], owner="target")
+        return str(e.value)
+
+    for k, v in [("a", 3), ("b", 2), ("b", 2.5), ("c", None), ("c", 4), ("d", True), ("e", 2.5), ("f", 5), ("g", "s"),
+                 ("h", "anything"), ("i", [1, 2]), ("i", None), ("j", "y"), ("a", None)]:  # fmt: skip
+        check_value(f"model.{k}", v, *declared[k])
+    assert "model.a='3' is not an integer (target's a is int); give model.a an integer" in bad("a", "3")
+    assert "is not an integer" in bad("a", True)  # a bool is no int here
+    assert "is not a number" in bad("b", "1e-3x")
+    assert "is not an integer (or null)" in bad("c", 1.5)
+    assert "is not true or false" in bad("d", "yes")
+    assert "unannotated with the default 3" in bad("e", "big")
+    assert "is not a list of integers (or null)" in bad("i", [1, "x"])
+    assert "one of 'x', 'y'" in bad("j", "z")
 
 
 def test_contract_breaks_at_build():

@@ -57,12 +57,19 @@ def test_every_public_name_loads_on_first_use():
 
 @pytest.mark.parametrize(
     "mesh,starts",
-    [({"dp": 2}, True), ({"fsdp": 2, "tp": 2}, True), ({"dp": 1}, False), ({"dp": -1, "tp": 2}, False)],
+    [
+        ({"dp": 2}, True),
+        ({"fsdp": 2, "tp": 2}, True),
+        ({"dp": 1}, False),
+        ({"dp": -1, "tp": 2}, False),
+        ({"dp": 4, "fsdp": 8, "tp": 8}, False),  # more workers than one machine can start: launch refuses it
+    ],
 )
 def test_prestart_starts_the_forkserver_of_a_multi_process_mesh(mesh, starts):
     """A mesh of more than one process gets its forkserver (with OMP_NUM_THREADS set for
-    its workers, then restored here); one device, or a ``-1`` axis, gets none; a second
-    call reuses the server."""
+    its workers, then restored here); one device, a ``-1`` axis, or more processes than
+    this machine can start (NOTE [local process limit]) gets none; a second call reuses
+    the server."""
     out = _python(
         "import json, os, multiprocessing.forkserver as fs\n"
         "from meshlm.launch import prestart\n"
@@ -73,3 +80,30 @@ def test_prestart_starts_the_forkserver_of_a_multi_process_mesh(mesh, starts):
     )
     first, second, omp_left = json.loads(out)
     assert (first is not None) == starts and second == first and not omp_left
+
+
+def test_a_mesh_too_large_for_this_machine_is_refused_before_any_process_starts(monkeypatch, tmp_path):
+    """256 ranks on one machine (the fork server takes at most 125 workers; NOTE [local
+    process limit] in meshlm/launch.py): one MeshError naming the mesh, the size and the
+    limit, and pointing at ``meshlm plan`` and torchrun, before the launcher runs."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from meshlm.config import load_config
+    from meshlm.errors import MeshError
+    from meshlm.launch import launch, local_limit
+
+    def started(*a, **k):
+        raise AssertionError("the launcher started workers")
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", started)
+    monkeypatch.delenv("MESHLM_START_METHOD", raising=False)
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = load_config(["model=llama_tiny", "mesh=dp4_fsdp8_tp8", "layout=fsdp_tp", "train.batch_size=256"])
+    limit, _why = local_limit("forkserver")
+    assert limit <= 125  # the fork server's cap, if nothing lower binds
+    with pytest.raises(MeshError) as e:
+        launch(cfg, tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "mesh dp=4,fsdp=8,tp=8 needs 256 worker processes" in msg, msg
+    assert f"at most {limit}" in msg and "meshlm plan" in msg and "torchrun across nodes" in msg, msg
