@@ -72,6 +72,19 @@ def test_tampered_metadata_is_refused_by_a_resume(tmp_path, linear_ckpt):
     assert not marker.exists()
 
 
+def test_resume_auto_skips_a_tampered_newest_checkpoint(tmp_path, linear_ckpt, capsys):
+    marker = tmp_path / "PAYLOAD_RAN"
+    root = str(tmp_path / "good")
+    _tampered(linear_ckpt, root, str(marker))  # step 9, newer than step 1
+    ck = Checkpointer(CheckpointConfig(dir=root, resume="auto"), model=torch.nn.Linear(4, 4))
+    try:
+        assert ck.resume()["step"] == 1
+    finally:
+        assert not marker.exists(), "the checkpoint's pickle ran code"
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "step_00000009" in said[0] and ".metadata refused" in said[0], said
+
+
 def test_only_what_a_dcp_metadata_holds_unpickles(tmp_path, linear_ckpt):
     from meshlm._torch_compat.dcp_metadata import UnsafeMetadata, read_metadata
 
