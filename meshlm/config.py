@@ -387,7 +387,8 @@ def check_checkpoint_dir(path: Optional[str]) -> None:
     """Raise ConfigError when ``checkpoint.dir`` cannot hold checkpoints: it is a file, it
     lies under a file, or the directory it is (or would be made in) is not writable (a
     read-only file system, permissions).  Local and cheap: the launcher calls it before any
-    worker starts.  A disk that fills up later is a save's error (NOTE [failed save])."""
+    worker starts.  A disk that fills up later is a save's error (NOTE [failed save] in
+    meshlm/checkpoint.py)."""
     if not path:
         return
     p = os.path.abspath(path)
