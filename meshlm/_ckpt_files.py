@@ -131,6 +131,12 @@ def latest_checkpoint(root: str) -> Optional[str]:
 def read_meta(path: str) -> dict:
     """The ``meta.json`` of a checkpoint directory; CheckpointError if absent or unreadable."""
     f = os.path.join(path, META)
+    if not os.path.isdir(path):
+        what = "is a file, not" if os.path.exists(path) else "does not exist; it is not"
+        raise CheckpointError(
+            f"checkpoint {path}: {what} a checkpoint directory; give a step_* directory of a checkpoint.dir, "
+            "or the checkpoint.dir itself (its latest checkpoint)"
+        )
     try:
         with open(f) as fh:
             return json.load(fh)

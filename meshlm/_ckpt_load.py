@@ -3,7 +3,22 @@
 ``load_checkpoint`` checks a checkpoint's files (``verify_checkpoint``: commit marker, sizes,
 CRC-32) and every key and global shape against the model (``_plan_load``), with every rank
 agreeing on the outcome before DCP reads anything, so a bad checkpoint raises the same
-:class:`CheckpointError` on every rank and never hangs a job.
+:class:`CheckpointError` on every rank and never hangs a job.  ``check_checkpoint`` runs the
+same file checks and answers instead of raising (``checkpoint.resume=auto`` skips a damaged
+checkpoint with it).
+
+NOTE [trusted checkpoint files]
+    Reading a checkpoint runs no code from it, whoever wrote it.  The files read are
+    ``meta.json`` (JSON), ``COMMIT`` (text), DCP's ``.metadata`` (a pickle, read through an
+    allow-list of the classes a DCP metadata holds: meshlm/_torch_compat/dcp_metadata.py),
+    the ``.distcp`` shards (tensors, read by DCP with ``torch.load(weights_only=True)``; a
+    non-tensor entry, which DCP would read with ``weights_only=False``, is refused),
+    ``extra.pt`` and ``rng/rank<r>.pt`` (``torch.load(weights_only=True)``).  Every byte
+    range the metadata names must lie inside a file of the checkpoint directory.  Hugging
+    Face weights are read from safetensors, or a ``pytorch_model.bin`` with
+    ``weights_only=True`` (hf_load.py); the offload store reads raw bytes.  Anything else in
+    a file is a :class:`CheckpointError` naming the file.  The CRC-32s in ``meta.json`` catch
+    damage, not tampering: whoever can write ``.metadata`` can rewrite ``meta.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from meshlm._ckpt_files import (
     _agree,
     _bcast,
     _crc32,
+    _gather,
     _inner,
     _masters,
     _params,
@@ -31,6 +47,7 @@ from meshlm._ckpt_files import (
     resolve_path,
 )
 from meshlm._ckpt_weights import copy_followers, drop_grads, weight_targets
+from meshlm._torch_compat import dcp_metadata
 from meshlm.absent import absent_params
 from meshlm.errors import CheckpointError
 from meshlm.lowering.buffers import persistent as persistent_buffers
@@ -77,15 +94,48 @@ def verify_checkpoint(path: str, meta: Optional[dict] = None, *, crc: bool = Tru
 
 
 def _read_dcp_metadata(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """DCP's metadata of checkpoint ``path``, read without running code (NOTE [trusted
+    checkpoint files]), its byte ranges checked against the files; raises CheckpointError."""
+    f = os.path.join(path, ".metadata")
     try:
-        return FileSystemReader(path).read_metadata()
+        md = dcp_metadata.read_metadata(f)
+    except dcp_metadata.UnsafeMetadata as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {f} refused: {e}, so it was damaged or tampered with (meshlm reads checkpoint "
+            "metadata without running code); do not use this checkpoint, resume from another one"
+        ) from None
     except Exception as e:  # noqa: BLE001 (any unpickling error means a bad file)
         raise CheckpointError(
-            f"checkpoint {path}: {os.path.join(path, '.metadata')} is unreadable "
-            f"({type(e).__name__}: {e}); the checkpoint is corrupted, resume from another one"
+            f"checkpoint {path}: {f} is unreadable ({type(e).__name__}: {e}); the checkpoint is corrupted, "
+            "resume from another one"
         ) from None
+    _check_storage(path, md)
+    return md
+
+
+def _check_storage(path: str, md) -> None:
+    """Every byte range DCP's metadata names lies inside a file of directory ``path``."""
+    f = os.path.join(path, ".metadata")
+    sizes: dict[str, int] = {}
+    try:
+        for info in md.storage_data.values():
+            name, end = info.relative_path, int(info.offset) + int(info.length)
+            if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+                raise CheckpointError(
+                    f"checkpoint {path}: {f} points at {name!r}, outside the checkpoint directory; it was damaged "
+                    "or tampered with, resume from another checkpoint"
+                )
+            if name not in sizes:
+                g = os.path.join(path, name)
+                sizes[name] = os.path.getsize(g) if os.path.isfile(g) else -1
+            if sizes[name] < end:
+                what = "is missing" if sizes[name] < 0 else f"has {sizes[name]} bytes"
+                raise CheckpointError(
+                    f"checkpoint {path}: shard file {os.path.join(path, name)} {what}, but {f} points at bytes up to "
+                    f"{end}; the checkpoint is incomplete or corrupted, resume from another one"
+                )
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {f} is malformed ({type(e).__name__}: {e})") from None
 
 
 def _fmt_shape(s) -> str:
@@ -117,10 +167,12 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 f"expects {_fmt_shape(p.shape)}: a different model shape{cfg_note}. Build the "
                 "model with the saved config, or start without checkpoint.resume"
             )
-        if f"master/{fqn}" in saved and tuple(saved[f"master/{fqn}"].size) != tuple(p.shape):
+        mm = saved.get(f"master/{fqn}")
+        if mm is not None and (not isinstance(mm, TensorStorageMetadata) or tuple(mm.size) != tuple(p.shape)):
             raise CheckpointError(
                 f"checkpoint {path}: the master of `{fqn}` has shape "
-                f"{_fmt_shape(saved[f'master/{fqn}'].size)}, its parameter {_fmt_shape(p.shape)}"
+                f"{_fmt_shape(mm.size) if isinstance(mm, TensorStorageMetadata) else 'no shape'}, its parameter "
+                f"{_fmt_shape(p.shape)}"
             )
     bufs = persistent_buffers(model)  # NOTE [buffers] in meshlm/lowering/buffers.py
     for fqn, b in bufs.items():
@@ -175,7 +227,53 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                     )
                 state[name] = cur
                 sd[k] = cur
+    for k in sd:  # NOTE [trusted checkpoint files]: what DCP would unpickle is never loaded
+        if not isinstance(saved.get(k), TensorStorageMetadata):
+            raise CheckpointError(
+                f"checkpoint {path}: `{k}` is not stored as a tensor there; it was not written by meshlm"
+            )
     return sd, post
+
+
+def _meta_everywhere(path: str) -> tuple[Optional[dict], Optional[str]]:
+    """(meta.json of checkpoint ``path``, None) or (None, what is wrong) on every rank; rank 0 reads."""
+    meta, err = None, None
+    if _rank() == 0:
+        try:
+            if not os.path.isdir(path):
+                read_meta(path)  # says what is there instead
+                raise CheckpointError(f"checkpoint {path}: no such directory")
+            if not os.path.isfile(os.path.join(path, COMMIT)):
+                raise CheckpointError(verify_checkpoint(path) or f"checkpoint {path}: incomplete")
+            meta = read_meta(path)
+        except CheckpointError as e:
+            err = str(e)
+    return _bcast((meta, err))
+
+
+def _verify_share(path: str, meta: dict) -> Optional[str]:
+    """verify_checkpoint on every world-th file of ``meta`` per rank: the first problem any
+    rank found, on every rank (collective)."""
+    rank, world = _rank(), _world()
+    names = sorted(meta.get("files", {}))
+    part = {"files": {n: meta["files"][n] for i, n in enumerate(names) if i % world == rank}}
+    errors = [e for e in _gather(verify_checkpoint(path, part)) if e]
+    return errors[0] if errors else None
+
+
+def check_checkpoint(path: str) -> Optional[str]:
+    """What is wrong with the files of checkpoint ``path`` (its commit marker, meta.json,
+    every file's size and CRC-32, DCP's metadata and the byte ranges it names), or None; the
+    same answer on every rank.  Collective: the ranks share the checksumming."""
+    meta, err = _meta_everywhere(path)
+    if err is None:
+        err = _verify_share(path, meta or {})
+    if err is None and _rank() == 0:
+        try:
+            _read_dcp_metadata(path)
+        except CheckpointError as e:
+            err = str(e)
+    return _bcast(err)
 
 
 def load_checkpoint(
@@ -187,23 +285,11 @@ def load_checkpoint(
     path = resolve_path(path)
     rank, world = _rank(), _world()
     # rank 0 reads meta.json; each rank verifies every world-th file; all agree before DCP runs
-    meta, err = None, None
-    if rank == 0:
-        try:
-            if not os.path.isdir(path):
-                raise CheckpointError(f"checkpoint {path}: no such directory (checkpoint.resume={path!r})")
-            if not os.path.isfile(os.path.join(path, COMMIT)):
-                raise CheckpointError(verify_checkpoint(path) or f"checkpoint {path}: incomplete")
-            meta = read_meta(path)
-        except CheckpointError as e:
-            err = str(e)
-    meta, err = _bcast((meta, err))
+    meta, err = _meta_everywhere(path)
     if err:
         raise CheckpointError(err)
     if verify:
-        names = sorted(meta.get("files", {}))
-        part = {"files": {n: meta["files"][n] for i, n in enumerate(names) if i % world == rank}}
-        _agree(verify_checkpoint(path, part))
+        _agree(_verify_share(path, meta))
     with _resident(optimizer):  # offloaded optimizer state is loaded into memory, then moved out again
         blob = _load_tensors(path, meta, model, optimizer)
     if restore_rng and meta.get("world_size") == world:
@@ -221,7 +307,7 @@ def load_checkpoint(
 def _load_tensors(path: str, meta: dict, model: nn.Module, optimizer: Any) -> dict:
     """Load the checkpoint's tensors into ``model`` and ``optimizer``; return extra.pt's dict."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException
 
     err = None
     try:
@@ -230,10 +316,10 @@ def _load_tensors(path: str, meta: dict, model: nn.Module, optimizer: Any) -> di
     except CheckpointError as e:
         err, sd, post = str(e), {}, []
     _agree(err)
-    try:
-        dcp.load(sd, storage_reader=FileSystemReader(path))
-    except Exception as e:  # noqa: BLE001 (DCP gathers every rank's error, so all ranks land here)
-        raise CheckpointError(f"checkpoint {path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+    try:  # NOTE [trusted checkpoint files]: DCP's reader and planner, without their unpickling
+        dcp.load(sd, storage_reader=dcp_metadata.SafeReader(path), planner=dcp_metadata.TensorsOnlyPlanner())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP gathers every rank's error: all land here)
+        raise CheckpointError(f"checkpoint {path}: loading failed ({_first_line(e)})") from None
     copy_followers(post)  # NOTE [checkpoint weights]: what did not load the weights follows them
     drop_grads(_params(model), optimizer)  # gradients of the replaced weights
     try:
@@ -245,6 +331,17 @@ def _load_tensors(path: str, meta: dict, model: nn.Module, optimizer: Any) -> di
     if optimizer is not None:
         _restore_groups(path, optimizer, blob)
     return blob
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: message`` of ``e`` (of the first rank's error for DCP's CheckpointException,
+    whose text is every rank's traceback)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:500] if text else ''}"
 
 
 def _restore_groups(path: str, optimizer: Any, blob: dict) -> None:

@@ -97,8 +97,10 @@ def check_resume(root: str, checkpoints: list[tuple[int, str]], run_id: Optional
     if newer:
         raise CheckpointError(
             f"checkpoint.dir={root!r} holds later checkpoints of the same run (steps {_steps(newer)}) than the one "
-            f"resumed from (step {step}); continuing from step {step} would replace them. Resume from the latest "
-            "(checkpoint.resume=auto), or save the new branch elsewhere (another checkpoint.dir)"
+            f"resumed from (step {step}); continuing from step {step} would replace them. To continue from the "
+            "newest checkpoint that checks out, set checkpoint.resume=auto (it skips damaged ones and sets them "
+            f"aside); to branch from step {step}, keep checkpoint.resume and set checkpoint.dir to a new directory; "
+            f"to drop the later ones, move {', '.join(os.path.basename(p) for _s, p in newer)} out of {root}"
         )
 
 

@@ -31,7 +31,10 @@ NOTE [commit protocol]: ranks write into ``<dir>/.tmp_step_<N>/``; after a barri
 writes ``meta.json``, then the ``COMMIT`` marker, fsyncs, and renames the directory to
 ``step_<N>`` (atomic on POSIX), then fsyncs ``<dir>``.  ``resume='auto'`` only considers
 ``step_*`` directories that hold ``COMMIT``, so a process killed at any moment leaves
-either a complete checkpoint or one that is ignored (and deleted by the next save).
+either a complete checkpoint or one that is ignored (and deleted by the next save).  Of
+those it takes the newest whose files check out (NOTE [damaged checkpoints]); a save that
+cannot write (a full disk) removes its partial directory and stops (NOTE [failed save]).
+Reading a checkpoint runs no code from it (NOTE [trusted checkpoint files] in _ckpt_load.py).
 
 Every failure to load (missing or truncated file, CRC mismatch, a tensor of another
 shape, a missing key) raises :class:`meshlm.errors.CheckpointError` on *every* rank, after
@@ -40,13 +43,15 @@ the ranks have agreed on it, so a bad checkpoint never hangs a job.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import sys
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -80,7 +85,7 @@ from meshlm._ckpt_files import (  # noqa: F401 (re-exported: meshlm.checkpoint i
     read_meta,
     resolve_path,
 )
-from meshlm._ckpt_load import load_checkpoint, verify_checkpoint
+from meshlm._ckpt_load import check_checkpoint, load_checkpoint, verify_checkpoint
 from meshlm.errors import CheckpointError
 from meshlm.lowering.buffers import persistent as persistent_buffers
 
@@ -92,6 +97,7 @@ __all__ = [
     "latest_checkpoint",
     "read_meta",
     "verify_checkpoint",
+    "check_checkpoint",
     "COMMIT",
     "META",
 ]
@@ -174,7 +180,7 @@ def save_checkpoint(
     ``step_<N>`` that exists already is never replaced (NOTE [one run per checkpoint
     directory] in _ckpt_runs.py)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
     rank = _rank()
     final, tmp = _step_dir(root, step), _tmp_dir(root, step)
@@ -194,59 +200,163 @@ def save_checkpoint(
             if run_id is not None:
                 _runs.claim(root, run_id)
         except OSError as e:
-            err = f"checkpoint.dir={root!r}: cannot create {tmp} ({e})"
+            err = _failure_line(root, step, _describe(e), None, removed=None)
         except CheckpointError as e:
             err = str(e)
     _agree(err)
-    with _resident(optimizer):
-        sd, opt_extra = _tensor_state(model, optimizer)
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1))
-    del sd
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    # each rank checksums the files it wrote; rank 0 lists them all in meta.json
-    mine = {}
-    for name in sorted(os.listdir(tmp)):
-        if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
-            f = os.path.join(tmp, name)
-            mine[name] = {"bytes": os.path.getsize(f), "crc32": _crc32(f)}
-    rngf = os.path.join("rng", f"rank{rank}.pt")
-    mine[rngf] = {"bytes": os.path.getsize(os.path.join(tmp, rngf)), "crc32": _crc32(os.path.join(tmp, rngf))}
+    # NOTE [failed save]: each rank writes its part; all learn whether every rank did
+    mine: dict[str, dict] = {}
+    what, my_bytes = None, 0
+    try:
+        with _resident(optimizer):
+            sd, opt_extra = _tensor_state(model, optimizer)
+            my_bytes = sum(_local_bytes(t) for t in sd.values())
+            dcp.save(
+                sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+            )
+        del sd
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        rngf = os.path.join("rng", f"rank{rank}.pt")
+        with open(os.path.join(tmp, rngf), "wb") as fh:  # a plain write: a full disk is an OSError
+            fh.write(_torch_bytes(rng))
+        # each rank checksums the files it wrote; rank 0 lists them all in meta.json
+        for name in sorted(os.listdir(tmp)):
+            if name.startswith(f"__{rank}_") and name.endswith(".distcp"):
+                f = os.path.join(tmp, name)
+                mine[name] = {"bytes": os.path.getsize(f), "crc32": _crc32(f)}
+        mine[rngf] = {"bytes": os.path.getsize(os.path.join(tmp, rngf)), "crc32": _crc32(os.path.join(tmp, rngf))}
+    except (OSError, CheckpointException) as e:  # CheckpointException: DCP's, every rank's failures
+        what = _describe(e)
     files: dict[str, dict] = {}
-    for d in _gather(mine):
-        files.update(d)
+    failed, nbytes = [], 0
+    for w, theirs, n in _gather((what, mine, my_bytes)):
+        files.update(theirs)
+        nbytes += n
+        failed += [w] if w is not None else []
+    what = failed[0] if failed else None
+    if what is None and rank == 0:
+        try:
+            _commit(root, step, tmp, final, files, model, extra, opt_extra, run_meta, run_id)
+        except OSError as e:
+            what = _describe(e)
+    _settle_save(root, step, tmp, what, nbytes)
     if rank == 0:
-        buf = _torch_bytes({"extra": dict(extra or {}), **opt_extra})
-        _atomic_write(os.path.join(tmp, EXTRA), buf)
-        files[EXTRA] = {"bytes": len(buf), "crc32": zlib.crc32(buf)}
-        md = os.path.join(tmp, ".metadata")
-        files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
-        meta = {
-            "format": FORMAT,
-            "step": int(step),
-            "run_id": run_id,
-            "world_size": _world(),
-            "time": time.time(),
-            "torch": torch.__version__,
-            "model": _model_info(model),
-            "run": _jsonable(run_meta or {}),
-            "files": files,
-        }
-        _atomic_write(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
-        _atomic_write(os.path.join(tmp, COMMIT), f"{step}\n".encode())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)  # NOTE [commit protocol]: the checkpoint becomes visible here
-        _fsync_dir(root)
-        if keep > 0:
-            for _s, old in _runs.own(list_checkpoints(root), run_id)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        for name in os.listdir(root):  # torn saves of other steps
-            if name.startswith(".tmp_step_"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        try:
+            _retire(root, run_id, keep)
+        except OSError:  # the checkpoint is committed; what is not deleted now goes at the next save
+            pass
     _barrier()
     return final
+
+
+def _commit(root, step, tmp, final, files, model, extra, opt_extra, run_meta, run_id) -> None:
+    """Rank 0's part of a save once every rank wrote its files: extra.pt, meta.json, COMMIT,
+    the rename (NOTE [commit protocol])."""
+    buf = _torch_bytes({"extra": dict(extra or {}), **opt_extra})
+    _atomic_write(os.path.join(tmp, EXTRA), buf)
+    files[EXTRA] = {"bytes": len(buf), "crc32": zlib.crc32(buf)}
+    md = os.path.join(tmp, ".metadata")
+    files[".metadata"] = {"bytes": os.path.getsize(md), "crc32": _crc32(md)}
+    meta = {
+        "format": FORMAT,
+        "step": int(step),
+        "run_id": run_id,
+        "world_size": _world(),
+        "time": time.time(),
+        "torch": torch.__version__,
+        "model": _model_info(model),
+        "run": _jsonable(run_meta or {}),
+        "files": files,
+    }
+    _atomic_write(os.path.join(tmp, META), json.dumps(meta, indent=1, sort_keys=True).encode())
+    _atomic_write(os.path.join(tmp, COMMIT), f"{step}\n".encode())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)  # NOTE [commit protocol]: the checkpoint becomes visible here
+    _fsync_dir(root)
+
+
+def _retire(root: str, run_id: Optional[str], keep: int) -> None:
+    """After a save: delete this run's checkpoints beyond the last ``keep``, and torn saves."""
+    if keep > 0:
+        for _s, old in _runs.own(list_checkpoints(root), run_id)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    for name in os.listdir(root):  # torn saves of other steps
+        if name.startswith(".tmp_step_"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# NOTE [failed save]
+#     A save that fails to write (a full disk, a quota, a file system gone read-only) stops
+#     the run with one line on every rank, after the ranks agreed on it (no hang): the
+#     directory, the file and the error, and for a full disk the bytes free there and about
+#     how many the checkpoint needs (its tensor bytes, summed over the ranks).  Rank 0 first
+#     removes the partial ``.tmp_step_<N>``; the complete checkpoints are never touched
+#     (retention runs only after a commit), so ``checkpoint.resume=auto`` continues from the
+#     last one once there is room.
+def _describe(e: BaseException) -> dict:
+    """What failed, picklable: errno, its text and the file (from the OSError inside DCP's
+    CheckpointException where there is one), else the error's first line."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):  # DCP's CheckpointException: rank -> (exception, traceback)
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        e = next((x for x in inner if isinstance(x, OSError)), inner[0] if inner else e)
+    seen = e
+    while not isinstance(seen, OSError) and (seen.__cause__ or seen.__context__) is not None:
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, OSError) and seen.errno is not None:
+        return {"errno": seen.errno, "text": seen.strerror or os.strerror(seen.errno), "file": seen.filename}
+    lines = str(e).strip().splitlines()
+    return {"errno": None, "text": f"{type(e).__name__}: {lines[0] if lines else ''}", "file": None}
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "an unknown number of bytes"
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):.1f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+def _failure_line(root: str, step: int, what: dict, nbytes: Optional[int], removed: Optional[str]) -> str:
+    where = f" ({what['file']})" if what.get("file") else ""
+    line = f"checkpoint.dir={root!r}: saving step {step} failed: {what['text']}{where}"
+    if what.get("errno") in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = None
+        line += f"; {_size(free)} free there" + (f", the checkpoint needs about {_size(nbytes)}" if nbytes else "")
+    if removed:
+        line += f"; removed the partial save {removed}, the complete checkpoints are untouched"
+    fix = (
+        "free space (or lower checkpoint.keep), or set checkpoint.dir to a larger disk"
+        if what.get("errno") in (errno.ENOSPC, errno.EDQUOT)
+        else "make checkpoint.dir writable, or set it to a writable directory"
+    )
+    return f"{line}. To continue: {fix}, then resume with checkpoint.resume=auto"
+
+
+def _settle_save(root: str, step: int, tmp: str, what: Optional[dict], nbytes: int) -> None:
+    """Raise the same CheckpointError on every rank when any rank's part of the save failed
+    (NOTE [failed save]), rank 0 having removed the partial ``tmp``; else return."""
+    failed = [w for w in _gather(what) if w is not None]
+    if not failed:
+        return
+    line = None
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        line = _failure_line(root, step, failed[0], nbytes, removed=tmp)
+    raise CheckpointError(_bcast(line))
+
+
+def _local_bytes(t: Tensor) -> int:
+    """The bytes of ``t`` this rank holds (a DTensor's local shard)."""
+    local = getattr(t, "to_local", None)
+    t = local() if local is not None else t
+    return t.numel() * t.element_size()
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -274,6 +384,18 @@ def _jsonable(obj: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- Checkpointer
+def _stderr(line: str) -> None:
+    print(f"meshlm: {line}", file=sys.stderr, flush=True)
+
+
+# NOTE [damaged checkpoints]
+#     ``checkpoint.resume=auto`` takes the newest checkpoint whose files check out
+#     (``check_checkpoint``: COMMIT, meta.json, every file's size and CRC-32, DCP's
+#     metadata read without running code).  Each newer one that does not is never loaded:
+#     rank 0 renames it ``step_<N>.damaged`` (kept for inspection; no listing, resume or
+#     retention sees it, and the step can be saved again) and says which and why.  When no
+#     checkpoint checks out, nothing is loaded or moved and the resume stops with every
+#     reason.  An explicit ``checkpoint.resume=PATH`` is loaded as named, or refused.
 class Checkpointer:
     """What the train loop talks to: ``resume()`` once, ``maybe_save(step, extra)`` every
     step, ``close()`` at the end.  ``cfg.dir=None`` disables saving.
@@ -290,15 +412,19 @@ class Checkpointer:
         optimizer: Any = None,
         mesh: Any = None,
         run_meta: Optional[dict] = None,
+        say: Callable[[str], None] = _stderr,
     ):
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh
         self.run_meta = dict(run_meta or {})
+        self.say = say
         self.last_saved: Optional[str] = None
         self.run_id: Optional[str] = None
         self.resumed: Optional[dict] = None
+        self.skipped: list[tuple[str, str, str]] = []  # (damaged checkpoint, why, where it was set aside)
+        self._checked: Optional[str] = None  # the checkpoint check_checkpoint passed (auto)
 
     def _resume_path(self) -> Optional[str]:
         from meshlm.config import check_resume
@@ -310,8 +436,47 @@ class Checkpointer:
         if r == "auto":
             if not self.cfg.dir:
                 raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir; set checkpoint.dir=PATH")
-            return _bcast(latest_checkpoint(self.cfg.dir) if _rank() == 0 else None)
+            return self._latest_valid(self.cfg.dir)
         return str(r)
+
+    def _latest_valid(self, root: str) -> Optional[str]:
+        """The newest checkpoint in ``root`` whose files check out (collective), setting the
+        damaged newer ones aside (NOTE [damaged checkpoints]); None when there is none."""
+        damaged: list[tuple[str, str]] = []
+        for _step, path in reversed(_bcast(list_checkpoints(root) if _rank() == 0 else None)):
+            why = check_checkpoint(path)
+            if why is None:
+                self._checked = path
+                self._set_aside(damaged)
+                return path
+            damaged.append((path, why))
+        if damaged:
+            raise CheckpointError(
+                f"checkpoint.resume=auto: every checkpoint in checkpoint.dir={root!r} is damaged ("
+                + "; ".join(why for _p, why in damaged)
+                + "). None was loaded. Resume one from a copy elsewhere (checkpoint.resume=PATH), or move them "
+                "out of the directory to start afresh"
+            )
+        return None
+
+    def _set_aside(self, damaged: list[tuple[str, str]]) -> None:
+        """Rename each damaged ``step_<N>`` to ``step_<N>.damaged`` (rank 0), which no listing,
+        resume or retention considers, and say so."""
+        moved = None
+        if _rank() == 0:
+            moved = []
+            for path, why in damaged:
+                to, n = f"{path}.damaged", 1
+                while os.path.exists(to):
+                    n += 1
+                    to = f"{path}.damaged{n}"
+                try:
+                    os.rename(path, to)
+                except OSError as e:
+                    to = f"not moved ({e.strerror})"
+                moved.append((path, why, to))
+                self.say(f"checkpoint.resume=auto: skipped {path}, set aside as {to}: {why}")
+        self.skipped = _bcast(moved)
 
     def _settle_run(self, path: Optional[str]) -> tuple[str, Optional[dict]]:
         """(run id, meta of the checkpoint resumed from); rank 0 only; raises CheckpointError."""
@@ -329,7 +494,13 @@ class Checkpointer:
             if root:
                 _runs.check_resume(root, cps, meta.get("run_id"), int(meta.get("step", 0)))
         if root:
-            _runs.claim(root, rid)
+            try:
+                _runs.claim(root, rid)
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint.dir={root!r}: cannot write {os.path.join(root, _runs.RUN_FILE)} ({e.strerror}); "
+                    "set checkpoint.dir to a writable directory"
+                ) from None
         return rid, meta
 
     def _settle(self, path: Optional[str]) -> None:
@@ -351,7 +522,8 @@ class Checkpointer:
         self._settle(path)
         if path is None:
             return None
-        return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        verified = path == self._checked  # checked just now (auto): not checksummed twice
+        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=not verified)
 
     def maybe_save(self, step: int, extra: Optional[dict] = None) -> Optional[str]:
         """Save when ``cfg.every`` divides ``step``; return the directory or None."""

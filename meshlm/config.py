@@ -493,6 +493,37 @@ def check_resume(value: Any) -> None:
         )
 
 
+def check_checkpoint_dir(path: Optional[str]) -> None:
+    """Raise ConfigError when ``checkpoint.dir`` cannot hold checkpoints: it is a file, it
+    lies under a file, or the directory it is (or would be made in) is not writable (a
+    read-only file system, permissions).  Local and cheap: the launcher calls it before any
+    worker starts.  A disk that fills up later is a save's error (NOTE [failed save] in
+    meshlm/checkpoint.py)."""
+    if not path:
+        return
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(
+            f"checkpoint.dir={path!r} is a file, not a directory; set checkpoint.dir to a directory "
+            "(it is created if missing)"
+        )
+    there = p
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        raise ConfigError(
+            f"checkpoint.dir={path!r}: {there} is a file, so no directory can be made under it; "
+            "set checkpoint.dir to a path under a directory"
+        )
+    try:
+        read_only = bool(os.statvfs(there).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    if read_only or not os.access(there, os.W_OK | os.X_OK):
+        why = "on a read-only file system" if read_only else "not writable by this user"
+        raise ConfigError(f"checkpoint.dir={path!r}: {there} is {why}; set checkpoint.dir to a writable directory")
+
+
 def conf_dir() -> Path:
     """The Hydra config directory: $MESHLM_CONF, else the shipped one (an installed meshlm's
     ``meshlm/conf``, else a checkout's ``conf/``; pyproject.toml maps one onto the other)."""

@@ -80,6 +80,15 @@ def convert_main(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="dtype of the exported safetensors")
     a = p.parse_args(argv)
     src = _strip(a.src)
+    if not os.path.exists(src):
+        import sys
+
+        print(
+            f"meshlm convert: {a.src}: no such file or directory; SRC is a Hugging Face directory (with "
+            "config.json) or a meshlm checkpoint (a step_* directory, or a checkpoint.dir: its latest)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if os.path.isfile(os.path.join(src, "config.json")):
             out = import_hf(src, a.dst, layout=a.layout, mesh=a.mesh)

@@ -235,8 +235,10 @@ def prestart(mesh: Mapping[str, Any]) -> None:
 def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | None:
     """Run training under ``cfg`` with its output in ``run_dir``; return rank 0's summary
     (None when this process is not rank 0 of a launch it started)."""
+    from meshlm.config import check_checkpoint_dir
     from meshlm.train import check_world, run
 
+    check_checkpoint_dir(cfg.checkpoint.dir)  # before any worker starts: one line, not a worker's traceback
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if in_torchrun() or cfg.mesh.size() == 1:

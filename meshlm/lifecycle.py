@@ -41,13 +41,16 @@ REPEAT_S = 3.0
 
 def resume_path(cfg) -> Optional[str]:
     """The checkpoint directory this run resumes from, or None (local read, no collective)."""
-    from meshlm.checkpoint import latest_checkpoint, resolve_path
+    from meshlm.checkpoint import list_checkpoints, resolve_path, verify_checkpoint
 
     r = cfg.checkpoint.resume
     if r is None:
         return None
-    if r == "auto":
-        return latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    if r == "auto":  # the newest whose files are all there (the resume checks their CRC-32s too)
+        for _step, path in reversed(list_checkpoints(cfg.checkpoint.dir) if cfg.checkpoint.dir else []):
+            if verify_checkpoint(path, crc=False) is None:
+                return path
+        return None
     return resolve_path(str(r))
 
 
@@ -145,7 +148,12 @@ class Lifecycle:
                 "set checkpoint.dir=null"
             ) from None
         self.ckpt = Checkpointer(
-            c, model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_meta={"config": self.cfg.to_dict()}
+            c,
+            model=self.model,
+            optimizer=self.optimizer,
+            mesh=self.mesh,
+            run_meta={"config": self.cfg.to_dict()},
+            say=self._line,
         )
         extra = self.ckpt.resume()
         rid = self.ckpt.run_id

@@ -5,8 +5,9 @@ Private names (``torch._dynamo``, ``torch._C``, ``torch.distributed._functional_
 internals, a DTensor's ``_local_tensor``) move between releases; here each is looked up
 once, with the version differences spelled out, so that a new torch breaks this package
 only.  This module holds the small wrappers; the ``dtensor_*.py`` files the DTensor op rules
-meshlm adds through DTensor's dispatcher (NOTE [private torch] in dtensor_ops.py), each file
-importing only files below it:
+meshlm adds through DTensor's dispatcher (NOTE [private torch] in dtensor_ops.py);
+``dcp_metadata.py`` reads DCP's checkpoint metadata without running code.  Each file imports
+only files below it:
 
     dtensor_ops.py        installs the rules; DTensor dispatcher settings (implicit replication, waited)
     dtensor_views.py      views of a local tensor laid out unlike its global strides, strided unflatten
@@ -15,6 +16,7 @@ importing only files below it:
     dtensor_sdpa.py       CPU flash attention
     dtensor_scalar.py     a Python number read from a DTensor is the global value
     dtensor_base.py       what the rules share (wrap, default, contiguous_stride)
+    dcp_metadata.py       DCP's .metadata pickle through an allow-list; a reader and planner that run no code
 
 ``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside this package names
 a private torch API.

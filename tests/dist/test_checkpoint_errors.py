@@ -121,3 +121,114 @@ def test_good_checkpoint_and_auto(pool2, tmp_path):
     os.makedirs(tmp_path / "run" / ".tmp_step_00000009")
     os.makedirs(tmp_path / "run" / "step_00000010")  # no COMMIT: ignored
     assert latest_checkpoint(str(tmp_path / "run")) == good
+
+
+# --------------------------------------------------------------------------- issue 47: trust and recovery
+class _Payload:
+    """Unpickling this runs a shell command (what a tampered .metadata would do)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_tampered_metadata_is_refused_on_every_rank(pool2, tmp_path):
+    import json
+    import pickle
+    import zlib
+
+    good = pool2.run(_save, str(tmp_path / "good"))[0]
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    data = pickle.dumps(_Payload(str(tmp_path / "PAYLOAD_RAN")))
+    with open(f"{bad}/.metadata", "wb") as fh:
+        fh.write(data)
+    meta = json.load(open(f"{bad}/meta.json"))
+    meta["files"][".metadata"] = {"bytes": len(data), "crc32": zlib.crc32(data)}  # the CRC check passes
+    json.dump(meta, open(f"{bad}/meta.json", "w"))
+    msgs = pool2.run(_try_load, bad)
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
+    assert msgs[0] == msgs[1] and f"{bad}/.metadata refused" in msgs[0], msgs
+
+
+def _save_steps(root, steps):
+    from meshlm.checkpoint import save_checkpoint
+
+    model, opt = _model()
+    x = torch.randint(0, 256, (2, 8))
+    for s in steps:
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        save_checkpoint(root, s, model=model, optimizer=opt, extra={"step": s})
+
+
+def _resume_auto(root):
+    from meshlm.checkpoint import CheckpointConfig, Checkpointer
+
+    model, opt = _model()
+    said = []
+    ck = Checkpointer(CheckpointConfig(dir=root, resume="auto"), model=model, optimizer=opt, say=said.append)
+    return ck.resume()["step"], said, [p for p, _why, _to in ck.skipped]
+
+
+def test_resume_auto_skips_a_damaged_newest_on_every_rank(pool2, tmp_path):
+    root = str(tmp_path / "run")
+    pool2.run(_save_steps, root, [1, 2])
+    truncate(f"{root}/step_00000002")  # rank 1's shard
+    (s0, said0, skipped0), (s1, said1, skipped1) = pool2.run(_resume_auto, root)
+    assert s0 == s1 == 1
+    assert skipped0 == skipped1 == [f"{root}/step_00000002"]
+    assert len(said0) == 1 and "__1_0.distcp" in said0[0] and "truncated" in said0[0] and said1 == [], (said0, said1)
+    assert os.path.isdir(f"{root}/step_00000002.damaged")
+
+
+def _save_with_full_disk_on(root, failing_rank):
+    import contextlib
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from meshlm.errors import CheckpointError
+
+    _save_steps(root, [1])
+    real = FileSystem.create_stream
+
+    class Full:
+        def __init__(self, stream, path):
+            self.stream, self.path = stream, str(path)
+
+        def write(self, _data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @contextlib.contextmanager
+    def full(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield Full(stream, path) if str(path).endswith(".distcp") else stream
+
+    if dist.get_rank() == failing_rank:
+        FileSystem.create_stream = full
+    try:
+        _save_steps(root, [2])
+    except CheckpointError as e:
+        dist.barrier()  # every rank got here: nobody hangs in a collective
+        return str(e)
+    finally:
+        FileSystem.create_stream = real
+    return None
+
+
+def test_disk_full_on_one_rank_stops_every_rank_with_one_line(pool2, tmp_path):
+    root = str(tmp_path / "run")
+    msgs = pool2.run(_save_with_full_disk_on, root, 1)
+    assert msgs[0] is not None and msgs[0] == msgs[1], msgs
+    assert "\n" not in msgs[0] and "No space left on device" in msgs[0] and "__1_0.distcp" in msgs[0], msgs[0]
+    assert "free there" in msgs[0] and "needs about" in msgs[0] and "removed the partial save" in msgs[0], msgs[0]
+    assert sorted(os.listdir(root)) == ["run.json", "step_00000001"] or sorted(os.listdir(root)) == ["step_00000001"]
+    assert pool2.run(_try_load, f"{root}/step_00000001") == [None, None]
