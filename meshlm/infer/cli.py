@@ -306,7 +306,13 @@ def generate_main(argv: list[str]) -> int:
     a = parser().parse_args(argv)
     n = MeshSpec.parse(a.mesh).size if a.mesh else 1
     if n == 1 or in_torchrun() or a.plan:
-        return run(a)
+        import torch.distributed as dist
+
+        try:
+            return run(a)
+        finally:  # leave the process group this process made, whatever happened (as launch does)
+            if dist.is_initialized():
+                dist.destroy_process_group()
     from meshlm.launch import run_workers
 
     run_workers(n, _worker, argv)
