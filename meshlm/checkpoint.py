@@ -33,6 +33,10 @@ writes ``meta.json``, then the ``COMMIT`` marker, fsyncs, and renames the direct
 ``step_*`` directories that hold ``COMMIT``, so a process killed at any moment leaves
 either a complete checkpoint or one that is ignored (and deleted by the next save).
 
+NOTE [one writer per checkpoint directory] (_ckpt_lock.py): a Checkpointer holds
+``<dir>/LOCK`` from ``resume()`` (or its first save) to ``close()``; a second run into the
+directory stops with a CheckpointError naming the holder.
+
 Every failure to load (missing or truncated file, CRC mismatch, a tensor of another
 shape, a missing key) raises :class:`meshlm.errors.CheckpointError` on *every* rank, after
 the ranks have agreed on it, so a bad checkpoint never hangs a job.
@@ -51,6 +55,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from meshlm import _ckpt_lock
 from meshlm import _ckpt_runs as _runs
 from meshlm._ckpt_files import (  # noqa: F401 (re-exported: meshlm.checkpoint is the API)
     _STEP_RE,
@@ -273,6 +278,23 @@ def _jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
+# --------------------------------------------------------------------------- lock
+def lock_dir(root: str, run_dir: Optional[str] = None) -> Optional[_ckpt_lock.DirLock]:
+    """Take ``root``'s lock on rank 0 (collective: every rank calls it, and every rank raises
+    the same CheckpointError when another run holds it); rank 0's lock, None elsewhere
+    (NOTE [one writer per checkpoint directory] in _ckpt_lock.py)."""
+    lock, err = None, None
+    if _rank() == 0:
+        try:
+            lock = _ckpt_lock.acquire(root, run_dir)
+        except CheckpointError as e:
+            err = str(e)
+    err = _bcast(err)
+    if err:
+        raise CheckpointError(err)
+    return lock
+
+
 # --------------------------------------------------------------------------- Checkpointer
 class Checkpointer:
     """What the train loop talks to: ``resume()`` once, ``maybe_save(step, extra)`` every
@@ -280,7 +302,11 @@ class Checkpointer:
 
     ``resume()`` also settles the run id (NOTE [one run per checkpoint directory] in
     _ckpt_runs.py): the resumed checkpoint's, or a new one, and claims ``cfg.dir`` for it;
-    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``)."""
+    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``).
+
+    It holds ``cfg.dir``'s lock from ``resume()`` (or the first save) to ``close()`` (NOTE
+    [one writer per checkpoint directory] in _ckpt_lock.py); ``lock_note`` says, on rank 0,
+    whose dead lock it took over (None when none).  ``run_dir`` is recorded in the lock."""
 
     def __init__(
         self,
@@ -290,8 +316,13 @@ class Checkpointer:
         optimizer: Any = None,
         mesh: Any = None,
         run_meta: Optional[dict] = None,
+        run_dir: Optional[str] = None,
     ):
         self.cfg = cfg
+        self.run_dir = run_dir
+        self.lock: Optional[_ckpt_lock.DirLock] = None  # rank 0's
+        self.locked = False  # on every rank: lock_dir ran
+        self.lock_note: Optional[str] = None
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh
@@ -299,6 +330,19 @@ class Checkpointer:
         self.last_saved: Optional[str] = None
         self.run_id: Optional[str] = None
         self.resumed: Optional[dict] = None
+
+    def _lock(self) -> None:
+        """Take ``cfg.dir``'s lock (collective; once)."""
+        if self.locked or not self.cfg.dir:
+            return
+        self.lock = lock_dir(self.cfg.dir, self.run_dir)
+        self.locked = True
+        self.lock_note = self.lock.took_over_line() if self.lock is not None else None
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        self.lock, self.locked = None, False
 
     def _resume_path(self) -> Optional[str]:
         from meshlm.config import check_resume
@@ -342,16 +386,26 @@ class Checkpointer:
                 err = str(e)
         (self.run_id, self.resumed), err = _bcast((out, err))
         if err:
+            self._unlock()  # this run writes nothing: the next one finds the directory as it was
             raise CheckpointError(err)
 
     def resume(self) -> Optional[dict]:
         """Load the checkpoint ``cfg.resume`` names (``auto``: the latest complete one in
         ``cfg.dir``, None when there is none yet) and return its ``extra`` (with "step")."""
-        path = self._resume_path()
-        self._settle(path)
-        if path is None:
-            return None
-        return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        from meshlm.config import check_resume
+
+        if self.cfg.resume is not None:
+            check_resume(self.cfg.resume)  # a misspelt value creates nothing
+        self._lock()
+        try:
+            path = self._resume_path()
+            self._settle(path)
+            if path is None:
+                return None
+            return load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        except BaseException:
+            self._unlock()
+            raise
 
     def maybe_save(self, step: int, extra: Optional[dict] = None) -> Optional[str]:
         """Save when ``cfg.every`` divides ``step``; return the directory or None."""
@@ -365,6 +419,7 @@ class Checkpointer:
             raise CheckpointError("Checkpointer.save: checkpoint.dir is not set; set checkpoint.dir=PATH")
         extra = dict(extra or {})
         extra.setdefault("step", step)
+        self._lock()
         if self.run_id is None:  # saved without resume(): a run of its own
             self._settle(None)
         self.last_saved = save_checkpoint(
@@ -380,4 +435,5 @@ class Checkpointer:
         return self.last_saved
 
     def close(self) -> None:
-        """Nothing is pending (saves are synchronous); here for symmetry with async saving."""
+        """Let go of ``cfg.dir``'s lock (nothing else is pending: saves are synchronous)."""
+        self._unlock()

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from meshlm import _ckpt_lock
 from meshlm.config import RunConfig
 from meshlm.errors import MeshlmError
 
@@ -191,6 +192,7 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
             # under torchrun once aborted there ("terminate called without an active exception").
             if dist.is_initialized():
                 dist.destroy_process_group()
+            _ckpt_lock.release_all()  # a run that failed leaves checkpoint.dir to the next one
     t0 = time.time()  # the workers' lifecycle.StartupClock
     os.environ["MESHLM_LAUNCH_T0"] = str(t0)
     n = cfg.mesh.size()

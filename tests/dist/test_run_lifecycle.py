@@ -93,7 +93,8 @@ def test_sigterm_saves_and_exits_143_without_a_traceback(preempted):
     got = _losses(preempted["dir"] / "run1")
     last = max(got)
     assert 3 <= last < STEPS and sorted(got) == list(range(1, last + 1))
-    assert preempted["listing"] == ["run.json", f"step_{last:08d}"]
+    assert preempted["listing"] == ["LOCK", "run.json", f"step_{last:08d}"]
+    assert (preempted["ck"] / "LOCK").read_text() == ""  # released (NOTE [one writer per checkpoint directory])
     [line] = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
     assert f"global steps 1-{last} of {STEPS}" in line and f"step_{last:08d}" in line and "exit status 143" in line
     assert f"saved step {last} (stopping on SIGTERM)" in out
