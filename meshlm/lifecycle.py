@@ -261,8 +261,10 @@ class Lifecycle:
             signal.signal(s, h)
         self._old.clear()
 
-    def close(self) -> None:
-        self.restore_signal_handlers()
+    def close(self, handlers: bool = True) -> None:
+        """Release the checkpointer and the lock; ``handlers``: restore the signal handlers too."""
+        if handlers:
+            self.restore_signal_handlers()
         if self.ckpt is not None:
             self.ckpt.close()
         if self.lock is not None:

@@ -282,7 +282,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
     if bar is not None:
         bar.close()
-    life.close()
+    life.close(handlers=False)  # SIGTERM/SIGINT still only set the flag until the end
     if offload is not None:
         offload.close()
     if t.memory_snapshot and device.type == "cuda":
@@ -323,6 +323,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         else:
             print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
+    # only now: a signal during the summary and loss plot (the launcher's agent sends one again when
+    # a second signal interrupts its shutdown) must not kill the process before its line is out
+    life.restore_signal_handlers()
     return summary
 
 
