@@ -154,9 +154,9 @@ class Engine:
                         pass
                 return
             spec = ([j.ids for j in batch], max(j.max_tokens for j in batch), batch[0].sampling, batch[0].stop)
-            if self.ranks > 1:
-                _bcast(spec)
             try:
+                if self.ranks > 1:
+                    _bcast(spec)  # fails at once when the other ranks are gone: so does this batch
                 done = [False] * len(batch)
                 count = [0] * len(batch)
                 for step in decode(self.model, spec, self.compile):

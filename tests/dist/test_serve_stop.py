@@ -2,8 +2,8 @@
 request, on one process and tensor parallel over 2 workers, with one line naming the signal
 and the exit status 128 + its number (NOTE [stopping a server] in meshlm/infer/serve_cli.py);
 its workers end when its launcher is killed outright (NOTE [launcher death] in
-meshlm/watchdog.py).  A tiny GPT-2 of 4096 positions and no end-of-sequence token, so a
-request of 4000 tokens decodes for far longer than a stop may take."""
+meshlm/watchdog.py).  A tiny GPT-2 of 4096 positions and no end-of-sequence token, and 16
+requests of 4000 tokens queued one behind another: far longer than a stop may take."""
 
 from __future__ import annotations
 
@@ -73,9 +73,11 @@ def _serve(d: Path, *args: str) -> tuple[subprocess.Popen, int]:
     raise TimeoutError("meshlm serve did not come up in 180 s")
 
 
-def _long_request(port: int) -> threading.Thread:
-    """A request of 4000 tokens, in a thread, in flight for 3 s (it ends when the server cuts
-    it).  Not streamed: a random model's bytes seldom make whole UTF-8 text to stream."""
+def _long_requests(port: int, n: int = 16) -> list[threading.Thread]:
+    """``n`` requests of 4000 tokens each, each in a thread, queued behind one another (the
+    server decodes one at a time: --max-batch 1), in flight for 3 s: on any machine the last
+    ends long after a stop may take.  Not streamed: a random model's bytes seldom make whole
+    UTF-8 text to stream."""
     body = json.dumps({"prompt": "the quick brown", "max_tokens": 4000, "temperature": 0}).encode()
 
     def post():
@@ -83,16 +85,17 @@ def _long_request(port: int) -> threading.Thread:
             f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
+            with urllib.request.urlopen(req, timeout=300) as r:
                 r.read()
         except OSError:
             pass
 
-    t = threading.Thread(target=post, daemon=True)
-    t.start()
+    threads = [threading.Thread(target=post, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
     time.sleep(3)
-    assert t.is_alive(), "the request ended before the server was stopped"
-    return t
+    assert sum(t.is_alive() for t in threads) > 1, "the requests ended before the server was stopped"
+    return threads
 
 
 def _stopped(p: subprocess.Popen) -> tuple[float, str]:
@@ -111,22 +114,21 @@ def _stopped(p: subprocess.Popen) -> tuple[float, str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_one_process_stops_on_a_signal_during_a_long_request(model_dir, sig):
-    p, port = _serve(model_dir)
-    req = _long_request(port)
+    p, port = _serve(model_dir, "--max-batch", "1")
+    _long_requests(port)
     os.kill(p.pid, sig)
     took, err = _stopped(p)
     assert took < STOP_S, (took, err[-3000:])
     assert p.returncode == 128 + sig, err[-3000:]
     assert f"meshlm serve: stopped by {sig.name}; exit status {128 + sig}" in err
     assert "Traceback" not in err, err[-3000:]
-    req.join(10)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C"])
 def test_tensor_parallel_server_stops_with_its_workers(model_dir, how):
-    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2")
+    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
     assert len(session(p.pid)) >= 3  # the launcher and its 2 workers
-    req = _long_request(port)
+    _long_requests(port)
     sig = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT
     if how == "Ctrl-C":
         os.killpg(p.pid, sig)  # the terminal sends it to every process of the foreground group
@@ -137,12 +139,11 @@ def test_tensor_parallel_server_stops_with_its_workers(model_dir, how):
     assert p.returncode == 128 + sig, err[-3000:]
     assert f"meshlm serve: stopped by {sig.name}; exit status {128 + sig}" in err
     assert "Traceback" not in err, err[-3000:]
-    req.join(10)
 
 
 def test_tensor_parallel_workers_end_with_a_killed_launcher(model_dir):
-    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2")
-    _long_request(port)
+    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
+    _long_requests(port)
     os.kill(p.pid, signal.SIGKILL)
     took, err = _stopped(p)
     assert took < 10, f"workers still running {took:.1f} s after the launcher was killed"
