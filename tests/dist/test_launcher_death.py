@@ -125,14 +125,15 @@ def test_workers_end_with_a_killed_launcher_and_save_nothing_after(tmp_path):
 
 
 def test_two_runs_into_one_checkpoint_directory_one_trains_the_other_stops(tmp_path):
+    # 300 steps: the first to take the lock still trains when the other, started with it, gets there
     ck = tmp_path / "ck"
     runs = [
         _start(
             tmp_path / f"run{i}",
-            "train.steps=40",
+            "train.steps=300",
             f"checkpoint.dir={ck}",
             "checkpoint.resume=auto",
-            "checkpoint.every=5",
+            "checkpoint.every=50",
             "checkpoint.keep=0",
         )
         for i in range(2)
@@ -163,8 +164,8 @@ def test_two_runs_into_one_checkpoint_directory_one_trains_the_other_stops(tmp_p
     assert done[lose] < done[win]  # it stopped at once, while the other one trained
     assert not (tmp_path / f"run{lose}" / "metrics.jsonl").exists()
     # the winner's checkpoints are all there, of its run, whole
-    metas = [json.loads((ck / f"step_{s:08d}" / "meta.json").read_text()) for s in range(5, 41, 5)]
-    assert sorted(os.listdir(ck)) == ["LOCK", "run.json"] + [f"step_{s:08d}" for s in range(5, 41, 5)]
+    metas = [json.loads((ck / f"step_{s:08d}" / "meta.json").read_text()) for s in range(50, 301, 50)]
+    assert sorted(os.listdir(ck)) == ["LOCK", "run.json"] + [f"step_{s:08d}" for s in range(50, 301, 50)]
     assert len({m["run_id"] for m in metas}) == 1
     assert (ck / "LOCK").read_text() == ""  # released at the end
     assert holder.returncode == 0
