@@ -28,8 +28,6 @@ import sys
 import threading
 from typing import Any, Callable
 
-log = logging.getLogger("meshlm")
-
 #: the exit status of a worker whose launcher died (nobody reads it; 128 + SIGHUP's number,
 #: as a shell reports a process its terminal's hang-up ended)
 EXIT_STATUS = 129

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshlm import _ckpt_lock
 from meshlm.checkpoint import CheckpointConfig, Checkpointer
@@ -55,7 +56,7 @@ def test_a_lock_held_by_another_process_refuses_naming_it_and_kill_9_frees_it(tm
         assert "\n" not in msg
         # through the Checkpointer: it refuses before it resumes, cleans or saves anything
         (tmp_path / ".tmp_step_00000004").mkdir()
-        ck = Checkpointer(CheckpointConfig(dir=str(tmp_path), resume="auto"), model=__import__("torch").nn.Linear(1, 1))
+        ck = Checkpointer(CheckpointConfig(dir=str(tmp_path), resume="auto"), model=torch.nn.Linear(1, 1))
         with pytest.raises(CheckpointError, match=f"pid {p.pid}"):
             ck.resume()
         with pytest.raises(CheckpointError, match=f"pid {p.pid}"):
@@ -88,8 +89,6 @@ def test_a_lock_file_naming_a_dead_pid_is_taken_over(tmp_path):
 
 
 def test_the_checkpointer_holds_the_lock_until_close(tmp_path):
-    import torch
-
     ck = Checkpointer(CheckpointConfig(dir=str(tmp_path), resume="auto"), model=torch.nn.Linear(1, 1), run_dir="r1")
     assert ck.resume() is None
     assert json.loads((tmp_path / "LOCK").read_text()) == {**ck.lock.holder, "run_dir": "r1"}
