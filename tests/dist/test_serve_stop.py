@@ -49,7 +49,26 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(d: Path, *args: str) -> tuple[subprocess.Popen, int]:
+@pytest.fixture
+def serve(model_dir):
+    """``serve(*args)``: a server of the tiny model and its port; every process of its session
+    is killed at the end of the test, whatever failed."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, int]:
+        p, port = _serve(model_dir, *args, started=started)
+        return p, port
+
+    yield start
+    for p in started:
+        if session(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def _serve(d: Path, *args: str, started: list) -> tuple[subprocess.Popen, int]:
     port = _port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(
@@ -60,6 +79,7 @@ def _serve(d: Path, *args: str) -> tuple[subprocess.Popen, int]:
         env=env,
         start_new_session=True,
     )
+    started.append(p)
     deadline = time.time() + 180
     while time.time() < deadline:
         assert p.poll() is None, p.communicate()[1][-3000:]
@@ -69,7 +89,6 @@ def _serve(d: Path, *args: str) -> tuple[subprocess.Popen, int]:
                     return p, port
         except OSError:
             time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGKILL)
     raise TimeoutError("meshlm serve did not come up in 180 s")
 
 
@@ -101,20 +120,16 @@ def _long_requests(port: int, n: int = 16) -> list[threading.Thread]:
 def _stopped(p: subprocess.Popen) -> tuple[float, str]:
     """Seconds until every process of the server's session is gone, and its stderr."""
     t0 = time.monotonic()
-    try:
-        p.wait(timeout=60)
-        gone, left = gone_within(p.pid, 60)
-        took = time.monotonic() - t0
-        assert gone, left
-    finally:
-        if session(p.pid):
-            os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    gone, left = gone_within(p.pid, 60)
+    took = time.monotonic() - t0
+    assert gone, left
     return took, p.communicate()[1]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_one_process_stops_on_a_signal_during_a_long_request(model_dir, sig):
-    p, port = _serve(model_dir, "--max-batch", "1")
+def test_one_process_stops_on_a_signal_during_a_long_request(serve, sig):
+    p, port = serve("--max-batch", "1")
     _long_requests(port)
     os.kill(p.pid, sig)
     took, err = _stopped(p)
@@ -125,8 +140,8 @@ def test_one_process_stops_on_a_signal_during_a_long_request(model_dir, sig):
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C"])
-def test_tensor_parallel_server_stops_with_its_workers(model_dir, how):
-    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
+def test_tensor_parallel_server_stops_with_its_workers(serve, how):
+    p, port = serve("--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
     assert len(session(p.pid)) >= 3  # the launcher and its 2 workers
     _long_requests(port)
     sig = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT
@@ -141,8 +156,8 @@ def test_tensor_parallel_server_stops_with_its_workers(model_dir, how):
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_tensor_parallel_workers_end_with_a_killed_launcher(model_dir):
-    p, port = _serve(model_dir, "--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
+def test_tensor_parallel_workers_end_with_a_killed_launcher(serve):
+    p, port = serve("--layout", "tp", "--mesh", "tp=2", "--max-batch", "1")
     _long_requests(port)
     os.kill(p.pid, signal.SIGKILL)
     took, err = _stopped(p)
