@@ -36,6 +36,10 @@ those it takes the newest whose files check out (NOTE [damaged checkpoints]); a 
 cannot write (a full disk) removes its partial directory and stops (NOTE [failed save]).
 Reading a checkpoint runs no code from it (NOTE [trusted checkpoint files] in _ckpt_load.py).
 
+NOTE [one writer per checkpoint directory] (_ckpt_lock.py): a Checkpointer holds
+``<dir>/LOCK`` from ``resume()`` (or its first save) to ``close()``; a second run into the
+directory stops with a CheckpointError naming the holder.
+
 Every failure to load (missing or truncated file, CRC mismatch, a tensor of another
 shape, a missing key) raises :class:`meshlm.errors.CheckpointError` on *every* rank, after
 the ranks have agreed on it, so a bad checkpoint never hangs a job.
@@ -56,6 +60,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from meshlm import _ckpt_lock
 from meshlm import _ckpt_runs as _runs
 from meshlm._ckpt_files import (  # noqa: F401 (re-exported: meshlm.checkpoint is the API)
     _STEP_RE,
@@ -383,6 +388,23 @@ def _jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
+# --------------------------------------------------------------------------- lock
+def lock_dir(root: str, run_dir: Optional[str] = None) -> Optional[_ckpt_lock.DirLock]:
+    """Take ``root``'s lock on rank 0 (collective: every rank calls it, and every rank raises
+    the same CheckpointError when another run holds it); rank 0's lock, None elsewhere
+    (NOTE [one writer per checkpoint directory] in _ckpt_lock.py)."""
+    lock, err = None, None
+    if _rank() == 0:
+        try:
+            lock = _ckpt_lock.acquire(root, run_dir)
+        except CheckpointError as e:
+            err = str(e)
+    err = _bcast(err)
+    if err:
+        raise CheckpointError(err)
+    return lock
+
+
 # --------------------------------------------------------------------------- Checkpointer
 def _stderr(line: str) -> None:
     print(f"meshlm: {line}", file=sys.stderr, flush=True)
@@ -402,7 +424,11 @@ class Checkpointer:
 
     ``resume()`` also settles the run id (NOTE [one run per checkpoint directory] in
     _ckpt_runs.py): the resumed checkpoint's, or a new one, and claims ``cfg.dir`` for it;
-    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``)."""
+    ``resumed`` is then the meta.json of the checkpoint resumed from (with its ``path``).
+
+    It holds ``cfg.dir``'s lock from ``resume()`` (or the first save) to ``close()`` (NOTE
+    [one writer per checkpoint directory] in _ckpt_lock.py); ``lock_note`` says, on rank 0,
+    whose dead lock it took over (None when none).  ``run_dir`` is recorded in the lock."""
 
     def __init__(
         self,
@@ -413,8 +439,13 @@ class Checkpointer:
         mesh: Any = None,
         run_meta: Optional[dict] = None,
         say: Callable[[str], None] = _stderr,
+        run_dir: Optional[str] = None,
     ):
         self.cfg = cfg
+        self.run_dir = run_dir
+        self.lock: Optional[_ckpt_lock.DirLock] = None  # rank 0's
+        self.locked = False  # on every rank: lock_dir ran
+        self.lock_note: Optional[str] = None
         self.model = model
         self.optimizer = optimizer
         self.mesh = mesh
@@ -425,6 +456,19 @@ class Checkpointer:
         self.resumed: Optional[dict] = None
         self.skipped: list[tuple[str, str, str]] = []  # (damaged checkpoint, why, where it was set aside)
         self._checked: Optional[str] = None  # the checkpoint check_checkpoint passed (auto)
+
+    def _lock(self) -> None:
+        """Take ``cfg.dir``'s lock (collective; once)."""
+        if self.locked or not self.cfg.dir:
+            return
+        self.lock = lock_dir(self.cfg.dir, self.run_dir)
+        self.locked = True
+        self.lock_note = self.lock.took_over_line() if self.lock is not None else None
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        self.lock, self.locked = None, False
 
     def _resume_path(self) -> Optional[str]:
         from meshlm.config import check_resume
@@ -513,17 +557,27 @@ class Checkpointer:
                 err = str(e)
         (self.run_id, self.resumed), err = _bcast((out, err))
         if err:
+            self._unlock()  # this run writes nothing: the next one finds the directory as it was
             raise CheckpointError(err)
 
     def resume(self) -> Optional[dict]:
         """Load the checkpoint ``cfg.resume`` names (``auto``: the latest complete one in
         ``cfg.dir``, None when there is none yet) and return its ``extra`` (with "step")."""
-        path = self._resume_path()
-        self._settle(path)
-        if path is None:
-            return None
-        verified = path == self._checked  # checked just now (auto): not checksummed twice
-        return load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=not verified)
+        from meshlm.config import check_resume
+
+        if self.cfg.resume is not None:
+            check_resume(self.cfg.resume)  # a misspelt value creates nothing (not even the lock)
+        self._lock()
+        try:
+            path = self._resume_path()
+            self._settle(path)
+            if path is None:
+                return None
+            verified = path == self._checked  # checked just now (auto): not checksummed twice
+            return load_checkpoint(path, model=self.model, optimizer=self.optimizer, verify=not verified)
+        except BaseException:
+            self._unlock()
+            raise
 
     def maybe_save(self, step: int, extra: Optional[dict] = None) -> Optional[str]:
         """Save when ``cfg.every`` divides ``step``; return the directory or None."""
@@ -537,6 +591,7 @@ class Checkpointer:
             raise CheckpointError("Checkpointer.save: checkpoint.dir is not set; set checkpoint.dir=PATH")
         extra = dict(extra or {})
         extra.setdefault("step", step)
+        self._lock()
         if self.run_id is None:  # saved without resume(): a run of its own
             self._settle(None)
         self.last_saved = save_checkpoint(
@@ -552,4 +607,5 @@ class Checkpointer:
         return self.last_saved
 
     def close(self) -> None:
-        """Nothing is pending (saves are synchronous); here for symmetry with async saving."""
+        """Let go of ``cfg.dir``'s lock (nothing else is pending: saves are synchronous)."""
+        self._unlock()

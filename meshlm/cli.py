@@ -119,8 +119,8 @@ def _exit_if_stopped(summary) -> None:
     name = (summary or {}).get("stopped_by")
     if not name:
         return
-    if "global_step" not in summary:  # stopped before a worker reached its first step: nothing said it yet
-        print(f"meshlm train: stopped by {name} before the first step; nothing saved", file=sys.stderr, flush=True)
+    if summary.get("stop_line"):  # the workers did not stop on it, so rank 0 said nothing (meshlm.launch.stop_line)
+        print(f"meshlm train: {summary['stop_line']}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.exit(128 + int(getattr(signal, name)))
 

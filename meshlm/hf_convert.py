@@ -64,7 +64,10 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
     model = load_hf(path, layout if world > 1 or mesh else "single", m)
     # a run of its own (step 0): `meshlm train checkpoint.dir=OUT checkpoint.resume=auto` continues it
     ck = Checkpointer(CheckpointConfig(dir=out, keep=0), model=model, run_meta={"converted_from": _strip(path)})
-    return ck.save(0, {"step": 0, "init_from": f"hf:{_strip(path)}"})
+    try:
+        return ck.save(0, {"step": 0, "init_from": f"hf:{_strip(path)}"})
+    finally:
+        ck.close()  # lets go of OUT's lock (NOTE [one writer per checkpoint directory])
 
 
 def convert_main(argv: list[str]) -> int:

@@ -6,7 +6,8 @@
   ``torchrun --standalone --nproc-per-node N`` would (c10d rendezvous on a free local
   port, no restarts).  When a worker fails, the agent stops the others at once and this
   process raises :class:`JobFailedError` carrying the root cause (the first failure,
-  from the worker's error file), so it is reported once.
+  from the worker's error file), so it is reported once.  A worker also ends when this
+  process is killed outright (NOTE [launcher death] in meshlm/watchdog.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from meshlm import _ckpt_lock
 from meshlm.config import RunConfig
 from meshlm.errors import MeshError, MeshlmError
 
@@ -254,34 +256,68 @@ def launch(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any] | Non
             # under torchrun once aborted there ("terminate called without an active exception").
             if dist.is_initialized():
                 dist.destroy_process_group()
+            _ckpt_lock.release_all()  # a run that failed leaves checkpoint.dir to the next one
     n = cfg.mesh.size()
     check_local(n, f"mesh {cfg.mesh}")  # before any process starts (NOTE [local process limit])
     t0 = time.time()  # the workers' lifecycle.StartupClock
     os.environ["MESHLM_LAUNCH_T0"] = str(t0)
     check_world(cfg, n)
-    from torch.distributed.elastic.multiprocessing import SignalException
-
     from meshlm.train import worker
 
-    try:
-        run_workers(n, worker, cfg, str(run_dir), t0)
-    except SignalException as e:
+    stopped = run_workers(n, worker, cfg, str(run_dir), t0)
+    p = run_dir / "summary.json"
+    if stopped is not None:
         # SIGTERM/SIGINT to this process: the agent has passed it on to the workers and waited
         # for them to save and stop (NOTE [stopping on a signal] in meshlm/lifecycle.py)
-        p = run_dir / "summary.json"
         out = json.loads(p.read_text()) if p.exists() else {}
-        out["stopped_by"] = out.get("stopped_by") or signal.Signals(e.sigval).name
+        if not out.get("stopped_by"):  # the workers did not stop on it (rank 0 said nothing): say it here
+            out["stopped_by"] = signal.Signals(stopped).name
+            out["stop_line"] = stop_line(cfg, run_dir, out, stopped)
         return out
-    p = run_dir / "summary.json"
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def run_workers(n: int, fn: Any, *args: Any) -> None:
+def stop_line(cfg: RunConfig, run_dir: Path, summary: Mapping[str, Any], signum: int) -> str:
+    """What a run that ``signum`` stopped did, when its workers did not say it themselves
+    (stopped before their loop, or by a repeated signal at once): the steps done (its
+    metrics), the latest checkpoint in ``checkpoint.dir``, the exit status."""
+    name = signal.Signals(signum).name
+    if "global_step" in summary:
+        done = f"after its last step ({summary['global_step']} of {cfg.train.steps})"
+    else:
+        steps = []
+        m = run_dir / "metrics.jsonl"
+        for line in m.read_text().splitlines() if m.exists() else []:
+            with contextlib.suppress(ValueError):
+                steps.append(int(json.loads(line).get("step") or 0))
+        done = f"at global step {max(steps)} of {cfg.train.steps}" if steps else "before the first step"
+    c = cfg.checkpoint
+    if not c.dir:
+        saved = "no checkpoint saved (checkpoint.dir is not set)"
+    else:
+        from meshlm.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(c.dir)
+        saved = (
+            f"latest checkpoint {latest}; continue with checkpoint.dir={c.dir} checkpoint.resume=auto"
+            if latest
+            else f"no checkpoint in checkpoint.dir={c.dir}"
+        )
+    return f"stopped by {name} {done}; {saved}; exit status {128 + signum}"
+
+
+def run_workers(n: int, fn: Any, *args: Any) -> "int | None":
     """``fn(*args)`` in ``n`` worker processes started as ``torchrun --standalone
     --nproc-per-node n`` would; a worker's failure raises :class:`JobFailedError` with the
-    root cause (``fn`` must be importable: the workers import it by name)."""
+    root cause (``fn`` must be importable: the workers import it by name).  Returns None,
+    or the signal (SIGTERM, SIGINT, ...) that stopped this process, after the agent passed
+    it on to the workers and waited for them to stop.  Each worker ends with this process,
+    however it dies (NOTE [launcher death] in meshlm/watchdog.py)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from meshlm.watchdog import watched
 
     # The agent logs every failure and stack at ERROR level; we report the root cause once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -304,6 +340,37 @@ def run_workers(n: int, fn: Any, *args: Any) -> None:
     )
     try:
         with _worker_threads(n):
-            elastic_launch(lc, fn)(*args)
+            elastic_launch(lc, watched)(fn, *args)
     except ChildFailedError as e:
         raise JobFailedError(_root_cause(e)) from None
+    except SignalException as e:
+        first = e
+        while isinstance(first.__context__, SignalException):
+            first = first.__context__
+        if first is not e:
+            # a second signal cut the agent's wait for the workers short: they may be saving
+            _see_workers_out()
+        return int(first.sigval)
+    return None
+
+
+def _see_workers_out(timeout: float = 30.0) -> None:
+    """Wait for the workers still running (they are saving) to end, ignoring further
+    SIGTERM/SIGINT meanwhile; after ``timeout`` seconds (the agent's own), kill them.
+    Returning at once would leave them to their watchdog (NOTE [launcher death] in
+    meshlm/watchdog.py), which stops them mid-save."""
+    import multiprocessing
+
+    procs = [p for p in multiprocessing.active_children() if p.is_alive()]
+    old = {s: signal.signal(s, lambda _signum, _frame: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -54,6 +54,22 @@ def resume_path(cfg) -> Optional[str]:
     return resolve_path(str(r))
 
 
+def lock_checkpoint_dir(cfg, run_dir) -> Any:
+    """Take ``checkpoint.dir``'s lock before anything reads or writes it (collective; NOTE
+    [one writer per checkpoint directory] in meshlm/_ckpt_lock.py): rank 0's hold, or None
+    (another rank, or no checkpoint.dir).  A second run into the directory stops here."""
+    if not cfg.checkpoint.dir:
+        return None
+    from meshlm.checkpoint import lock_dir
+
+    lock = lock_dir(cfg.checkpoint.dir, str(run_dir))
+    note = lock.took_over_line() if lock is not None else None
+    if note:
+        log.warning(note)
+        print(f"meshlm train: {note}", flush=True)
+    return lock
+
+
 # The shipped reference models, by the class name a checkpoint's meta.json records
 _REFERENCE_TARGETS = {"Llama": "meshlm.models.llama_model", "GPT2": "meshlm.models.gpt2_model"}
 
@@ -118,6 +134,8 @@ class Lifecycle:
         mesh_label: str,
         device: torch.device,
         say: Callable[[str], None] = print,
+        lock: Any = None,
+        run_dir: Optional[str] = None,
     ):
         self.cfg = cfg
         self.model, self.optimizer, self.mesh = model, optimizer, mesh
@@ -132,6 +150,8 @@ class Lifecycle:
         self._got: Optional[int] = None
         self._got_at = 0.0
         self._old: dict[int, Any] = {}
+        self.lock = lock  # rank 0's hold on checkpoint.dir (lock_checkpoint_dir), released by close()
+        self.run_dir = run_dir
 
     # ------------------------------------------------------------------ resume
     def resume(self, loader, scaler) -> int:
@@ -154,6 +174,7 @@ class Lifecycle:
             mesh=self.mesh,
             run_meta={"config": self.cfg.to_dict()},
             say=self._line,
+            run_dir=self.run_dir,
         )
         extra = self.ckpt.resume()
         rid = self.ckpt.run_id
@@ -244,10 +265,15 @@ class Lifecycle:
             signal.signal(s, h)
         self._old.clear()
 
-    def close(self) -> None:
-        self.restore_signal_handlers()
+    def close(self, handlers: bool = True) -> None:
+        """Release the checkpointer and the lock; ``handlers``: restore the signal handlers too."""
+        if handlers:
+            self.restore_signal_handlers()
         if self.ckpt is not None:
             self.ckpt.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ------------------------------------------------------------------ lines
     def steps_line(self, last: int, total: int) -> str:

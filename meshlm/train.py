@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 import meshlm.compile  # noqa: F401  (compile_blocks, referenced as meshlm.compile)
+from meshlm import _ckpt_lock, lifecycle
 from meshlm import _torch_compat as compat
-from meshlm import lifecycle
 from meshlm import train_setup as setup
 from meshlm.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.train's API)
 from meshlm.config import RunConfig, check_batch
@@ -73,6 +73,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     is_main = rank == 0
     clock.mark("process_group")
     setup.logging_to(run_dir, rank)
+    # one run writes a checkpoint directory: a second one stops here, before building anything
+    ckpt_lock = lifecycle.lock_checkpoint_dir(cfg, run_dir)
     # offload tiers (NOTE [offload tiers] in meshlm/offload/__init__.py), checked before any step; made before
     # the model, since a disk tier sets how freed memory goes back to the system (offload.runtime.return_freed_memory)
     offload = open_offload(cfg, layout, run_dir, rank)
@@ -125,7 +127,15 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/lifecycle.py)
     life = lifecycle.Lifecycle(
-        cfg, model=model, optimizer=opt, mesh=mesh, layout_label=layout.name, mesh_label=str(cfg.mesh), device=device
+        cfg,
+        model=model,
+        optimizer=opt,
+        mesh=mesh,
+        layout_label=layout.name,
+        mesh_label=str(cfg.mesh),
+        device=device,
+        lock=ckpt_lock,
+        run_dir=str(run_dir),
     )
     start = life.resume(loader, scaler)
     clock.mark("build")
@@ -273,7 +283,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             break  # SIGTERM/SIGINT: saved (NOTE [stopping on a signal] in meshlm/lifecycle.py)
     if bar is not None:
         bar.close()
-    life.close()
+    life.close(handlers=False)  # SIGTERM/SIGINT still only set the flag until the end
     if offload is not None:
         offload.close()
     if t.memory_snapshot and device.type == "cuda":
@@ -314,6 +324,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         else:
             print(done_line(summary, life.steps_line(step, t.steps), run_dir), flush=True)
     log.info("summary: %s", json.dumps(summary))
+    # only now: a signal during the summary and loss plot (the launcher's agent sends one again when
+    # a second signal interrupts its shutdown) must not kill the process before its line is out
+    life.restore_signal_handlers()
     return summary
 
 
@@ -337,6 +350,7 @@ def worker(cfg: RunConfig, run_dir: str, launch_t0: Optional[float] = None) -> N
 
         ErrorHandler().record_exception(e)
         sys.stdout.flush()
+        _ckpt_lock.release_all()  # os._exit would leave LOCK naming this process
         if "meshlm.offload.store" in sys.modules:  # os._exit skips atexit: remove this rank's swap files
             sys.modules["meshlm.offload.store"].close_all()
         os._exit(1)  # skip atexit/PG teardown, which could wait on ranks that are gone

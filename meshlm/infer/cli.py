@@ -294,6 +294,13 @@ def _generate(a, model, tok, prompts, ids, stops, sampling, out, inputs=None) ->
         out.flush()
 
 
+def stopped_line(cmd: str, signum: int) -> str:
+    """What ``meshlm generate``/``serve`` says when SIGTERM or SIGINT stopped it."""
+    import signal
+
+    return f"meshlm {cmd}: stopped by {signal.Signals(signum).name}; exit status {128 + signum}"
+
+
 def _worker(argv: list[str]) -> int:
     """One rank (its failure is reported once, by the launching process)."""
     return run(parser().parse_args(argv))
@@ -315,5 +322,8 @@ def generate_main(argv: list[str]) -> int:
                 dist.destroy_process_group()
     from meshlm.launch import run_workers
 
-    run_workers(n, _worker, argv)
+    stopped = run_workers(n, _worker, argv)
+    if stopped is not None:  # SIGTERM/SIGINT: the agent passed it on and the workers stopped
+        print(stopped_line("generate", stopped), file=sys.stderr, flush=True)
+        return 128 + stopped
     return 0

@@ -14,6 +14,13 @@ NOTE [serving loop]
     serves HTTP and, before each batch, broadcasts it (prompts and options) to the other
     ranks, which wait in :func:`follow` and decode along; an empty broadcast stops them.
 
+    Stopping (NOTE [stopping a server] in serve_cli.py): :meth:`Engine.stop` ends the batch
+    being decoded at its next token on one process, failing its requests, and every waiting
+    request (a layout over several processes decodes in lockstep with rank 0, so there the
+    batch runs to its end unless the other ranks are gone, which fails it at once).  Tokens
+    reach the handlers through the event loop (``call_soon_threadsafe``), never through a
+    thread blocked on a queue, so no executor thread outlives a cancelled request.
+
     A request that cannot be served is refused before it reaches the engine, with a 4xx and
     the reason (malformed JSON or a field of the wrong type: 422; an unknown field, a value out
     of range, a prompt longer than the model's context: 400); the server stays up.  An error
@@ -46,7 +53,27 @@ class Job:
     max_tokens: int
     sampling: Sampling
     stop: tuple[int, ...]
-    out: "queue.Queue[Any]" = field(default_factory=queue.Queue)  # token ids, then None (or an Exception)
+    out: Any = field(default_factory=queue.Queue)  # token ids, then None (or an Exception): a queue.Queue or _LoopQueue
+
+
+class _LoopQueue:
+    """Where the engine's thread puts a request's tokens for its handler on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.q = loop, asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody waits for it
+            pass
+
+    async def get(self) -> Any:
+        return await self.q.get()
+
+
+class Stopped(RuntimeError):
+    """The server stopped before this request was done."""
 
 
 def _bcast(obj: Any) -> Any:
@@ -64,6 +91,7 @@ class Engine:
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.ranks = dist.get_world_size() if dist.is_initialized() else 1
         self.batches = 0
+        self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
         self.thread.start()
 
@@ -72,8 +100,27 @@ class Engine:
         return job
 
     def close(self) -> None:
+        """Serve every request submitted, then end the engine (and the other ranks' ``follow``)."""
         self.jobs.put(None)
         self.thread.join()
+
+    def stop(self, timeout: float) -> bool:
+        """End now (NOTE [serving loop]): the requests not done fail with :class:`Stopped`;
+        True when the engine has ended within ``timeout`` seconds (0: do not wait)."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            self.jobs.put(None)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                j = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if j is not None:
+                j.out.put(Stopped("the server is shutting down"))
 
     def _take(self) -> Optional[list[Job]]:
         first = self.jobs.get()
@@ -97,18 +144,24 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            batch = self._take()
+            batch = None if self._stopping.is_set() else self._take()
             if batch is None:
+                self._fail_waiting()
                 if self.ranks > 1:
-                    _bcast(None)
+                    try:
+                        _bcast(None)
+                    except Exception:  # noqa: BLE001 - the other ranks are gone already
+                        pass
                 return
             spec = ([j.ids for j in batch], max(j.max_tokens for j in batch), batch[0].sampling, batch[0].stop)
-            if self.ranks > 1:
-                _bcast(spec)
             try:
+                if self.ranks > 1:
+                    _bcast(spec)  # fails at once when the other ranks are gone: so does this batch
                 done = [False] * len(batch)
                 count = [0] * len(batch)
                 for step in decode(self.model, spec, self.compile):
+                    if self._stopping.is_set() and self.ranks == 1:
+                        raise Stopped("the server is shutting down")
                     for i, t in step:
                         if done[i]:
                             continue
@@ -192,9 +245,8 @@ def app(engine: Engine, tok: Any, name: str, default_stop: tuple[int, ...] = (),
         return JSONResponse({"error": {"message": msg, "type": "invalid_request_error"}}, status_code=status)
 
     async def tokens(job: Job):
-        loop = asyncio.get_running_loop()
         while True:
-            t = await loop.run_in_executor(None, job.out.get)
+            t = await job.out.get()
             if t is None:
                 return
             if isinstance(t, Exception):
@@ -223,7 +275,9 @@ def app(engine: Engine, tok: Any, name: str, default_stop: tuple[int, ...] = (),
         except ConfigError as e:
             return error(400, str(e))
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        loop = asyncio.get_running_loop()
         for j in jobs:
+            j.out = _LoopQueue(loop)
             engine.submit(j)
 
         def chunk(i: int, t: str, finish: Optional[str]) -> dict:

@@ -76,7 +76,7 @@ def test_sigkill_during_save_resumes_exactly(tmp_path, reference):
     _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"]), 0)
     _assert_same_curve(log, reference)
     assert _losses(log).keys() == reference.keys()
-    assert sorted(os.listdir(ck)) == ["run.json", "step_00000006", "step_00000008"]  # keep=2, torn dir removed
+    assert sorted(os.listdir(ck)) == ["LOCK", "run.json", "step_00000006", "step_00000008"]  # keep=2, torn dir removed
 
 
 def test_sigkill_at_random_moment_resumes_exactly(tmp_path, reference):

@@ -33,7 +33,9 @@ def _env() -> dict[str, str]:
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides,
+    keys = {o.split("=", 1)[0] for o in overrides}
+    run = [a for a in RUN if a.split("=", 1)[0] not in keys]
+    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *run, *overrides,
                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -93,13 +95,41 @@ def test_sigterm_saves_and_exits_143_without_a_traceback(preempted):
     got = _losses(preempted["dir"] / "run1")
     last = max(got)
     assert 3 <= last < STEPS and sorted(got) == list(range(1, last + 1))
-    assert preempted["listing"] == ["run.json", f"step_{last:08d}"]
+    assert preempted["listing"] == ["LOCK", "run.json", f"step_{last:08d}"]
+    assert (preempted["ck"] / "LOCK").read_text() == ""  # released (NOTE [one writer per checkpoint directory])
     [line] = [ln for ln in out.splitlines() if "stopped by SIGTERM" in ln]
     assert f"global steps 1-{last} of {STEPS}" in line and f"step_{last:08d}" in line and "exit status 143" in line
     assert f"saved step {last} (stopping on SIGTERM)" in out
     # the job is gone well within a scheduler's grace period before SIGKILL (Kubernetes: 30 s);
     # the workers do not wait for the shutting-down agent to read their return values
     assert preempted["stop_s"] < 15, preempted["stop_s"]
+
+
+def test_ctrl_c_then_sigterm_waits_for_the_save_and_says_what_happened(tmp_path):
+    """SIGINT to the launcher, then SIGTERM while the workers save: the launcher waits for
+    them (it passes the repeat on; a worker reads one within 3 s as the same request), and
+    its exit status and the one line printed name the signal the run stopped on (here the
+    second signal used to cut the launcher's wait short: it exited 143 saying "before the
+    first step; nothing saved" while rank 0 went on to save and print SIGINT and 130)."""
+    ck = tmp_path / "ck"
+    p = _start(tmp_path / "run", f"checkpoint.dir={ck}", "train.steps=100000")
+    deadline = time.time() + 240
+    m = tmp_path / "run" / "metrics.jsonl"
+    while p.poll() is None and time.time() < deadline and not (m.exists() and len(m.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    os.kill(p.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGTERM)
+    rc, out, err = _finish(p, timeout=120)
+    last = max(_losses(tmp_path / "run"))
+    assert rc == 130, (out[-2000:], err[-3000:])
+    lines = [ln for ln in (out + err).splitlines() if "stopped by" in ln]
+    assert len(lines) == 1, (out[-2000:], err[-3000:])
+    line = lines[0]
+    assert "stopped by SIGINT after" in line and f"step_{last:08d}" in line and "exit status 130" in line, line
+    assert "nothing saved" not in err and "Traceback" not in err, err[-3000:]
+    assert sorted(os.listdir(ck)) == ["LOCK", "run.json", f"step_{last:08d}"]
 
 
 def test_resume_after_sigterm_equals_the_uninterrupted_curve(preempted):
