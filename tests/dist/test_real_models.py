@@ -178,13 +178,20 @@ def build_moe(device: str, seed: int) -> nn.Module:
 
 @dataclass(frozen=True)
 class Gated:
-    """Step 1: no row gated (``alt`` and ``extra`` unused everywhere); step 2: the blocks'
-    gate on the first half of the rows only (data-parallel rank 0's on two ranks), and the
-    root's too where ``root_per_rank`` (else on no row); step 3: every row.  Targets: the first
-    micro-batch of each step counts 2 per row, the second all but one (16 and 56 of 64).
+    """Which rows take the data-dependent branches (``alt`` in the blocks, ``extra`` at the
+    root), step by step, on two data-parallel ranks (rows split in halves):
 
-    ``root_per_rank=False`` for the ZeRO-3 layouts, which gather a parameter outside blocks
-    at its use, so that it must be used on every rank or on none (NOTE [unused parameters])."""
+    - step 1: the first half in the first micro-batch, the second half in the second: each
+      rank uses them in one micro-batch and not in the other, so they are used;
+    - step 2: the first half only (rank 0's) in both micro-batches: used on one rank only, so
+      used; the root's gate likewise where ``root_per_rank``, else on no row;
+    - step 3: no row: unused everywhere, after two steps that used them (AdamW's moments
+      and weight decay, SGD's momentum would move them if they were stepped).
+
+    Targets: the first micro-batch of each step counts 2 per row, the second all but one (16
+    and 56 of 64).  ``root_per_rank=False`` for the ZeRO-3 layouts, which gather a parameter
+    outside blocks at its use, so that it must be used on every rank or on none (NOTE [unused
+    parameters]): there the root's gate is on every row in step 1 and on none after."""
 
     root_per_rank: bool = True
 
@@ -192,12 +199,13 @@ class Gated:
         gen = torch.Generator().manual_seed(100 * step + micro)
         tokens = torch.randint(VOCAB // 4, VOCAB, (BATCH, SEQ), generator=gen)
         low = torch.randint(0, VOCAB // 4, (BATCH, 2), generator=gen)
-        if step == 2:
-            tokens[: BATCH // 2, 0] = low[: BATCH // 2, 0]
+        half = slice(BATCH // 2, BATCH) if step == 1 and micro == 1 else slice(0, BATCH // 2)
+        if step <= 2:
+            tokens[half, 0] = low[half, 0]
             if self.root_per_rank:
-                tokens[: BATCH // 2, 1] = low[: BATCH // 2, 1]
-        elif step == 3:
-            tokens[:, :2] = low
+                tokens[half, 1] = low[half, 1]
+            elif step == 1:
+                tokens[:, 1] = low[:, 1]
         targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         if micro == 0:
             targets[:, 2:] = -100

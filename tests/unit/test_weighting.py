@@ -105,3 +105,23 @@ def test_rescale_a_plain_optimizers_gradients():
     assert torch.equal(p.grad, torch.full((3,), 0.5))
     rescale(1.0, opt)
     assert torch.equal(p.grad, torch.full((3,), 0.5))
+
+
+def test_rescale_a_sharded_optimizer_through_its_reduced_gradients():
+    """A ShardedOptimizer's gradients are rescaled after its reduction (ZeRO's masters have
+    none before it), by its own ``scale_grads`` (main and offloaded gradients included)."""
+    calls = []
+
+    class Sharded:
+        param_groups: list = []  # a plain optimizer's path would scale nothing here
+
+        def reduce_grads(self):
+            calls.append("reduce")
+
+        def scale_grads(self, factor):
+            calls.append(factor)
+
+    rescale(0.5, Sharded())
+    assert calls == ["reduce", 0.5]
+    rescale(1.0, Sharded())
+    assert calls == ["reduce", 0.5]
