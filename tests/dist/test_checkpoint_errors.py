@@ -187,40 +187,19 @@ def test_resume_auto_skips_a_damaged_newest_on_every_rank(pool2, tmp_path):
 
 def _save_with_full_disk_on(root, failing_rank):
     import contextlib
-    import errno
 
     import torch.distributed as dist
-    from torch.distributed.checkpoint.filesystem import FileSystem
 
     from meshlm.errors import CheckpointError
+    from meshlm.testing.faults import full_disk
 
     _save_steps(root, [1])
-    real = FileSystem.create_stream
-
-    class Full:
-        def __init__(self, stream, path):
-            self.stream, self.path = stream, str(path)
-
-        def write(self, _data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
-
-        def __getattr__(self, name):
-            return getattr(self.stream, name)
-
-    @contextlib.contextmanager
-    def full(self, path, mode):
-        with real(self, path, mode) as stream:
-            yield Full(stream, path) if str(path).endswith(".distcp") else stream
-
-    if dist.get_rank() == failing_rank:
-        FileSystem.create_stream = full
     try:
-        _save_steps(root, [2])
+        with full_disk() if dist.get_rank() == failing_rank else contextlib.nullcontext():
+            _save_steps(root, [2])
     except CheckpointError as e:
         dist.barrier()  # every rank got here: nobody hangs in a collective
         return str(e)
-    finally:
-        FileSystem.create_stream = real
     return None
 
 

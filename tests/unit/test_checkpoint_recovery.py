@@ -7,16 +7,15 @@ file handling (tests/dist/test_checkpoint_errors.py runs them on two ranks)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from meshlm.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.testing.faults import full_disk
 
 
 def _model(seed: int) -> torch.nn.Linear:
@@ -89,28 +88,6 @@ def test_resuming_an_older_step_says_how_to_proceed(tmp_path):
 
 
 # --------------------------------------------------------------------------- disk full
-_create_stream = FileSystem.create_stream
-
-
-class _FullDisk:
-    """A stream whose writes fail as on a full disk."""
-
-    def __init__(self, stream, path):
-        self.stream, self.path = stream, str(path)
-
-    def write(self, _data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-@contextlib.contextmanager
-def _full_for_shards(self, path, mode):
-    with _create_stream(self, path, mode) as stream:
-        yield _FullDisk(stream, path) if str(path).endswith(".distcp") else stream
-
-
 def _assert_failed_save(msg: str, root, step: int) -> None:
     assert "\n" not in msg, msg
     assert f"checkpoint.dir={str(root)!r}" in msg and f"saving step {step}" in msg, msg
@@ -122,8 +99,7 @@ def _assert_failed_save(msg: str, root, step: int) -> None:
 def test_disk_full_while_writing_shards(tmp_path, monkeypatch):
     ck = _run(tmp_path, range(1, 5))  # steps 2, 4
     before = {p: sorted(os.listdir(p)) for _s, p in list_checkpoints(str(tmp_path))}
-    monkeypatch.setattr(FileSystem, "create_stream", _full_for_shards)
-    with pytest.raises(CheckpointError) as e:
+    with full_disk(), pytest.raises(CheckpointError) as e:
         ck.maybe_save(6, {"step": 6})
     _assert_failed_save(str(e.value), tmp_path, 6)
     assert "the checkpoint needs about" in str(e.value)
@@ -169,8 +145,8 @@ def _errors(err: str) -> list[str]:
 def test_meshlm_train_exits_with_one_line_when_the_disk_fills(tmp_path, monkeypatch, capsys):
     ckdir = tmp_path / "ck"
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(FileSystem, "create_stream", _full_for_shards)
-    rc = _train("train.steps=2", f"checkpoint.dir={ckdir}", "checkpoint.every=1")
+    with full_disk():
+        rc = _train("train.steps=2", f"checkpoint.dir={ckdir}", "checkpoint.every=1")
     lines = _errors(capsys.readouterr().err)
     assert rc == 1 and len(lines) == 1, lines
     _assert_failed_save(lines[0].split("error: ", 1)[1], ckdir, 1)
