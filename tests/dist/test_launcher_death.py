@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from test_run_lifecycle import _env  # the environment of a meshlm command run from this checkout
+
 REPO = Path(__file__).resolve().parents[2]
 RUN = [
     "model=llama_tiny",
@@ -30,14 +32,6 @@ RUN = [
     "train.pg_timeout_s=60",
     "train.log_every=1",
 ]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
 
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
