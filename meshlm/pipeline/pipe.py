@@ -204,11 +204,14 @@ class Pipeline:
         if compat.fake_mode_active():
             c = 1.0 / self.microbatches
         else:
-            j = int(target.reshape(-1)[0])
-            w = self.mbs.weights[j]
-            c = self._acc.add(None if w is None else weighting.number(w), float(self.mbs.losses[j]))
+            c = self._weigh(int(target.reshape(-1)[0]))
         m = out.sum() * c
         return self._scale(m) if self._scale is not None else m
+
+    def _weigh(self, j: int) -> float:
+        """Micro-batch ``j``'s loss into this step's weighting; its coefficient."""
+        w = self.mbs.weights[j]
+        return self._acc.add(None if w is None else weighting.number(w), float(self.mbs.losses[j]))
 
     # ------------------------------------------------------------------ a step
     def begin(self, inputs: list) -> None:
@@ -322,9 +325,8 @@ class Pipeline:
                     h = here[s](args[0]) if s == 0 else here[s](h)
                     if s < n - 1 and self.cut.ranks[s + 1] != rank:
                         dist.send(h, dst=dist.get_global_rank(self.group, self.cut.ranks[s + 1]), group=self.group)
-            loss, w = self.mbs.losses[0], self.mbs.weights[0]
-            if loss is not None:  # the last stage's rank: the loss, as the schedule's loss_fn takes it
-                self._acc.add(None if w is None else weighting.number(w), float(loss))
+            if self.mbs.losses[0] is not None:  # the last stage's rank: weighed as loss_fn weighs it
+                self._weigh(0)
             total += self.finish()
         return total / len(inputs)
 
