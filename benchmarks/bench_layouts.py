@@ -3,7 +3,7 @@
     python benchmarks/bench_layouts.py [--layouts fsdp,tp_sp] [--steps 2] [--reps 3]
                                        [--seq 256] [--batch 8] [--backend aot_eager|inductor]
 
-For each shipped multi-device layout, on one 4-rank gloo pool (meshlm.testing.DistPool),
+For each shipped multi-device layout, on one 4-rank gloo pool (harness.DistPool),
 with the small Llama (llama_small, fp32, AdamW), it builds side by side:
   meshlm     meshlm.shard(Llama(cfg, device="meta"), layout, mesh) + ShardedOptimizer
   torch      benchmarks/baseline_llama.py: the same model written with nn.Linear, parallelised
@@ -18,7 +18,7 @@ hits all alike).  Step time = the slowest rank's time of one full step (forward,
 optimizer), median over all timed steps.
 
 Per variant it also measures, in separate untimed steps:
-- collectives and logical / ring bytes per rank per step (meshlm.comm.CommCounter; eager);
+- collectives and logical / ring bytes per rank per step (meshlm.runtime.comm.CommCounter; eager);
 - peak memory per rank: the peak of *tracked tensor storage* (every storage a torch op
   returns, plus parameters and optimizer state held before the step; gloo's internal buffers
   and the Python heap are not counted), eager only;
@@ -47,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from meshlm.testing.memory import PeakStorage  # noqa: F401  (re-exported for the other benchmarks)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+from harness.memory import PeakStorage  # noqa: E402, F401  (re-exported for the other benchmarks)
 
 LAYOUTS = {  # the shipped multi-device layouts and their 4-rank meshes (as tests/dist)
     "ddp": {"dp": 4},
@@ -67,7 +67,7 @@ LR = 1e-3
 
 
 # --------------------------------------------------------------------------- measuring
-# PeakStorage lives in meshlm.testing.memory (shared with the memory tests); imported above.
+# PeakStorage lives in harness.memory (shared with the memory tests); imported above.
 
 
 def _state_tensors(model, opt):
@@ -118,9 +118,9 @@ def _global_batch(cfg, batch, seq):
 
 def _build_meshlm(cfg, layout, mesh_sizes, X, Y, backend, bucket=True):
     import meshlm
-    from meshlm.compile import compile_blocks
     from meshlm.models import Llama
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(mesh_sizes)
     model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, bucket=bucket)
@@ -209,8 +209,8 @@ def _bench_layout(layout, mesh_sizes, opts):
     """Runs on every rank; returns this rank's measurements."""
     import torch.distributed as dist
 
-    from meshlm.comm import CommCounter
     from meshlm.models import llama_config
+    from meshlm.runtime.comm import CommCounter
 
     torch.manual_seed(0)
     cfg = llama_config(opts["model"])
@@ -343,8 +343,8 @@ def render(results: dict, meta: dict) -> str:
         f"(slowest rank); compiled = per-block torch.compile, backend `{meta['backend']}`.",
         "Memory = peak tracked tensor storage per rank in one eager step (params + grads + optimizer state + "
         "activations + communication buffers that torch allocates; not gloo internals or the Python heap).",
-        "Collectives and MB are per rank per step, eager, counted by meshlm.comm.CommCounter; MB = logical bytes "
-        "(NOTE [logical bytes] in meshlm/comm.py; ring bytes are not compared because CommCounter cannot size the "
+        "Collectives and MB are per rank per step, eager, counted by meshlm.runtime.comm.CommCounter; MB = logical bytes "
+        "(NOTE [logical bytes] in meshlm/runtime/comm.py; ring bytes are not compared because CommCounter cannot size the "
         "groups of c10d ops that DDP and FSDP2 issue); budget = meshlm.plan (the formulas in README's shipped-layouts table).",
         "",
         "| layout | impl | eager s | compiled s | tok/s (eager) | peak MB | colls | MB | budget MB "
@@ -442,8 +442,8 @@ def main(argv=None) -> int:
             ap.error(f"unknown layout {lay!r}; choose from {', '.join(LAYOUTS)}")
 
     import titan_llama
+    from harness.dist import DistPool
     from meshlm.models import llama_config
-    from meshlm.testing.dist import DistPool
 
     notes = []
     why_no_titan = "disabled by --no-titan" if args.no_titan else titan_llama.available()

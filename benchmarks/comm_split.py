@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("meshlm", "meshlm_nocomm", "torch", "torch_nosync")
@@ -39,7 +40,7 @@ def _job(steps: int, reps: int) -> dict:
     m = _build_meshlm(cfg, "ddp", {"dp": 4}, X, Y, None)
     t = _build_torch(cfg, "ddp", {"dp": 4}, X, Y, None)
     from meshlm import _torch_compat as compat
-    from meshlm import bucket
+    from meshlm.runtime import bucket
 
     all_reduce, inplace = compat.all_reduce, bucket.flat.all_reduce_inplace
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from bench_layouts import write_report
-    from meshlm.testing import DistPool
+    from harness import DistPool
 
     t0 = time.perf_counter()
     with DistPool(4, timeout_s=900) as pool:

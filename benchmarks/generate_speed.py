@@ -4,7 +4,7 @@
                                         [--new 64] [--repeats 3] [--out benchmarks/results/generate]
 
 A random Hugging Face Llama (grouped-query attention, untied head; made locally, no
-download) is saved and loaded into meshlm (`meshlm.hf_load.load_hf_local`).  In one process,
+download) is saved and loaded into meshlm (`meshlm.interop.hf.load.load_hf_local`).  In one process,
 with the same threads, each side runs greedy generation of `--new` tokens after a prompt of
 `--prompt` tokens at batch 1 and 8, best of `--repeats`:
 
@@ -87,8 +87,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/generate")
     a = p.parse_args()
 
-    from meshlm.hf_load import load_hf_local
     from meshlm.infer import KVCache, generate
+    from meshlm.interop.hf.load import load_hf_local
 
     hf = _hf_model(a)
     with tempfile.TemporaryDirectory() as d:

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = (
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from bench_layouts import write_report
-    from meshlm.testing import DistPool
+    from harness import DistPool
 
     t0 = time.perf_counter()
     with DistPool(4, timeout_s=300) as pool:

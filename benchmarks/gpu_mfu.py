@@ -69,9 +69,9 @@ def main(argv=None) -> int:
         return 2
 
     import meshlm
-    from meshlm.compile import compile_blocks
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)

@@ -3,11 +3,11 @@
     python benchmarks/memory_floor.py [--layouts ddp,zero1,zero2,fsdp,hsdp] [--model llama_small]
                                       [--batch 8] [--seq 64] [--out DIR]
 
-On one 4-rank gloo pool (meshlm.testing.DistPool), per layout, every rank builds the same
+On one 4-rank gloo pool (harness.DistPool), per layout, every rank builds the same
 Llama (`--model`, same seed-0 weights, same global batch) under bf16 training with AdamW:
-  meshlm  meshlm.shard(Llama(cfg, device="meta"), layout, mesh, **meshlm.train.shard_dtypes(
+  meshlm  meshlm.shard(Llama(cfg, device="meta"), layout, mesh, **meshlm.app.train.shard_dtypes(
           TrainConfig(param_dtype="bfloat16"), layout, sizes)) + ShardedOptimizer(AdamW):
-          the dtypes `meshlm train` uses (NOTE [mixed precision] in meshlm/precision.py)
+          the dtypes `meshlm train` uses (NOTE [mixed precision] in meshlm/layout/precision.py)
   torch   benchmarks/baseline_llama.py (nn.Linear Llama loaded with the same weights):
             ddp    DDP(gradient_as_bucket_view=True) + torch.autocast("cpu", bfloat16) + AdamW
             zero1  the same + ZeroRedundancyOptimizer(AdamW)
@@ -69,11 +69,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 
 from bench_layouts import PeakStorage, _global_batch, write_report  # noqa: E402
-from meshlm.testing.memory import local_data as _local  # noqa: E402
-from meshlm.testing.memory import storage_bytes  # noqa: E402
+from harness.memory import local_data as _local  # noqa: E402
+from harness.memory import storage_bytes  # noqa: E402
 
 LAYOUTS = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4}, "hsdp": {"dp": 2, "fsdp": 2}}
 TORCH = {
@@ -191,10 +192,10 @@ class PhasePeak(PeakStorage):
 # --------------------------------------------------------------------------- builders
 def _build_meshlm(cfg, layout, sizes, X, Y):
     import meshlm
-    from meshlm.config import TrainConfig
+    from meshlm.app.config import TrainConfig
+    from meshlm.app.train import shard_dtypes
     from meshlm.models import Llama
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.train import shard_dtypes
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(sizes)
     dtypes = shard_dtypes(TrainConfig(param_dtype="bfloat16"), meshlm.load_layout(layout), sizes)
@@ -494,7 +495,7 @@ def render(results: dict, meta: dict) -> str:
             + "; zero1: none."
         ]
     lines += [
-        "meshlm dtypes (`meshlm.train.shard_dtypes`): "
+        "meshlm dtypes (`meshlm.app.train.shard_dtypes`): "
         + "; ".join(
             f"{k}: params {r['meshlm']['param_dtypes']}, {r['meshlm']['shard_dtypes']}"
             for k, r in results.items()
@@ -550,8 +551,8 @@ def main(argv=None) -> int:
             ap.error(f"unknown layout {lay!r}; choose from {', '.join(LAYOUTS)}")
 
     import titan_llama
+    from harness.dist import DistPool
     from meshlm.models import llama_config
-    from meshlm.testing.dist import DistPool
 
     why = titan_llama.available()
     if why:

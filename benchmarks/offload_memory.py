@@ -17,7 +17,7 @@ metrics.jsonl:
   `planned_optimizer_bytes`: AdamW's exp_avg and exp_avg_sq), within 10%.  What is left in
   memory of them is one chunk's state at a time (one block, NOTE [offloaded step]).  A run
   with a disk tier has glibc map allocations of 1 MiB and more on their own
-  (meshlm.offload.runtime.return_freed_memory), so that freed storages leave the RSS.
+  (meshlm.runtime.offload.runtime.return_freed_memory), so that freed storages leave the RSS.
 - a memory cap: both runs again, each in a cgroup (v1 memory controller, as a SLURM job's
   memory limit) whose limit lies halfway between the two peaks.  The run without offload
   needs more than the cap and is killed by the kernel's OOM killer; the offloaded run trains
@@ -54,7 +54,7 @@ ALL = [*BOTH, "offload.grads=disk"]
 
 
 def _run(args, run_dir: Path, extra: list[str], cgroup: "Path | None" = None) -> dict:
-    cmd = [sys.executable, "-m", "meshlm.cli", "train", *_overrides(args), *extra, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "meshlm.app.cli", "train", *_overrides(args), *extra, f"hydra.run.dir={run_dir}"]
 
     def enter():  # the child, and every process it starts, counts against the cgroup's limit
         if cgroup is not None:

@@ -19,7 +19,7 @@ the step time: "of the padded work"), and ``1 - busy / T`` with busy the time th
 measured in its stages' forwards and in autograd (the padding plus meshlm's and torch's
 own work per micro-batch: "of the measured work", the mean over ranks), the medians over
 the steps, next to the schedule's formula (NOTE
-[schedules] in meshlm/pipeline/schedule.py): GPipe and 1F1B (p-1)/(m+p-1), interleaved
+[schedules] in meshlm/runtime/pipeline/schedule.py): GPipe and 1F1B (p-1)/(m+p-1), interleaved
 (p-1)/(v*m+p-1); the zero-bubble schedules have no closed form here and are compared with
 interleaved.  Writes DIR/bubble.json and DIR/bubble.md (default
 benchmarks/results/pipeline_bubble/).
@@ -97,7 +97,7 @@ class _Busy:
     backwards, the input- and weight-gradient halves of the zero-bubble ones included)."""
 
     def __enter__(self):
-        from meshlm.pipeline.stage import StageModule
+        from meshlm.runtime.pipeline.stage import StageModule
 
         self.seconds = 0.0
         self.saved = (StageModule.forward, torch.autograd.backward, torch.autograd.grad)
@@ -117,7 +117,7 @@ class _Busy:
         return self
 
     def __exit__(self, *exc):
-        from meshlm.pipeline.stage import StageModule
+        from meshlm.runtime.pipeline.stage import StageModule
 
         StageModule.forward, torch.autograd.backward, torch.autograd.grad = self.saved
 
@@ -125,7 +125,7 @@ class _Busy:
 def _measure(pp: int, m: int, fwd_ms: float, bwd_ms: float, steps: int) -> list[dict]:
     import torch.distributed as dist
 
-    from meshlm.pipeline import bubble, build_pipeline, pipeline_mesh
+    from meshlm.runtime.pipeline import bubble, build_pipeline, pipeline_mesh
 
     out = []
     for name, v in SCHEDULES:
@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_bubble"))
     args = ap.parse_args(argv)
-    from meshlm.testing import DistPool
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the multi-process harness
+    from harness import DistPool
 
     with DistPool(args.pp, timeout_s=120, job_timeout_s=900) as pool:
         rows = pool.run(_measure, args.pp, args.microbatches, args.forward_ms, args.backward_ms, args.steps)[0]

@@ -4,7 +4,7 @@
                                         [--microbatches 4] [--schedule 1f1b] [--reps 3]
                                         [--backend none|aot_eager|inductor] [--early] [--out DIR]
 
-On one 4-rank gloo pool (meshlm.testing.DistPool), with the same Llama (``--model``, the
+On one 4-rank gloo pool (harness.DistPool), with the same Llama (``--model``, the
 same seed-0 weights, fp32, AdamW, the same global batch), for two meshes:
 
   pp=2 x fsdp=2   meshlm: layout ``fsdp_pp``; torchtitan 0.3.0: pipeline_parallel_degree=2,
@@ -17,13 +17,13 @@ with ``--backend``, compiled per block (meshlm ``compile_blocks``, torchtitan's 
 per-block compile).  torchtitan runs its own model, module split (copies of the model with
 the other stages' layers deleted), ``parallelize_llama`` and schedule builder
 (benchmarks/titan_llama.py ``build_pipeline``); meshlm runs the model with no pipeline
-code in it (meshlm/pipeline/).  ``--early`` adds meshlm compiled with early reduction
-(``Pipeline.attach(opt, early=True)``, NOTE [early reduction] in meshlm/optim_early.py;
+code in it (meshlm/runtime/pipeline/).  ``--early`` adds meshlm compiled with early reduction
+(``Pipeline.attach(opt, early=True)``, NOTE [early reduction] in meshlm/runtime/optim/early.py;
 off by default on a CPU mesh).  After a warm-up step each, ``--reps`` rounds time one step
 of every variant in turn (interleaved: load on the machine hits all alike; a step is the
 slowest rank's time, the median over rounds).  In separate untimed steps: the peak of
 tracked tensor storage per rank (the largest rank's; eager) and the bytes each rank puts on
-the wire per step (meshlm.comm.CommCounter: collectives' ring bytes and point-to-point
+the wire per step (meshlm.runtime.comm.CommCounter: collectives' ring bytes and point-to-point
 sends; eager), the largest rank's.  Ratios meshlm / torchtitan.
 
 Writes DIR/pipeline_titan.json and DIR/pipeline_titan.md (default
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 
 CASES = {"pp=2,fsdp=2": ("fsdp_pp", {"fsdp": 2, "pp": 2}), "pp=4": ("pp", {"pp": 4})}
 LR = 1e-3
@@ -51,8 +52,8 @@ LR = 1e-3
 def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend, early=None):
     import meshlm
     from meshlm.models import Llama
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.pipeline import build_pipeline, pipeline_mesh
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
 
     full, sub = pipeline_mesh(mesh_sizes)
     m, pp = opts["microbatches"], mesh_sizes["pp"]
@@ -70,7 +71,7 @@ def _build_meshlm(cfg, layout, mesh_sizes, X, Y, opts, backend, early=None):
         seed=0,
     )
     if backend is not None:
-        from meshlm.compile import compile_blocks
+        from meshlm.runtime.compile import compile_blocks
 
         compile_blocks(pipe.model, backend, comms="eager")  # as meshlm train compiles a pipeline
     opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=LR)
@@ -128,9 +129,9 @@ def _bench(case: str, opts: dict) -> dict:
     import torch.distributed as dist
 
     from bench_layouts import interleaved
-    from meshlm.comm import CommCounter
+    from harness.memory import PeakStorage
     from meshlm.models import llama_config
-    from meshlm.testing.memory import PeakStorage
+    from meshlm.runtime.comm import CommCounter
 
     layout, mesh_sizes = CASES[case]
     cfg = llama_config(opts["model"])
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"torchtitan is needed (pip install -e '.[bench]'): {why}")
     from importlib.metadata import version
 
-    from meshlm.testing import DistPool
+    from harness import DistPool
 
     opts = vars(args)
     results = {}

@@ -10,7 +10,9 @@ factorisation of 256 into dp, fsdp, tp).
 import io
 import time
 
-from meshlm.plan import _MODELS, _PLAN_CACHE, choose_layout, format_plan, plan
+from meshlm.app.plan import choose_layout
+from meshlm.plan import format_plan, plan
+from meshlm.plan.state import _MODELS, _PLAN_CACHE
 
 CASES = [
     ("llama3_8b", "fsdp_tp", {"dp": 8, "fsdp": 16, "tp": 8}, 1024, 8192),

@@ -4,7 +4,7 @@
 
 Runs ``meshlm train`` (llama_tiny, 10 steps, ``mesh=fsdp2_tp2`` by default) ``--repeat``
 times and prints the median and each run's seconds: the wall time of the whole command;
-the phases rank 0 reports in ``summary.json`` (``startup_s``, meshlm/lifecycle.py
+the phases rank 0 reports in ``summary.json`` (``startup_s``, meshlm/train/lifecycle.py
 ``StartupClock``); the training after the first step; and the rest (the launcher's own
 start: Python, Hydra, config; and the end of the run: validation, summary, loss plot,
 exit).  ``MESHLM_START_METHOD=spawn`` measures the previous way of starting
@@ -41,7 +41,7 @@ def one(overrides: list[str]) -> dict[str, float]:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         t0 = time.time()
         r = subprocess.run(
-            [sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides, f"hydra.run.dir={d}"],
+            [sys.executable, "-m", "meshlm.app.cli", "train", *RUN, *overrides, f"hydra.run.dir={d}"],
             cwd=d,
             env=env,
             capture_output=True,

@@ -9,24 +9,24 @@ side by side, on 4 CPU ranks.
 The knobs (one of them may be `both`, which compares its two values):
   --overlap {off,on}            meshlm.shard(..., overlap=False/True): each block's gradient
                                 reduction left in flight while backward goes on
-                                (NOTE [overlapped reduction] in meshlm/bucket/op.py)
+                                (NOTE [overlapped reduction] in meshlm/runtime/bucket/op.py)
   --comms {graph,eager}         with --compile: meshlm.compile_blocks(..., comms=...): whether
                                 the data-parallel collectives of local blocks are compiled
                                 into the block's graphs or run eagerly around its compiled math
-                                (NOTE [compiled body] in meshlm/compile.py)
+                                (NOTE [compiled body] in meshlm/runtime/compile.py)
   --opt-bucket {block,25}       ShardedOptimizer(bucket_mb=None or 25): the ZeRO-1/2 optimizer's
                                 flat collectives one per block, or merged up to 25 MiB
-                                (NOTE [optimizer chunks] in meshlm/optim.py)
-  --regather {free,recompute}   meshlm.lowering.blocks.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
+                                (NOTE [optimizer chunks] in meshlm/runtime/optim/sharded.py)
+  --regather {free,recompute}   meshlm.runtime.lowering.blocks.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
                                 hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
                                 backward: "free" frees them after forward and gathers them
-                                again (NOTE [free and re-gather] in meshlm/bucket/regather.py);
+                                again (NOTE [free and re-gather] in meshlm/runtime/bucket/regather.py);
                                 "recompute" checkpoints the block (a local block recomputes its
                                 whole forward, a tensor-parallel one under the selective
                                 policy); no effect on layouts without re-gathering blocks (the
                                 table says how many there are)
 
-For each layout, on one 4-rank gloo pool (meshlm.testing.DistPool), every rank builds both
+For each layout, on one 4-rank gloo pool (harness.DistPool), every rank builds both
 variants of the small Llama (llama_small, fp32, `ShardedOptimizer` over AdamW, the same
 seeded global batch through `meshlm.shard_batch`), runs `--warmup` untimed steps of each,
 then `--reps` interleaved rounds (A's `--steps` steps, B's, A's, ...), so that load on the
@@ -61,7 +61,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# this folder (the benchmarks import each other) and tests/ (the multi-process harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
 
 # the 4-rank meshes, the batch, memory, the report
 from bench_layouts import LAYOUTS, PeakStorage, _global_batch, _state_tensors, write_report  # noqa: E402
@@ -95,17 +96,17 @@ def _bench_layout(layout, mesh_shape, variants, opts):
     from torch.distributed.tensor import DTensor
 
     import meshlm
-    import meshlm.lowering.blocks
-    from meshlm.compile import compile_blocks
+    import meshlm.runtime.lowering.blocks
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     torch.manual_seed(0)
     cfg = llama_config(opts["model"])
     X, Y = _global_batch(cfg, opts["batch"], opts["seq"])
     mesh = meshlm.make_mesh(mesh_shape)
     x, y = meshlm.shard_batch(X, layout, mesh), meshlm.shard_batch(Y, layout, mesh)
-    regather0 = meshlm.lowering.blocks.EAGER_REGATHER
+    regather0 = meshlm.runtime.lowering.blocks.EAGER_REGATHER
     built = {}
     for v in variants:
         model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, overlap=v["overlap"])
@@ -118,7 +119,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
 
     def step(name):
         model, opt, regather = built[name]
-        meshlm.lowering.blocks.EAGER_REGATHER = regather
+        meshlm.runtime.lowering.blocks.EAGER_REGATHER = regather
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(x, y)
@@ -160,7 +161,7 @@ def _bench_layout(layout, mesh_shape, variants, opts):
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             out[name]["peak_bytes"] = int(peak.item())
     finally:
-        meshlm.lowering.blocks.EAGER_REGATHER = regather0
+        meshlm.runtime.lowering.blocks.EAGER_REGATHER = regather0
     for r in out.values():
         for i, ph in enumerate(PHASES):
             r[f"{ph}_s"] = statistics.median(t[i] for t in r["times"])
@@ -264,9 +265,9 @@ def main(argv=None) -> int:
     if min(args.steps, args.reps) < 1 or args.warmup < 0:
         ap.error("--steps and --reps must be at least 1, --warmup at least 0")
 
-    from meshlm.layout import load_layout
-    from meshlm.mesh import MeshSpec
-    from meshlm.testing.dist import DistPool
+    from harness.dist import DistPool
+    from meshlm.layout.mesh import MeshSpec
+    from meshlm.layout.rules import load_layout
 
     layouts = [x for x in args.layouts.split(",") if x]
     meshes = {}
@@ -317,8 +318,8 @@ def main(argv=None) -> int:
 
     knob_help = {
         "overlap": "overlap = shard(..., overlap=...)",
-        "regather": "regather = meshlm.lowering.blocks.EAGER_REGATHER",
-        "comms": "comms = meshlm.compile.compile_blocks(..., comms=...)",
+        "regather": "regather = meshlm.runtime.lowering.blocks.EAGER_REGATHER",
+        "comms": "comms = meshlm.runtime.compile.compile_blocks(..., comms=...)",
         "opt_bucket": "opt_bucket = ShardedOptimizer(bucket_mb=None (block) or 25)",
         None: "one variant",
     }[knob]

@@ -3,7 +3,7 @@ each part of the caption (docs/multimodal.md):
 
     python examples/caption_shapes.py CHECKPOINT --samples 60 --seed 12345
 
-draws ``--samples`` new images (``meshlm.data_shapes``, a seed the training data did not
+draws ``--samples`` new images (``meshlm.data.shapes``, a seed the training data did not
 use), captions them greedily in one batch (``meshlm generate --image``'s path) and prints
 how often the colour, the shape, the place and the whole caption are right."""
 
@@ -18,10 +18,10 @@ from pathlib import Path
 def main(argv: "list[str] | None" = None) -> int:
     import json
 
-    from meshlm.data import ByteTokenizer
-    from meshlm.data_shapes import COLOURS, PLACES, SHAPES, write_shapes
+    from meshlm.app.generate import load_model
+    from meshlm.data.shapes import COLOURS, PLACES, SHAPES, write_shapes
+    from meshlm.data.text import ByteTokenizer
     from meshlm.infer import generate
-    from meshlm.infer.cli import load_model
     from meshlm.infer.images import image_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -11,9 +11,10 @@ import importlib
 _HOME = {
     "nn": "meshlm.nn",  # annotated Linear, Embedding, LayerNorm, RMSNorm, Dropout
     **dict.fromkeys(
-        ("block", "constrain", "declare_axes", "dropout", "init_params", "reduce_batch", "set_axes"), "meshlm.annotate"
+        ("block", "constrain", "declare_axes", "dropout", "init_params", "reduce_batch", "set_axes"),
+        "meshlm.core.annotate",
     ),
-    **dict.fromkeys(("LOGICAL_AXES", "MESH_AXES", "Axes"), "meshlm.axes"),
+    **dict.fromkeys(("LOGICAL_AXES", "MESH_AXES", "Axes"), "meshlm.core.axes"),
     **dict.fromkeys(
         (
             "AnnotationError",
@@ -24,12 +25,12 @@ _HOME = {
             "MeshError",
             "MeshlmError",
         ),
-        "meshlm.errors",
+        "meshlm.core.errors",
     ),
-    **dict.fromkeys(("Layout", "load_layout", "resolve"), "meshlm.layout"),
-    **dict.fromkeys(("full_state_dict", "plan_params", "shard"), "meshlm.lower"),
-    **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.mesh"),
-    "shard_batch": "meshlm.root",
+    **dict.fromkeys(("Layout", "load_layout", "resolve"), "meshlm.layout.rules"),
+    **dict.fromkeys(("full_state_dict", "plan_params", "shard"), "meshlm.runtime.lowering"),
+    **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.layout.mesh"),
+    "shard_batch": "meshlm.runtime.lowering.inputs",
 }
 
 
@@ -48,8 +49,8 @@ def __dir__():
 
 
 def load_hf(path, layout, mesh, **shard_kwargs):
-    """Import a Hugging Face Llama or GPT-2 directory into a sharded meshlm model (see meshlm.hf)."""
-    from meshlm.hf import load_hf as _load_hf
+    """Import a Hugging Face Llama or GPT-2 directory into a sharded meshlm model (see meshlm.interop.hf)."""
+    from meshlm.interop.hf import load_hf as _load_hf
 
     return _load_hf(path, layout, mesh, **shard_kwargs)
 

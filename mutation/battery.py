@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent.parent / "tests" / "dist"
 
 
 def parity(layout: str, mesh: str, **kw):
-    from meshlm.testing.parity import check_training
+    from harness.parity import check_training
 
     kw.setdefault("optims", ("sgd",))
     kw.setdefault("steps", 2)
@@ -27,7 +27,7 @@ def parity(layout: str, mesh: str, **kw):
 
 
 def pipeline_parity(layout: str, mesh: str, schedule: str, v: int):
-    from meshlm.testing.parity import LlamaBuild, check_training
+    from harness.parity import LlamaBuild, check_training
 
     check_training(
         layout,

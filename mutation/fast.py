@@ -11,7 +11,7 @@ collective) reaches the next one.  Survivors are checked again at the end in fre
 (``--recheck``), so that none survives on what an earlier mutant left.
 
     python mutation/fast.py                          # the unit pass's survivors and untested
-    python mutation/fast.py --glob "meshlm.optim*"   # of one module
+    python mutation/fast.py --glob "meshlm.runtime.optim.sharded*"   # of one module
     python mutation/fast.py --report                 # the table, from the results file
 
 It reads the mutants and the unit pass's results from a mutmut tree (``--tree``, default
@@ -50,7 +50,7 @@ class Pools:
         self.job_timeout, self.pools = job_timeout, {}
 
     def get(self, n: int):
-        from meshlm.testing.dist import DistPool
+        from harness.dist import DistPool
 
         if n not in self.pools:
             self.pools[n] = DistPool(n, timeout_s=60, job_timeout_s=self.job_timeout)
@@ -66,7 +66,7 @@ def check(pools: Pools, mutant: str, battery) -> tuple[str, str | None]:
     """("killed", the check) or ("survived", None)."""
     from battery import run_with
 
-    from meshlm.testing.dist import WorkerError
+    from harness.dist import WorkerError
 
     for name, n, fn, args, kw in battery:
         try:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     # tree was built (a battery edited since would otherwise go unused, silently).
     shutil.copyfile(ROOT / "mutation" / "battery.py", tree / "mutation" / "battery.py")
     os.chdir(tree)
-    sys.path[:0] = [str(tree), str(tree / "mutation")]
+    sys.path[:0] = [str(tree), str(tree / "mutation"), str(tree / "tests")]
     os.environ["MUTANT_UNDER_TEST"] = ""
     import battery as bat
 

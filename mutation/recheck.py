@@ -9,9 +9,9 @@ this runs only those files against each survivor, in the mutated tree the unit p
 tests are copied into the tree first, so the tree's sources must be the repository's
 (rerun ``MUTATION_TESTS=unit mutation/run.sh`` on the glob after changing them).
 
-    python mutation/recheck.py --glob "meshlm.lowering.local_root*" tests/unit/test_local_root.py
-    python mutation/recheck.py --unchecked --glob "meshlm.lowering.params*" tests/unit/test_params.py
-    python mutation/recheck.py --survivors /tmp/first.json --glob "meshlm.lowering.blocks*" tests/dist/test_x.py
+    python mutation/recheck.py --glob "meshlm.runtime.lowering.local_root*" tests/unit/test_local_root.py
+    python mutation/recheck.py --unchecked --glob "meshlm.runtime.lowering.params*" tests/unit/test_params.py
+    python mutation/recheck.py --survivors /tmp/first.json --glob "meshlm.runtime.lowering.blocks*" tests/dist/test_x.py
 
 A mutant is killed when the tests fail with it.  Results (mutant -> "killed" or
 "survived") go to ``mutation/results/recheck.json``, merged with earlier runs.
@@ -124,8 +124,8 @@ def _forker(args: list[str], tree: Path):
     sys.path.insert(0, str(tree))
     import pytest
 
+    import harness  # noqa: F401
     import meshlm  # noqa: F401  the tree's: it is first on the path
-    import meshlm.testing  # noqa: F401
 
     if not str(Path(meshlm.__file__).resolve()).startswith(str(tree)):
         raise SystemExit(f"mutation/recheck.py: meshlm imported from {meshlm.__file__}, not the tree {tree}")

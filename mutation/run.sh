@@ -3,9 +3,9 @@
 #
 #   pip install -e ".[test,mutation]"
 #   mutation/run.sh                    # every mutant of the core (hours on 2 cores)
-#   mutation/run.sh "meshlm.optim*"    # one module, or any of mutmut's mutant-name globs
+#   mutation/run.sh "meshlm.runtime.optim.sharded*"    # one module, or any of mutmut's mutant-name globs
 #   mutmut results; mutmut show <mutant>
-#   MUTATION_TESTS=unit mutation/run.sh "meshlm.bucket.x__pack*"
+#   MUTATION_TESTS=unit mutation/run.sh "meshlm.runtime.bucket.x__pack*"
 #                                      # tests/unit only, in mutants-unit/ (mutation/unit_tree.py);
 #                                      # run mutmut results / show there
 #

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 out=docs/plan
 run() {  # run NAME ARGS...: "$ meshlm plan ARGS" then what it prints (stdout and stderr)
     local name=$1; shift
-    { echo "\$ meshlm plan $*"; python -m meshlm.cli plan "$@" 2>&1; } > "$out/$name.txt"
+    { echo "\$ meshlm plan $*"; python -m meshlm.app.cli plan "$@" 2>&1; } > "$out/$name.txt"
 }
 big="model=llama3_70b layout=auto plan.devices=256 plan.max_memory_per_device=80GiB plan.profile=h100_nvlink_ib
  train.batch_size=256 train.seq_len=8192 train.param_dtype=bfloat16 plan.method=formula"

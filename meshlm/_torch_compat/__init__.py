@@ -292,7 +292,7 @@ def unbox_group(group):
 
 def outside_fake():
     """A context in which no FakeTensorMode is active (``unset_fake_temporarily``): what
-    meta-device shape work (``meshlm.absent``) runs under inside the planner's fake step."""
+    meta-device shape work (``meshlm.runtime.absent``) runs under inside the planner's fake step."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
@@ -316,7 +316,7 @@ def clear_dtensor_caches() -> None:
         clear_plans()
     # The cached transform plans and mesh topologies hold their specs' meshes, and so every
     # process group those meshes made: destroyed groups would otherwise live on, each with
-    # gloo threads that keep polling (NOTE [shared pools] in meshlm/testing/dist.py).
+    # gloo threads that keep polling (NOTE [shared pools] in tests/harness/dist.py).
     from torch.distributed.tensor import _collective_utils
 
     from meshlm._torch_compat import dtensor_views

@@ -1,5 +1,5 @@
 """DCP's ``.metadata`` read without running code (NOTE [trusted checkpoint files] in
-meshlm/_ckpt_load.py).
+meshlm/train/checkpoint/load.py).
 
 ``torch.distributed.checkpoint`` writes a checkpoint's metadata as a pickle and reads it
 back with ``pickle.load``, which calls whatever the file names (``os.system`` included);

@@ -4,7 +4,7 @@ NOTE [private torch]
     Everything here leans on DTensor internals (``_op_dispatcher._custom_op_handlers``,
     ``DTensorSpec``, the loss-parallel handlers).  A torch upgrade should touch only this
     file, the rules it installs (the other ``dtensor_*.py`` files of this package) and
-    ``meshlm/mesh.py:init_fake``.
+    ``meshlm/layout/mesh.py:init_fake``.
 
 This module installs the rules and holds the DTensor dispatcher settings a sharded forward
 needs (implicit replication, waiting for a redistribute in flight).  What it adds (installed

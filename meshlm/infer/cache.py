@@ -36,7 +36,7 @@ NOTE [KV cache]
     compiled.py).
 
     The object is handed to the sharded model's forward as it is (``__meshlm_passthrough__``,
-    meshlm/tree.py): its tensors are placed by the cache, not by the input rules.
+    meshlm/core/tree.py): its tensors are placed by the cache, not by the input rules.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 
 
 class KVCache:

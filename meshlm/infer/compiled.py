@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 
 Step = Callable[[nn.Module, Tensor, object], Tensor]
 
@@ -105,7 +105,7 @@ def why_not_frozen(model: nn.Module, backend: str) -> Optional[str]:
         if p.device.type != "cpu":
             return f"parameter {name} is on {p.device}; weights are frozen on the CPU only"
     from meshlm.infer.stages import _ATTR as STAGED
-    from meshlm.offload.params import _ATTR as STREAMED
+    from meshlm.runtime.offload.params import OFFLOAD_ATTR as STREAMED
 
     for name, m in model.named_modules():
         if STAGED in m.__dict__ or STREAMED in m.__dict__:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.infer.cache import KVCache
 from meshlm.infer.compiled import decode_step
 from meshlm.infer.sample import Sampling, choose, generators

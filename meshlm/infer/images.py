@@ -1,7 +1,7 @@
 """Prompts with an image, for a vision-language model (``meshlm generate --image``): each
 prompt's token ids start with the model's image tokens, one per image feature (NOTE
 [image merge] in meshlm/models/vlm.py), and its image goes to the prefill as ``images``,
-read and resized as training reads them (meshlm/data_images.py: RGB in [0, 1])."""
+read and resized as training reads them (meshlm/data/images.py: RGB in [0, 1])."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 
 
 def image_prompts(
@@ -19,7 +19,7 @@ def image_prompts(
 ) -> tuple[list[list[int]], dict[str, Tensor]]:
     """(prompt ids with the image tokens in front, ``{"images": (batch, 3, S, S)}``): one
     image per prompt, in order."""
-    from meshlm.data_images import read_image
+    from meshlm.data.images import read_image
 
     cfg = getattr(model, "cfg", None)
     token, patches, size = (getattr(cfg, k, None) for k in ("image_token", "patches", "image_size"))

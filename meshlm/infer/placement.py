@@ -22,7 +22,7 @@ NOTE [inference placement]
     memory and, once any block is streamed, room for two streamed blocks' parameters (the one
     running and the next, read ahead).  The remaining blocks (the last ones) are streamed:
     their parameters live on the tier and come in for each forward (meshlm's
-    ``offload.params`` machinery, NOTE [offloaded parameters] in meshlm/offload/params.py),
+    ``offload.params`` machinery, NOTE [offloaded parameters] in meshlm/runtime/offload/params.py),
     so a decode step reads every streamed block once.  A limit below what must stay is an
     error that says how much is needed.
 """
@@ -37,8 +37,8 @@ from torch import nn
 
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import TorchDispatchMode
-from meshlm.annotate import outer_blocks
-from meshlm.errors import ConfigError
+from meshlm.core.annotate import outer_blocks
+from meshlm.core.errors import ConfigError
 
 MiB = 2**20
 
@@ -252,7 +252,7 @@ def swapper(pl: Placement, directory: Optional[str] = None) -> Any:
     directory there, removed at exit)."""
     import tempfile
 
-    from meshlm.offload.store import SwapDir, Swapper
+    from meshlm.runtime.offload.store import SwapDir, Swapper
 
     disk = SwapDir(directory or tempfile.gettempdir() + "/meshlm-offload") if pl.tier == "disk" else None
     return Swapper(pl.tier, disk)
@@ -263,7 +263,7 @@ def spill(pl: Placement, sw: Any) -> Any:
     a streamed block's parameters go to the tier as soon as they are read, so the model is
     never whole in memory."""
 
-    from meshlm.memory import local_data
+    from meshlm.runtime.memory import local_data
 
     def after(i: int, blk: nn.Module) -> None:
         if i in pl.streamed:
@@ -276,10 +276,10 @@ def spill(pl: Placement, sw: Any) -> Any:
 def stream_blocks(model: nn.Module, pl: Placement, sw: Any) -> Any:
     """Stream the placement's blocks of the live ``model`` from ``sw``'s tier: their
     parameters come in for each forward (NOTE [offloaded parameters]).  Returns the
-    :class:`meshlm.offload.params.ParamOffload` (``close()`` it when done), or None."""
+    :class:`meshlm.runtime.offload.params.ParamOffload` (``close()`` it when done), or None."""
     if not pl.streamed:
         return None
-    from meshlm.offload.params import ParamOffload
+    from meshlm.runtime.offload.params import ParamOffload
 
     off = ParamOffload(model, sw, only=pl.streamed)
     off.swap_out_all()

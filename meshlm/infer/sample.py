@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.infer.generate import stop_id, stream
 from meshlm.infer.sample import Sampling
 

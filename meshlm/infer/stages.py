@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.annotate import outer_blocks
-from meshlm.errors import ConfigError
-from meshlm.lowering.shard import variant_class
+from meshlm.core.annotate import outer_blocks
+from meshlm.core.errors import ConfigError
+from meshlm.runtime.lowering.shard import variant_class
 
 _ATTR = "_meshlm_stage"
 

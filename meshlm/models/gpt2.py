@@ -3,7 +3,7 @@
 
 Parameter names are nanoGPT's and Hugging Face's (``transformer.h.0.attn.c_attn.weight``),
 so a checkpoint key reads the same in all three; the values differ where noted in NOTE [fused
-QKV] below and in meshlm/hf_gpt2.py (HF's Conv1D stores weights transposed).
+QKV] below and in meshlm/interop/hf/gpt2.py (HF's Conv1D stores weights transposed).
 
 NOTE [fused QKV]
     ``c_attn`` is one Linear ``embed -> 3 * embed`` whose output (the rows of its weight) is
@@ -13,7 +13,7 @@ NOTE [fused QKV]
     communication); nanoGPT's ``(3, heads, head_dim)`` order would give a rank all of q and
     none of v.  A head count that ``tp`` does not divide is an error when the activation is
     constrained to ``heads``.  Hugging Face's ``(3, heads, head_dim)`` columns are permuted
-    into this order on import and back on export, block by block (meshlm/hf_gpt2.py).
+    into this order on import and back on export, block by block (meshlm/interop/hf/gpt2.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm import nn as mnn
-from meshlm.annotate import block, constrain, dropout, init_params
+from meshlm.core import nn as mnn
+from meshlm.core.annotate import block, constrain, dropout, init_params
 
 # Positions are whole inside attention and MLP (as in meshlm/models/llama.py): sequence
 # parallelism (seq over tp) is gathered at their entry.
@@ -54,7 +54,7 @@ class GPT2Config:
     init_std: float = 0.02
 
     def __post_init__(self):
-        from meshlm.errors import ConfigError
+        from meshlm.core.errors import ConfigError
 
         for f in ("vocab", "block_size", "embed", "layers", "heads"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
@@ -199,7 +199,7 @@ class GPT2(nn.Module):
         self.lm_head = mnn.Linear(
             cfg.embed, cfg.vocab, bias=False, axes=("embed", "vocab"), init_std=cfg.init_std, device=device
         )
-        if cfg.tie_embeddings:  # one Parameter in two modules (NOTE [ties] in meshlm/ties.py)
+        if cfg.tie_embeddings:  # one Parameter in two modules (NOTE [ties] in meshlm/core/ties.py)
             self.transformer.wte.weight = self.lm_head.weight
         if seed is not None and torch.device(device or "cpu").type != "meta":
             init_params(self, seed)
@@ -210,7 +210,7 @@ class GPT2(nn.Module):
         s = tokens.shape[1]
         n = s if cache is None else cache.max_len  # a cache holds no more positions than there are
         if n > self.cfg.block_size:
-            from meshlm.errors import ConfigError
+            from meshlm.core.errors import ConfigError
 
             raise ConfigError(
                 f"GPT2: a sequence of {n} tokens is longer than model.block_size="
@@ -234,7 +234,7 @@ class GPT2(nn.Module):
 
 def gpt2_config(name: str, **overrides) -> GPT2Config:
     """A named config (``CONFIGS``), optionally with fields overridden."""
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
 
     if name not in CONFIGS:
         raise ConfigError(f"model: unknown GPT-2 config {name!r}; choose one of {', '.join(CONFIGS)}")
@@ -244,9 +244,9 @@ def gpt2_config(name: str, **overrides) -> GPT2Config:
 def gpt2_fields(**config) -> GPT2Config:
     """A GPT2Config from ``model.<field>`` values (``conf/model/gpt2*.yaml``); a field GPT-2
     does not have, or a value of another type than the field's, is a ConfigError naming the key."""
-    from meshlm.arg_types import check_fields
-    from meshlm.axes import closest
-    from meshlm.errors import ConfigError
+    from meshlm.core.arg_types import check_fields
+    from meshlm.core.axes import closest
+    from meshlm.core.errors import ConfigError
 
     names = [f.name for f in fields(GPT2Config)]
     for k in config:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm.annotate import Axes, block, constrain, dropout, init_params
+from meshlm.core.annotate import Axes, block, constrain, dropout, init_params
 
 # Positions are whole inside attention and MLP: the tensor-parallel matmuls there need every
 # position of this rank's batch, so sequence parallelism (seq over tp) is gathered here.
@@ -40,7 +40,7 @@ class LlamaConfig:
     init_std: float = 0.02
     # Residual dropout on the attention and MLP outputs, in training mode only; the same
     # masks under every layout as on one device (meshlm.dropout, NOTE [dropout keys] in
-    # meshlm/rng.py).  Attention-probability dropout is not offered: SDPA's dropout_p draws
+    # meshlm/core/rng.py).  Attention-probability dropout is not offered: SDPA's dropout_p draws
     # from torch's generator per rank, which no layout can make equal to one device.
     dropout: float = 0.0
 
@@ -81,9 +81,9 @@ def llama_fields(**fields) -> LlamaConfig:
     """A LlamaConfig from ``model.<field>`` values (``conf/model/llama_*.yaml``); a field
     Llama does not have, a value of another type than the field's, or a size that is not
     positive, is a ConfigError naming the key."""
-    from meshlm.arg_types import check_fields
-    from meshlm.axes import closest
-    from meshlm.errors import ConfigError
+    from meshlm.core.arg_types import check_fields
+    from meshlm.core.axes import closest
+    from meshlm.core.errors import ConfigError
 
     known = [f.name for f in dataclass_fields(LlamaConfig)]
     for k in fields:
@@ -110,7 +110,7 @@ def llama_model(device=None, **fields) -> "Llama":
 
 def llama_config(name: str, **overrides) -> LlamaConfig:
     """A named config, optionally with fields overridden."""
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
 
     if name not in CONFIGS:
         raise ConfigError(f"model: unknown Llama config {name!r}; choose one of {', '.join(CONFIGS)}")

@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm import nn as mnn
-from meshlm.annotate import Axes, block, constrain
+from meshlm.core import nn as mnn
+from meshlm.core.annotate import Axes, block, constrain
 
 # Patches are whole inside attention and MLP (as positions are in meshlm/models/llama.py).
 WHOLE = None
 
 
 def _error(msg: str) -> Exception:
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
 
     return ConfigError(msg)
 

@@ -4,7 +4,7 @@ meshlm's Llama (``language``),
 whose token embeddings take the projected image features at the image token's positions.
 
 Submodule paths are the handles a layout scopes its rules by (NOTE [scoped layouts] in
-meshlm/scopes.py), and each of the three is called as a module, so a scope on it runs its
+meshlm/core/scopes.py), and each of the three is called as a module, so a scope on it runs its
 forward under the scope's rules.  ``language`` is meshlm's Llama, reused, not copied: a
 subclass whose forward may start from given input embeddings (Llama's ``embed_tokens`` and
 ``from_embeddings``, the two halves of ``Llama.forward``); the merge runs between them,
@@ -21,7 +21,7 @@ NOTE [image merge]
     and no Python branch reads a tensor value, so the encoder runs on every call that has
     ``images`` and every rank issues the same collectives.  A text row's features meet a
     zero one-hot row: its logits do not depend on its image, and no gradient reaches the
-    encoder from it.  Loading Hugging Face LLaVA weights: meshlm/hf_llava.py.
+    encoder from it.  Loading Hugging Face LLaVA weights: meshlm/interop/hf/llava.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm import nn as mnn
-from meshlm.annotate import Axes, constrain, init_params
+from meshlm.core import nn as mnn
+from meshlm.core.annotate import Axes, constrain, init_params
 from meshlm.models.llama import Llama, LlamaConfig, llama_fields
 from meshlm.models.vision import VisionEncoder
 
@@ -49,7 +49,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _error(msg: str) -> Exception:
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
 
     return ConfigError(msg)
 
@@ -182,8 +182,8 @@ def vlm_fields(**fields) -> VLMConfig:
     """A VLMConfig from ``model.<field>`` values (``conf/model/vlm_*.yaml``); ``language``
     may be a mapping of :class:`LlamaConfig` fields.  An unknown field, or a value of
     another type than the field's, is a ConfigError naming the key."""
-    from meshlm.arg_types import check_fields
-    from meshlm.axes import closest
+    from meshlm.core.arg_types import check_fields
+    from meshlm.core.axes import closest
 
     known = [f.name for f in dataclass_fields(VLMConfig)]
     for k in fields:
@@ -195,7 +195,7 @@ def vlm_fields(**fields) -> VLMConfig:
     check_fields(VLMConfig, fields, "meshlm.models.vlm_model")
     lang = fields.get("language")
     if isinstance(lang, Mapping):
-        from meshlm.errors import ConfigError
+        from meshlm.core.errors import ConfigError
 
         try:
             fields["language"] = llama_fields(**lang)

@@ -5,11 +5,11 @@ Two planners share the report, the search and the cost model:
 
 - measured (any model): one training step run on fake tensors under the fake process
   group (NOTE [fake measurement] in measure.py); what ``meshlm plan`` uses for a model
-  built by ``meshlm.plan.main.build_model``;
+  built by ``meshlm.app.plan.build_model``;
 - analytic (our Llama): the figures below, from the lowering's plans and formulas.
 
 The analytic planner computes everything from the per-parameter plans of
-``meshlm.lower.plan_params`` on a meta-device model (no tracing, no process group), so
+``meshlm.runtime.lowering.plan_params`` on a meta-device model (no tracing, no process group), so
 Llama 3 405B on 16,384 ranks plans in seconds.  Each figure sits beside its textbook
 formula (README, shipped layouts): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
 and the activation formula re-derived for our Llama block (docs/plan.md).
@@ -19,12 +19,11 @@ NOTE [plan = lowering]
     parameter: storage/grads/optimizer placements give the memory; the difference between
     storage and compute placements gives the at-use all-gathers (again in backward for a
     block whose parameters are gathered over a data axis: NOTE [re-gather in backward] in
-    meshlm/lowering); the data axes that split the batch give the gradient reductions (a
+    meshlm/runtime/lowering); the data axes that split the batch give the gradient reductions (a
     reduce-scatter where the grads placement shards over the axis, else an all-reduce, in
     mesh order).  tests/dist/test_plan_exact.py holds the two to equality on real gloo runs.
 
-Modules, each importing only those above it (and meshlm's core, never the app; measure imports
-meshlm.train's activation checkpointing lazily, until it moves out of the app):
+Modules, each importing only those above it (and the layers below the planner, never the app):
 
     offload     the tiers of a plan: what offload moves off the device, traffic (NOTE [planned offload])
     report      Plan, CommEntry, the text report, dtype and size helpers
@@ -37,13 +36,14 @@ meshlm.train's activation checkpointing lazily, until it moves out of the app):
     measured    plan_model(): a Plan from a measurement
     plot        the memory picture of the candidates
     search      candidates, cost model, choose_layout (layout=auto)
-    main        meshlm plan over a RunConfig: the model builder, the winner's train command
+
+``meshlm plan`` over a run config (the model builder, the winner's train command) is the
+app's: meshlm/app/plan.py.
 """
 
 from meshlm.plan.activations import activation_bytes
 from meshlm.plan.analytic import plan
 from meshlm.plan.hardware import HARDWARE, Hardware
-from meshlm.plan.main import _from_run_config, build_model, choose_layout, plan_main, train_command
 from meshlm.plan.measure import Measured, measure
 from meshlm.plan.measured import plan_model
 from meshlm.plan.report import SCHEMA_VERSION, CommEntry, GiB, Plan, format_plan
@@ -59,7 +59,7 @@ from meshlm.plan.search import (
     parse_memory,
     step_time,
 )
-from meshlm.plan.state import _MODELS, _PLAN_CACHE, model_config
+from meshlm.plan.state import model_config
 
 __all__ = [
     "CommEntry",
@@ -73,13 +73,8 @@ __all__ = [
     "PREFERENCE",
     "Plan",
     "SCHEMA_VERSION",
-    "_MODELS",
-    "_PLAN_CACHE",
-    "_from_run_config",
     "activation_bytes",
-    "build_model",
     "candidates",
-    "choose_layout",
     "factorisations",
     "format_candidates",
     "format_plan",
@@ -88,8 +83,6 @@ __all__ = [
     "nothing_fits",
     "parse_memory",
     "plan",
-    "plan_main",
     "plan_model",
     "step_time",
-    "train_command",
 ]

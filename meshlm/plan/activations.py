@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from meshlm.layout import Layout
+from meshlm.layout.rules import Layout
 from meshlm.models import LlamaConfig
 from meshlm.plan.report import _bytes
 from meshlm.plan.state import _prod

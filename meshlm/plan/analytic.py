@@ -9,11 +9,12 @@ from typing import Any, Mapping
 
 import torch
 
-from meshlm.errors import ConfigError
-from meshlm.layout import Layout, load_layout
-from meshlm.mesh import MeshSpec
+from meshlm.core.errors import ConfigError
+from meshlm.layout.mesh import MeshSpec
+from meshlm.layout.offload import OffloadSpec
+from meshlm.layout.precision import default_reduce_dtype, train_dtypes
+from meshlm.layout.rules import Layout, load_layout
 from meshlm.models import LlamaConfig
-from meshlm.offload.spec import OffloadSpec
 from meshlm.plan import offload as _offload
 from meshlm.plan.activations import activation_bytes
 from meshlm.plan.comm_model import _comm, _comm_formula
@@ -30,7 +31,6 @@ from meshlm.plan.state import (
     _zero_formula,
     model_config,
 )
-from meshlm.precision import default_reduce_dtype, train_dtypes
 
 
 def plan(
@@ -59,10 +59,10 @@ def plan(
     ``reduce_dtype`` the gradient reductions (None: as ``shard``, float32 under a narrower
     compute or storage dtype), ``master_dtype`` the optimizer's (None: the storage).
     ``param_dtype="auto"`` is what ``meshlm train`` chooses for this layout and mesh
-    (``precision.train_dtypes``, NOTE [mixed precision] in meshlm/precision.py;
-    :func:`_from_run_config`): float32 storage used in ``compute_dtype``, or for ZeRO-1/2
+    (``precision.train_dtypes``, NOTE [mixed precision] in meshlm/layout/precision.py;
+    :func:`meshlm.app.plan.from_run_config`): float32 storage used in ``compute_dtype``, or for ZeRO-1/2
     under a narrower ``compute_dtype`` storage in it with float32 main gradients (NOTE
-    [main grads] in meshlm/main_grad.py) and a float32 master.  ``offload``: the tiers
+    [main grads] in meshlm/runtime/main_grad.py) and a float32 master.  ``offload``: the tiers
     (an OffloadSpec, or the run's ``offload.*`` settings over the layout's section; None:
     the layout's section): ``memory`` is then the device's and ``offload``/``tiers`` hold the
     rest (NOTE [planned offload] in meshlm/plan/offload.py; ``device_is_host``: the device
@@ -72,7 +72,7 @@ def plan(
     if lay.scopes:
         raise ConfigError(
             f"layout {lay.name} has scopes, which the formula planner (the shipped Llama only) does not model; "
-            "plan it with plan.method=measure (NOTE [scoped layouts] in meshlm/scopes.py)"
+            "plan it with plan.method=measure (NOTE [scoped layouts] in meshlm/core/scopes.py)"
         )
     spec = MeshSpec.parse(mesh)
     sizes = {a: s for a, s in spec.axes}

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from meshlm.axes import DATA_AXES
-from meshlm.comm import ring_factor
-from meshlm.lower import _pure_data_parallel
-from meshlm.optim_chunks import outside_chunks
+from meshlm.core.axes import DATA_AXES
 from meshlm.plan.report import CommEntry
 from meshlm.plan.state import _dimplan_axes, _local_numel, _prod
+from meshlm.runtime.comm import ring_factor
+from meshlm.runtime.lowering.params import pure_data_parallel
+from meshlm.runtime.optim.chunks import outside_chunks
 
 
 def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> list[CommEntry]:
@@ -25,7 +25,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
 
     def add(kind, axis, phase, nbytes, what, count=1, bucket=None):
         """``bucket``: the parameter is in a block's bucket (NOTE [block buckets] in
-        meshlm/bucket), and ``bucket`` names its flat collective: every parameter with the same
+        meshlm/runtime/bucket), and ``bucket`` names its flat collective: every parameter with the same
         one shares a single collective per block, so only the first counts it (``count``
         times, once per block)."""
         n = sizes[axis]
@@ -45,7 +45,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
     # NOTE [local root] in lowering/local_root.py: under pure data parallelism the root runs on local
     # tensors; its parameters that compute uses as stored share one flat gradient
     # reduction, and the loss is combined from (loss x weight, weight).
-    local_root = bool(data_active) and _pure_data_parallel(lay, sizes)
+    local_root = bool(data_active) and pure_data_parallel(lay, sizes)
     outside = _outside_chunks(params_)
     seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
     for prm in params_:
@@ -95,7 +95,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
         partial = [ax for ax in data_batch if ax not in caxes]
         if pp.axes == ("embed",):
             partial += [ax for ax in seq_axes if ax not in caxes]
-        # In a bucket, gradients that go through the same reductions share them (meshlm/bucket).
+        # In a bucket, gradients that go through the same reductions share them (meshlm/runtime/bucket).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
         # the optimizer's collectives are flat per block, and per chunk of the parameters
         # outside blocks (NOTE [optimizer chunks] in optim_chunks.py)
@@ -136,7 +136,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
     for ax in data_batch:
         add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
     # which parameters some rank used, under a local root: a byte per parameter, one
-    # all-reduce per data mesh dim at the step (NOTE [unused parameters] in meshlm/unused.py)
+    # all-reduce per data mesh dim at the step (NOTE [unused parameters] in meshlm/runtime/unused.py)
     if local_root:
         for ax in data_active:
             add("all_reduce", ax, "optimizer", sum(prm.count for prm in params_), "used-parameter flags")

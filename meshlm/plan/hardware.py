@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.plan.report import GiB
 
 
@@ -35,7 +35,7 @@ HARDWARE = {
 }
 
 
-def _hardware(name: str) -> Hardware:
+def hardware_profile(name: str) -> Hardware:
     if name == "auto":
         name = "h100_nvlink_ib" if torch.cuda.is_available() else "cpu"
     if name not in HARDWARE:

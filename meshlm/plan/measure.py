@@ -9,7 +9,7 @@ NOTE [fake measurement]
     ``train.grad_accum`` micro-batches of forward and backward on this rank's slice of the
     tokens and targets, then the optimizer step (``ShardedOptimizer`` over AdamW), twice.
     The second step is measured as ``meshlm train`` measures its own (NOTE [run memory] in
-    meshlm/metrics.py), so the two compare directly:
+    meshlm/train/metrics.py), so the two compare directly:
 
     - ``params``, ``grads`` (after the last backward or in the step, whichever holds
       more), ``optimizer`` (after the step):
@@ -19,8 +19,8 @@ NOTE [fake measurement]
       returns, less the parameters, the inputs and the loss: what autograd and
       checkpointing hold for backward, at-use parameter copies included;
     - ``peak``: the most storage alive at once during the step, model state included
-      (``meshlm.memory.PeakStorage``);
-    - ``comm``: every collective of the step (``meshlm.comm.CommCounter``);
+      (``meshlm.runtime.memory.PeakStorage``);
+    - ``comm``: every collective of the step (``meshlm.runtime.comm.CommCounter``);
     - ``flops``: this rank's floating-point operations in a step (counted in the first)
       (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
       included).
@@ -42,8 +42,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import TorchDispatchMode
-from meshlm.comm import CommCounter
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
+from meshlm.runtime.comm import CommCounter
 
 Build = Callable[[str], torch.nn.Module]
 
@@ -63,7 +63,7 @@ class Measured:
 
 
 def _local(t):
-    from meshlm.memory import local_data
+    from meshlm.runtime.memory import local_data
 
     return local_data(t)
 
@@ -134,13 +134,13 @@ def measure(
     """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
-    ``meshlm.shard``'s dtype arguments (``meshlm.precision.shard_dtypes``); ``offload`` an
+    ``meshlm.shard``'s dtype arguments (``meshlm.layout.precision.shard_dtypes``); ``offload`` an
     OffloadSpec whose tiers the step runs with, on fake tensors
     (NOTE [planned offload] in meshlm/plan/offload.py)."""
     import torch.distributed as dist
 
-    import meshlm
     from meshlm._torch_compat import FAKE_IS_EAGER
+    from meshlm.layout.mesh import make_mesh
 
     own = not dist.is_initialized()
     if not own and dist.get_backend() != "fake":
@@ -156,7 +156,7 @@ def measure(
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        mesh = meshlm.make_mesh(dict(mesh_sizes), fake=True)
+        mesh = make_mesh(dict(mesh_sizes), fake=True)
         return _measure(
             build,
             layout,
@@ -187,16 +187,18 @@ def measure(
 def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw, offload) -> Measured:
     from torch.utils.flop_counter import FlopCounterMode
 
-    import meshlm
-    from meshlm.activation_checkpointing import apply_activation_checkpointing
-    from meshlm.memory import PeakStorage, model_state_bytes
-    from meshlm.offload.params import ParamOffload
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.layout.rules import load_layout
     from meshlm.plan.offload import FakeActivations, FakeTier
     from meshlm.plan.scopes import state_by_scope
+    from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.runtime.lowering import shard
+    from meshlm.runtime.lowering.inputs import shard_batch
+    from meshlm.runtime.memory import PeakStorage, model_state_bytes
+    from meshlm.runtime.offload.params import ParamOffload
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
-        model = meshlm.shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
+        model = shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
         apply_activation_checkpointing(model, activation_checkpointing)
         tier = FakeTier(offload.optimizer) if offload is not None and offload.optimizer != "device" else None
         acts = FakeActivations() if offload is not None and offload.activations != "device" else None
@@ -208,10 +210,10 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         )
         psi = sum(p.numel() for p in model.parameters())
         toks = torch.zeros(micro, seq + 1, dtype=torch.long)
-        x = meshlm.shard_batch(toks[:, :-1], layout, mesh)
-        y = meshlm.shard_batch(toks[:, 1:], layout, mesh)
+        x = shard_batch(toks[:, :-1], layout, mesh)
+        y = shard_batch(toks[:, 1:], layout, mesh)
         extras = _example_inputs(model, micro, seq, layout, mesh)
-        lay, scopes = meshlm.load_layout(layout), {}
+        lay, scopes = load_layout(layout), {}
         inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
         moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
         on_tier = [0]  # bytes of gradients on their tier at the step (offload.grads)
@@ -266,7 +268,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         state = model_state_bytes(model, opt)
     kinds = {}
     if tier is not None and tier.tier == "host":  # stepped on the host (NOTE [host step]): by its parameters
-        from meshlm.offload.host_step import planned
+        from meshlm.runtime.offload.host_step import planned
 
         extra, up, down = planned(opt)
         kinds["optimizer"] = {"bytes": opt.offload.nbytes() + extra, "in_bytes": up, "out_bytes": down}
@@ -293,10 +295,10 @@ def _example_inputs(model, batch: int, seq: int, layout, mesh) -> dict:
     """The model's keyword inputs besides tokens and labels for a step of ``batch`` rows
     (its ``example_inputs(batch, seq)``, e.g. a vision-language model's images), each
     rank's slice; {} for a model that takes none."""
-    import meshlm
-    from meshlm.lowering import input_axes
+    from meshlm.runtime.lowering import input_axes
+    from meshlm.runtime.lowering.inputs import shard_batch
 
     make = getattr(model, "example_inputs", None)
     if make is None:
         return {}
-    return {k: meshlm.shard_batch(v, layout, mesh, input_axes(model, k, v.ndim)) for k, v in make(batch, seq).items()}
+    return {k: shard_batch(v, layout, mesh, input_axes(model, k, v.ndim)) for k, v in make(batch, seq).items()}

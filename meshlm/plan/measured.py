@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping
 
-from meshlm.errors import ConfigError
-from meshlm.layout import is_pipelined, load_layout
-from meshlm.mesh import MeshSpec
+from meshlm.core.errors import ConfigError
+from meshlm.layout.mesh import MeshSpec
+from meshlm.layout.rules import is_pipelined, load_layout
 from meshlm.plan.measure import Build, measure
 from meshlm.plan.offload import finish, kind_entry, offload_spec_for
 from meshlm.plan.report import CommEntry, Plan, _name

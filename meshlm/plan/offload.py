@@ -8,22 +8,22 @@ NOTE [planned offload]
     off it is in ``Plan.offload["kinds"][kind]`` and summed per tier in ``Plan.tiers``
     (``device``, ``host``, ``disk``).  ``host`` is counted on ``host`` even where the device
     is host memory (the ``cpu`` profile, where the runtime moves nothing for ``host``:
-    NOTE [swapped storage] in meshlm/offload/store.py), so that the same plan is right for a
+    NOTE [swapped storage] in meshlm/runtime/offload/store.py), so that the same plan is right for a
     GPU; the report says so.
 
-    - ``optimizer`` (NOTE [offloaded step] in meshlm/offload/optimizer.py): every master that
+    - ``optimizer`` (NOTE [offloaded step] in meshlm/runtime/offload/optimizer.py): every master that
       is a tensor of its own and AdamW's ``exp_avg`` and ``exp_avg_sq`` move
       (``OptimizerOffload.nbytes``); the 0-dim ``step`` counters stay on the device.  On
       ``disk`` each step reads them in and writes them out once, chunk by chunk (in = out =
       the bytes).  On ``host`` the step runs on the host (NOTE [host step] in
-      meshlm/offload/host_step.py), which holds as well a copy of each master that is no
+      meshlm/runtime/offload/host_step.py), which holds as well a copy of each master that is no
       tensor of its own and a gradient buffer per master; per step the masters' gradients
       go down (out) and their new values come up in the parameters' dtype (in)
       (``host_step.planned``).
       The one chunk in memory during the step is not added to the device figure: it is
       there while the step runs, after backward has freed the activations (the measured
       planner runs the chunked step and counts it where it is).
-    - ``activations`` (NOTE [offloaded activations] in meshlm/offload/activations.py): by
+    - ``activations`` (NOTE [offloaded activations] in meshlm/runtime/offload/activations.py): by
       formula, everything the plan counts as saved for backward (``activations`` and the
       ``gathered`` at-use copies) moves, written in forward and read in backward once per
       micro-batch; the device keeps what one unit needs while it runs: one block's saved
@@ -35,14 +35,14 @@ NOTE [planned offload]
       unpacks it, so it measures what the device holds (the tensors under 64 KiB and views
       of parameters stay) and what moves: a tensor saved by several ops (the input of the
       q, k and v projections) is written once and read back by each.
-    - ``params`` (NOTE [offloaded parameters] in meshlm/offload/params.py): every block's
+    - ``params`` (NOTE [offloaded parameters] in meshlm/runtime/offload/params.py): every block's
       stored parameters move; the device keeps the parameters outside blocks and two
       blocks' (the one running and the one read ahead).  Per step each block's come in for
       its forward and its backward in every micro-batch and for its chunk of the step
       (in = the blocks' bytes x (2 x micro-batches + 1)) and are written once, after the
       step changed them (out = the blocks' bytes).  Layouts whose optimizer keeps copies of
       the parameters are refused, as by the runtime.
-    - ``grads`` (NOTE [offloaded gradients] in meshlm/offload/grads.py): every gradient as
+    - ``grads`` (NOTE [offloaded gradients] in meshlm/runtime/offload/grads.py): every gradient as
       accumulated, and the masters' gradients that are buffers of their own (ZeRO-1's
       shards), move; the device keeps two of the largest parameter's (the one autograd just
       made and the one it is added to).  Per step each micro-batch writes the parameters'
@@ -60,7 +60,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Mapping, Optional
 
-from meshlm.offload.spec import KINDS, TIERS, OffloadSpec, resolve_offload
+from meshlm.layout.offload import KINDS, TIERS, OffloadSpec, resolve_offload
 
 MiB = 2**20
 
@@ -230,7 +230,7 @@ def optimizer_host(overrides: Optional[Mapping[str, Any]]) -> Optional[dict[str,
 
 # --------------------------------------------------------------------------- measured
 class FakeTier:
-    """A ``meshlm.offload.store.Swapper`` for fake tensors (NOTE [fake measurement] in
+    """A ``meshlm.runtime.offload.store.Swapper`` for fake tensors (NOTE [fake measurement] in
     measure.py): swapping out frees the storage (``resize_(0)``) and swapping in makes it
     again, with no bytes to copy, whatever the tier; ``bytes_in``/``bytes_out`` count as the
     real one's."""
@@ -245,7 +245,7 @@ class FakeTier:
         return id(t) in self._out
 
     def swap_out(self, t, clean: bool = False) -> None:
-        from meshlm.offload.store import owns_storage
+        from meshlm.runtime.offload.store import owns_storage
 
         if self.is_out(t) or not owns_storage(t):
             return
@@ -277,7 +277,7 @@ class FakeActivations:
     the rest is kept.  ``out_bytes``/``in_bytes``: bytes packed and unpacked."""
 
     def __init__(self):
-        from meshlm.offload.activations import MIN_BYTES
+        from meshlm.runtime.offload.activations import MIN_BYTES
 
         self.min_bytes = MIN_BYTES
         self.out_bytes = self.in_bytes = 0
@@ -291,8 +291,8 @@ class FakeActivations:
     def pack(self, t):
         from torch.distributed.tensor import DTensor
 
-        from meshlm.memory import local_data
-        from meshlm.offload.activations import stays
+        from meshlm.runtime.memory import local_data
+        from meshlm.runtime.offload.activations import stays
 
         local = local_data(t)
         nbytes = local.numel() * local.element_size()
@@ -307,7 +307,7 @@ class FakeActivations:
     def unpack(self, packed):
         import torch
 
-        from meshlm.offload.activations import rebuild
+        from meshlm.runtime.offload.activations import rebuild
 
         if packed[0] == "kept":
             return packed[1]

@@ -6,7 +6,7 @@ and the schedule's bubble.
 NOTE [planning stages]
     For every pp rank r, this process joins a fake process group as the rank at pp
     coordinate r (the others 0), builds that rank's part of the pipeline exactly as
-    ``meshlm train`` does (``meshlm.pipeline.build_pipeline``: the same cut, the same
+    ``meshlm train`` does (``meshlm.runtime.pipeline.build_pipeline``: the same cut, the same
     sharded stage model, on fake tensors), and runs the step its schedule runs on it, in the
     schedule's own order: torch's ``pipeline_order`` for the rank (the forward, backward,
     input- and weight-gradient actions of each of its stages and micro-batches), each
@@ -37,9 +37,9 @@ from typing import Mapping, Optional
 import torch
 
 from meshlm import _torch_compat as compat
-from meshlm.errors import ConfigError
-from meshlm.layout import load_layout
-from meshlm.mesh import MeshSpec
+from meshlm.core.errors import ConfigError
+from meshlm.layout.mesh import MeshSpec
+from meshlm.layout.rules import load_layout
 from meshlm.plan.measure import Build, _WaitIsIdentity
 from meshlm.plan.report import CommEntry, Plan, _name
 
@@ -49,7 +49,7 @@ def actions(pipe, spec, microbatches: int, stages: list) -> list[tuple[str, int,
     schedule's order: torch's ``pipeline_order`` for the schedules that run from one, else GPipe's
     (every forward, then every backward) or 1F1B's (warm-up forwards, then one backward
     and one forward each, then the remaining backwards)."""
-    from meshlm.pipeline.schedule import make_schedule
+    from meshlm.runtime.pipeline.schedule import make_schedule
 
     if spec.multi:  # torch runs these from their pipeline_order (its single-stage schedules do not)
         order = make_schedule(spec, stages, microbatches, lambda out, _t: out).pipeline_order
@@ -130,12 +130,12 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
     from torch.utils.flop_counter import FlopCounterMode
 
     from meshlm._torch_compat import FAKE_IS_EAGER
-    from meshlm.activation_checkpointing import apply_activation_checkpointing
-    from meshlm.comm import CommCounter
-    from meshlm.memory import PeakStorage, model_state_bytes
-    from meshlm.mesh import init_fake
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.pipeline import build_pipeline, pipeline_mesh, schedule_spec
+    from meshlm.layout.mesh import init_fake
+    from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.runtime.memory import PeakStorage, model_state_bytes
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh, schedule_spec
 
     world = math.prod(sizes.values())
     init_fake(world, rank=r)  # pp is the innermost mesh axis: rank r has pp coordinate r, the others 0
@@ -149,9 +149,9 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
             )
             apply_activation_checkpointing(pipe.model, ac)
             opt = ShardedOptimizer(pipe.model, torch.optim.AdamW, lr=1e-3)
-            import meshlm
+            from meshlm.runtime.lowering.inputs import shard_batch
 
-            x = meshlm.shard_batch(torch.zeros(micro, seq, dtype=torch.long), lay, sub)
+            x = shard_batch(torch.zeros(micro, seq, dtype=torch.long), lay, sub)
             inputs = [((x, x), {}) for _ in range(m)]
             spec = schedule_spec(pcfg["schedule"], pcfg["stages_per_rank"], pipe.pp, m)
             order = actions(pipe, spec, m, pipe._stages(x))
@@ -242,7 +242,7 @@ def plan_pipeline(
     """The plan of ``build`` under pipeline ``layout`` on ``mesh`` (NOTE [planning stages])."""
     import torch.distributed as dist
 
-    from meshlm.pipeline.schedule import bubble
+    from meshlm.runtime.pipeline.schedule import bubble
 
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)

@@ -9,9 +9,9 @@ from typing import Any, Mapping
 
 import torch
 
-from meshlm.offload.spec import KINDS
+from meshlm.layout.offload import KINDS
+from meshlm.layout.precision import DTYPES as _DTYPES
 from meshlm.plan.offload import lines as _offload_lines
-from meshlm.precision import DTYPES as _DTYPES
 
 SCHEMA_VERSION = 1
 GiB = 1024**3

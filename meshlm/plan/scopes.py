@@ -1,4 +1,4 @@
-"""``meshlm plan`` per scope of a scoped layout (NOTE [scoped layouts] in meshlm/scopes.py).
+"""``meshlm plan`` per scope of a scoped layout (NOTE [scoped layouts] in meshlm/core/scopes.py).
 
 NOTE [planned scopes]
     For a layout with scopes the plan adds, per scope (and ``top level`` for the parameters
@@ -31,8 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
-from meshlm.axes import DATA_AXES
-from meshlm.scopes import scope_of
+from meshlm.core.axes import DATA_AXES
+from meshlm.core.scopes import scope_of
 
 TOP = "top level"
 
@@ -45,7 +45,7 @@ def scope_label(layout: Any, fqn: str) -> str:
 
 def state_by_scope(model: Any, opt: Any, layout: Any) -> dict[str, dict[str, int]]:
     """Per scope, this rank's ``params``, ``grads`` and ``optimizer`` bytes."""
-    from meshlm.memory import storage_bytes
+    from meshlm.runtime.memory import storage_bytes
 
     masters = opt.masters() if hasattr(opt, "masters") else {}
     inner = getattr(opt, "inner", opt)
@@ -110,8 +110,8 @@ def traffic_by_scope(
 def plan_scopes(build: Any, layout: Any, sizes: Mapping[str, int], state: Mapping[str, dict], elt: int) -> dict:
     """The ``scopes`` entry of a Plan: per scope its measured ``memory`` (``state``, from
     ``state_by_scope``) and planned ``comm`` (``traffic_by_scope``, keys as strings)."""
-    from meshlm.annotate import outer_blocks
-    from meshlm.lower import plan_params
+    from meshlm.core.annotate import outer_blocks
+    from meshlm.runtime.lowering import plan_params
 
     model = build("meta")
     inside = {id(p) for b in outer_blocks(model) for p in b.parameters()}

@@ -7,12 +7,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from meshlm.errors import ConfigError, MeshlmError
-from meshlm.layout import is_pipelined, load_layout, shipped_layouts
+from meshlm.core.errors import ConfigError, MeshlmError
+from meshlm.layout.offload import resolve_offload
+from meshlm.layout.rules import is_pipelined, load_layout, shipped_layouts
 from meshlm.models import LlamaConfig
-from meshlm.offload.spec import resolve_offload
 from meshlm.plan.analytic import plan
-from meshlm.plan.hardware import Hardware, _hardware
+from meshlm.plan.hardware import Hardware, hardware_profile
 from meshlm.plan.offload import offload_seconds, optimizer_host
 from meshlm.plan.plot import _plot
 from meshlm.plan.report import GiB, Plan, _mesh_str, _parts
@@ -148,14 +148,14 @@ def candidates(
     settings over each layout's own section (NOTE [planned offload]); with ``replan``,
     ``planner`` is called as ``planner(layout, mesh, offload)`` (``layout=auto`` planning
     again with ``offload.optimizer=host``)."""
-    hw = hardware if isinstance(hardware, Hardware) else _hardware(hardware)
+    hw = hardware if isinstance(hardware, Hardware) else hardware_profile(hardware)
     name, mcfg = model_config(model)
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
     out, seen = [], set()
     for lay in names:
         piped = is_pipelined(load_layout(lay))
         if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
-            continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/scopes.py)
+            continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/core/scopes.py)
         used = load_layout(lay).mesh_axes_used()
         axes = ("dp", "fsdp", "tp", "pp") if piped else ("dp", "fsdp", "tp")
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
@@ -236,10 +236,10 @@ def choose_layout(
     ``headroom`` fraction kept free, rank the rest (:func:`rank_key`), print a ranked table (and write a PNG of the memory of the shown
     candidates to ``png``), and return the winner's (layout name, mesh sizes).
 
-    Raises :class:`NothingFits` when nothing fits.  From a :class:`meshlm.config.RunConfig`:
-    :func:`meshlm.plan.main.choose_layout`."""
+    Raises :class:`NothingFits` when nothing fits.  From a :class:`meshlm.app.config.RunConfig`:
+    :func:`meshlm.app.plan.choose_layout`."""
     out = out or sys.stdout
-    hw = _hardware(hardware)
+    hw = hardware_profile(hardware)
     # a bad offload setting stops here, not as every candidate dropped
     resolve_offload(None, dict(offload or {}))
     cap = (parse_memory(max_memory) if max_memory is not None else hw.memory) * (1.0 - headroom)

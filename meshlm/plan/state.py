@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
-from meshlm.axes import DATA_AXES
-from meshlm.layout import Layout
-from meshlm.lower import ParamPlan, plan_params
+from meshlm.core.axes import DATA_AXES
+from meshlm.layout.rules import Layout
 from meshlm.models import Llama, LlamaConfig, llama_config
+from meshlm.runtime.lowering import ParamPlan, plan_params
 
 
 def _local_numel(pp: ParamPlan, plan, sizes: Mapping[str, int]) -> int:
@@ -39,9 +39,6 @@ def _master_is_view(pp: ParamPlan, sizes: Mapping[str, int]) -> bool:
 
 def _dimplan_axes(plan) -> set[str]:
     return {a for axes in plan for a in axes}
-
-
-_MODELS: dict = {}  # one one-layer meta model per config
 
 
 def model_config(model: "str | LlamaConfig | tuple[str, LlamaConfig]") -> tuple[str, LlamaConfig]:

@@ -1,5 +1,5 @@
 """A small multi-process training job for the crash tests (llama_tiny, ShardedOptimizer,
-ShardedLoader, a warmup+cosine LR schedule, meshlm.checkpoint.Checkpointer).
+ShardedLoader, a warmup+cosine LR schedule, meshlm.train.checkpoint.Checkpointer).
 
     python tests/dist/ckpt_driver.py --nproc 2 --layout fsdp --mesh fsdp=2 --steps 8 \
         --dir CKPT --every 2 --log LOSSES [--resume auto] [--die-in-save STEP]
@@ -42,10 +42,10 @@ def worker(rank: int, world: int, store_file: str, args: argparse.Namespace) -> 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     import meshlm
-    from meshlm.checkpoint import CheckpointConfig, Checkpointer
-    from meshlm.data import DataConfig, ShardedLoader, TokenDataset
+    from meshlm.train.checkpoint import CheckpointConfig, Checkpointer
+    from meshlm.data.text import DataConfig, ShardedLoader, TokenDataset
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     if args.die_in_save is not None and rank == 1:
         import torch.distributed.checkpoint as dcp

@@ -1,14 +1,14 @@
 """Collective budgets: every collective of one training step (forward, backward,
 ShardedOptimizer.step) per shipped layout on 4 gloo processes, llama_tiny, fp32, counted
-with meshlm.comm.CommCounter, must equal a budget derived from the formulas in README's shipped-layouts table
+with meshlm.runtime.comm.CommCounter, must equal a budget derived from the formulas in README's shipped-layouts table
 (count and logical bytes per collective kind, mesh axis and phase).  An extra all-gather,
 all-reduce or reduce-scatter anywhere fails the test.
 
 Notation (per rank): P = parameter bytes (fp32, whole model), Pb = bytes of the block
 parameters, L layers (blocks), nk = L + 3 collectives of a
-bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/bucket/__init__.py, plus
+bucketed pass (one flat collective per block, NOTE [block buckets] in meshlm/runtime/bucket/__init__.py, plus
 one per parameter outside the blocks: tok_emb, the final norm, lm_head; L + 1 where those
-three share one, NOTE [local root] in meshlm/lowering/local_root.py), bsh = local batch x seq x embed x 4
+three share one, NOTE [local root] in meshlm/runtime/lowering/local_root.py), bsh = local batch x seq x embed x 4
 bytes (one activation of the residual stream).
 """
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 B, S = 4, 8  # global batch, sequence
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
 
 def _count_step(layout: str, mesh_shape: dict, **shard_kw):
-    from meshlm.comm import count_step
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.comm import count_step
+    from harness.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **shard_kw)
     return _summary(count_step(model, opt, x, y, mesh))
@@ -36,9 +36,9 @@ def _summary(cc) -> dict:
 
 
 def _count_step_prefetching(layout: str, mesh_shape: dict):
-    from meshlm.comm import count_step
-    from meshlm.lowering import shard_state
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.comm import count_step
+    from meshlm.runtime.lowering import shard_state
+    from harness.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, overlap=True)
     counts = _summary(count_step(model, opt, x, y, mesh))
@@ -82,7 +82,7 @@ def budget(layout: str, mesh: dict) -> dict:
     # The loss is a mean over the batch shards: one all-reduce per data mesh dim (DTensor
     # reduces a Partial scalar one mesh dim at a time), of 4 bytes.  Under a pure
     # data-parallel layout the root runs on local tensors (NOTE [local root] in
-    # meshlm/lowering/local_root.py): the mean is combined from each rank's (loss x weight, weight), 8
+    # meshlm/runtime/lowering/local_root.py): the mean is combined from each rank's (loss x weight, weight), 8
     # bytes, and the parameters outside the blocks that compute uses as stored (ddp, zero2:
     # tok_emb, the final norm, lm_head) have their gradients reduced in one flat collective
     # at the end of backward, so a bucketed backward pass has L + 1 collectives, not nk.
@@ -93,7 +93,7 @@ def budget(layout: str, mesh: dict) -> dict:
     if pure_data:
         # Local blocks and roots may use different parameters on different ranks: at the step
         # one all-reduce per data mesh dim of a byte per parameter says which some rank used
-        # (NOTE [unused parameters] in meshlm/unused.py); under DTensor every rank runs the
+        # (NOTE [unused parameters] in meshlm/runtime/unused.py); under DTensor every rank runs the
         # same program and none is needed.
         for a in data:
             add("all_reduce", a, "optimizer", 1, L * (len(attn) + len(mlp) + len(norms)) + len(emb) + 1)
@@ -102,7 +102,7 @@ def budget(layout: str, mesh: dict) -> dict:
     elif layout == "zero1":  # ZeRO-1: reduce-scatter at the step + all-gather of the update,
         # each one flat collective per block and one for the parameters outside blocks,
         # which together are smaller than a block (NOTE [optimizer chunks] in
-        # meshlm/optim.py)
+        # meshlm/runtime/optim/sharded.py)
         add("reduce_scatter", "dp", "optimizer", L + 1, P)
         add("all_gather", "dp", "optimizer", L + 1, P)
     elif layout == "zero2":  # ZeRO-2: reduce-scatter in backward + all-gather after the step
@@ -111,7 +111,7 @@ def budget(layout: str, mesh: dict) -> dict:
     elif layout in ("fsdp", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
         # ZeRO-3: all-gather in forward, again in backward, reduce-scatter of the grads:
         # 3(N-1)/N·Ψ·B.  Saving: only block parameters are re-gathered in backward
-        # (NOTE [re-gather in backward] in meshlm/lowering/policies.py); the embedding's backward needs no
+        # (NOTE [re-gather in backward] in meshlm/runtime/lowering/policies.py); the embedding's backward needs no
         # weight, and the final norm and lm_head, used last in forward and first in
         # backward, stay gathered between the two (3 tensors, P - Pb bytes, saved).
         add("all_gather", "fsdp", "forward", nk, P)
@@ -141,7 +141,7 @@ def budget(layout: str, mesh: dict) -> dict:
         # The norm weights' gradients are reduce-scattered over fsdp first, then all-reduced
         # over tp on the 1/fsdp shard.  With a bucket (fsdp > 1) a block's two norms take one
         # flat reduce-scatter and one flat all-reduce of their own (their own route, so that
-        # their buffers die together; meshlm/bucket/op.py), the final norm its own per-parameter ones.
+        # their buffers die together; meshlm/runtime/bucket/op.py), the final norm its own per-parameter ones.
         bucketed = mesh.get("fsdp", 1) > 1
         add("all_reduce", "tp", "backward", L + 1 if bucketed else 2 * L + 1,
             (2 * L + 1) * h * 4 // mesh.get("fsdp", 1))
@@ -149,7 +149,7 @@ def budget(layout: str, mesh: dict) -> dict:
             add("reduce_scatter", "fsdp", "backward", L, 0)
     # No recomputed activation collectives: a re-gathering block (fsdp_tp, fsdp_tp_sp) runs
     # under selective checkpointing that keeps the outputs of its tp collectives
-    # (meshlm/lowering/policies.py SAVED_COLLECTIVES), so backward re-runs only the parameter gathers.
+    # (meshlm/runtime/lowering/policies.py SAVED_COLLECTIVES), so backward re-runs only the parameter gathers.
     return out
 
 
@@ -176,7 +176,7 @@ def test_budget(pool4, layout, mesh):
 
 @pytest.mark.parametrize("layout,mesh", [("fsdp", {"fsdp": 4}), ("hsdp", {"dp": 2, "fsdp": 2})], ids=["fsdp", "hsdp"])
 def test_budget_with_prefetch(pool4, layout, mesh):
-    """With overlap (NOTE [prefetch] in meshlm/bucket/prefetch.py) each block's gather is issued one
+    """With overlap (NOTE [prefetch] in meshlm/runtime/bucket/prefetch.py) each block's gather is issued one
     block ahead, in forward and in the backward recompute, and the step's collectives are
     still exactly the budget: every prefetched gather is the block's own, used once."""
     res = pool4.run(_count_step_prefetching, layout, mesh)
@@ -192,9 +192,9 @@ def _count_step_with_extra_gather(layout: str, mesh_shape: dict):
     import torch
 
     from meshlm import _torch_compat as compat
-    from meshlm.bucket import waited
-    from meshlm.comm import count_step
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.bucket import waited
+    from meshlm.runtime.comm import count_step
+    from harness.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S)
     group = mesh.get_group(0).group_name
@@ -218,9 +218,9 @@ def _zero_step_with_buckets(layout: str, mesh_shape: dict, bucket_mbs: list):
     optimizer-phase collectives and the updated parameters."""
     import torch
 
-    from meshlm.comm import count_step
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.comm import count_step
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness.setup import tiny_sharded
 
     out = []
     for mb in bucket_mbs:

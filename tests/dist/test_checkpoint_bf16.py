@@ -2,7 +2,7 @@
 
 Under ``train.param_dtype=bfloat16`` ZeRO-1/2 store bf16 parameters and keep the true
 weights in the optimizer's sharded float32 masters (NOTE [mixed precision] in
-meshlm/precision.py).  A checkpoint saves those masters, and every load takes the weights
+meshlm/layout/precision.py).  A checkpoint saves those masters, and every load takes the weights
 from them (or, from a checkpoint without masters, from the saved parameters) in float32:
 
 * a resumed bf16 ZeRO-1/2 run continues bit for bit as if never stopped (same world
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -41,11 +41,11 @@ def _batches(n: int):
 def _setup(layout: str, shape: str, param_dtype: str):
     """llama_tiny sharded as ``meshlm train`` shards it for ``train.param_dtype``."""
     import meshlm
-    from meshlm.config import TrainConfig
-    from meshlm.mesh import mesh_spec
+    from meshlm.app.config import TrainConfig
+    from meshlm.layout.mesh import mesh_spec
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.train import shard_dtypes
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.app.train import shard_dtypes
 
     mesh = meshlm.make_mesh(shape)
     lay = meshlm.load_layout(layout)
@@ -78,7 +78,7 @@ def _state(model, opt) -> dict[str, torch.Tensor]:
     """Every parameter (in its storage dtype), master and AdamW state tensor, gathered."""
     from torch.distributed.tensor import DTensor
 
-    from meshlm.lower import full_state_dict
+    from meshlm.runtime.lowering import full_state_dict
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
@@ -95,7 +95,7 @@ def _job(layout, shape, param_dtype, load_from=None, save_to=None):
     """Train BEFORE steps and save to ``save_to`` (or load ``load_from``), then train AFTER
     more: the state right after the save or load, the losses after it, the final state,
     and the storage dtype."""
-    from meshlm.checkpoint import load_checkpoint, save_checkpoint
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
 
     batches = _batches(BEFORE + AFTER)
     mesh, model, opt = _setup(layout, shape, param_dtype)
@@ -185,8 +185,8 @@ def test_bf16_checkpoint_reshards_to_masters(pool2, saved_bf16, layout, shape, p
 def _weights_only_job(path):
     """An fp32 model loaded without an optimizer, as ``meshlm convert`` exports one."""
     import meshlm
-    from meshlm.checkpoint import load_checkpoint
-    from meshlm.lower import full_state_dict
+    from meshlm.train.checkpoint import load_checkpoint
+    from meshlm.runtime.lowering import full_state_dict
     from meshlm.models import Llama, llama_config
 
     model = meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "single", meshlm.make_mesh("dp=1"))
@@ -224,8 +224,8 @@ def _mid_accumulation_job(layout, d):
     load drops them (they are gradients of the weights it replaces).  Returns the losses
     and final states of: the uninterrupted run, the run that saved mid-step, and the run
     that loaded with stale main gradients."""
-    from meshlm import main_grad
-    from meshlm.checkpoint import load_checkpoint, save_checkpoint
+    from meshlm.runtime import main_grad
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
 
     batches = _batches(BEFORE + AFTER)
     mesh, model, opt = _setup(layout, "dp=2", "bfloat16")

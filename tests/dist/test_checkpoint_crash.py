@@ -106,7 +106,7 @@ def _train_cli(cwd, *overrides) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     args = ["model=llama_tiny", "mesh=fsdp2", "layout=fsdp", "train.steps=12", "checkpoint.every=2", *overrides]
-    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *args], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -129,7 +129,7 @@ def _cli_losses(cwd) -> dict[int, float]:
 def test_sigkill_meshlm_train_resumes_exactly(tmp_path):
     """The same with the real `meshlm train` (2 processes, fsdp): SIGKILL the whole job
     after its step-4 checkpoint, resume with checkpoint.resume=auto."""
-    pytest.importorskip("meshlm.train")
+    pytest.importorskip("meshlm.app.train")
     ref_cwd, ck = str(tmp_path / "ref"), str(tmp_path / "ck")
     _wait(_train_cli(ref_cwd, f"checkpoint.dir={tmp_path / 'ref_ck'}"), 0)
     ref = _cli_losses(ref_cwd)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=30)
 
@@ -17,7 +17,7 @@ pool2 = dist_pool_fixture(2, timeout_s=30)
 def _model(**overrides):
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh("fsdp=2")
     model = meshlm.shard(Llama(llama_config("llama_tiny", **overrides), device="meta"), "fsdp", mesh, seed=0)
@@ -25,7 +25,7 @@ def _model(**overrides):
 
 
 def _save(root):
-    from meshlm.checkpoint import save_checkpoint
+    from meshlm.train.checkpoint import save_checkpoint
 
     model, opt = _model()
     x = torch.randint(0, 256, (2, 8))
@@ -37,8 +37,8 @@ def _save(root):
 def _try_load(path, **overrides):
     import torch.distributed as dist
 
-    from meshlm.checkpoint import load_checkpoint
-    from meshlm.errors import CheckpointError
+    from meshlm.train.checkpoint import load_checkpoint
+    from meshlm.core.errors import CheckpointError
 
     model, opt = _model(**overrides)
     try:
@@ -113,7 +113,7 @@ def test_other_model_shape(pool2, tmp_path):
 
 
 def test_good_checkpoint_and_auto(pool2, tmp_path):
-    from meshlm.checkpoint import latest_checkpoint
+    from meshlm.train.checkpoint import latest_checkpoint
 
     good = pool2.run(_save, str(tmp_path / "run"))[0]
     assert pool2.run(_try_load, good) == [None, None]
@@ -154,7 +154,7 @@ def test_tampered_metadata_is_refused_on_every_rank(pool2, tmp_path):
 
 
 def _save_steps(root, steps):
-    from meshlm.checkpoint import save_checkpoint
+    from meshlm.train.checkpoint import save_checkpoint
 
     model, opt = _model()
     x = torch.randint(0, 256, (2, 8))
@@ -166,7 +166,7 @@ def _save_steps(root, steps):
 
 
 def _resume_auto(root):
-    from meshlm.checkpoint import CheckpointConfig, Checkpointer
+    from meshlm.train.checkpoint import CheckpointConfig, Checkpointer
 
     model, opt = _model()
     said = []
@@ -190,8 +190,8 @@ def _save_with_full_disk_on(root, failing_rank):
 
     import torch.distributed as dist
 
-    from meshlm.errors import CheckpointError
-    from meshlm.testing.faults import full_disk
+    from meshlm.core.errors import CheckpointError
+    from harness.faults import full_disk
 
     _save_steps(root, [1])
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 # Continuing on another layout changes the reduction order of matmuls and all-reduces, so
 # losses differ by fp32 rounding only: the same tolerance as layout parity (a few ulps of
@@ -32,7 +32,7 @@ def _batches(n: int):
 def _setup(layout: str, shape: str):
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     torch._dynamo.reset()
     mesh = meshlm.make_mesh(shape)
@@ -57,7 +57,7 @@ def _train(model, opt, layout, mesh, batches) -> list[float]:
 def _full_state(model, opt) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from meshlm.lower import full_state_dict
+    from meshlm.runtime.lowering import full_state_dict
 
     # clone: full_tensor() of a replicated DTensor is its local tensor, which training mutates
     out = {f"model/{k}": v.clone() for k, v in full_state_dict(model).items()}
@@ -70,7 +70,7 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
 def _job(layout, shape, load_from, save_to, n_before, n_after):
     """Train ``n_before`` steps (or load ``load_from``), save to ``save_to``, train
     ``n_after`` more; return the full state right after the load/save and the losses."""
-    from meshlm.checkpoint import load_checkpoint, save_checkpoint
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
 
     batches = _batches(STEPS_BEFORE + STEPS_AFTER)
     mesh, model, opt = _setup(layout, shape)

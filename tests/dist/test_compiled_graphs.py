@@ -12,7 +12,7 @@ own (a function-scoped pool), so no case depends on which ran before it.
 
 import pytest
 
-from meshlm.testing import DistPool
+from harness import DistPool
 
 
 @pytest.fixture
@@ -28,10 +28,10 @@ def _dynamo_graphs(layout, mesh, comms="graph"):
     import torch
 
     import meshlm
-    from meshlm.bucket import gather
-    from meshlm.compile import compile_blocks
+    from meshlm.runtime.bucket import gather
+    from meshlm.runtime.compile import compile_blocks
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     torch._dynamo.reset()
     graphs = []
@@ -64,6 +64,6 @@ def _dynamo_graphs(layout, mesh, comms="graph"):
 def test_one_compiled_graph_per_block_class(pool4, layout, mesh, comms):
     """Every layer shares one bucket and one block spec, so Dynamo compiles the block once,
     not once per layer (llama_tiny has 2); with comms="eager" (NOTE [compiled body] in
-    meshlm/compile.py) the one graph is the block's math, shared by the layers too."""
+    meshlm/runtime/compile.py) the one graph is the block's math, shared by the layers too."""
     in_graph = 0 if comms == "eager" else 1  # the block's one bucket gather, or none
     assert pool4.run(_dynamo_graphs, layout, mesh, comms) == [[in_graph]] * 4

@@ -1,8 +1,8 @@
 """bf16 ZeRO-1/2 (bf16 storage, float32 main gradients: NOTE [main grads] in
-meshlm/main_grad.py) under ``torch.compile`` per block.
+meshlm/runtime/main_grad.py) under ``torch.compile`` per block.
 
 Main gradients are added in the eager Python code of the gradient reductions, so they
-need ``compile_blocks(comms="eager")`` (NOTE [compiled body] in meshlm/compile.py): the
+need ``compile_blocks(comms="eager")`` (NOTE [compiled body] in meshlm/runtime/compile.py): the
 blocks' math is compiled and the reductions run around it.  Such a run trains as the
 uncompiled one does.  With ``comms="graph"`` the reductions would be traced into the block
 graphs, whose parameters then get no gradient at all: ``compile_blocks`` refuses, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 
@@ -28,9 +28,9 @@ def _bf16_zero(layout: str):
     """llama_tiny sharded as ``meshlm train`` shards ``layout`` in bf16 on dp=2, with its
     optimizer."""
     import meshlm
-    from meshlm.config import TrainConfig
+    from meshlm.app.config import TrainConfig
     from meshlm.models import Llama, llama_config
-    from meshlm.train import shard_dtypes
+    from meshlm.app.train import shard_dtypes
 
     mesh = meshlm.make_mesh("dp=2")
     lay = meshlm.load_layout(layout)
@@ -47,10 +47,10 @@ def _lockstep_job(layout: str):
     its tolerance (losses, the optimizer's float32 gradients, masters, AdamW state), the
     largest absolute differences, and how many parameters had main gradients."""
     import meshlm
-    from meshlm import main_grad
-    from meshlm.compile import compile_blocks
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing import tolerances as tol
+    from meshlm.runtime import main_grad
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness import tolerances as tol
 
     torch._dynamo.reset()
     runs = []
@@ -117,7 +117,7 @@ def _lockstep_job(layout: str):
 def test_bf16_zero_compiled_eager_comms_matches_eager(pool2, layout):
     """Losses and the optimizer's float32 gradients within the one-step tolerances, masters
     and AdamW state within the bounds those propagate through AdamW (``StepBounds``; the
-    same tolerances as the compiled parity tests, meshlm/testing/tolerances.py), every
+    same tolerances as the compiled parity tests, tests/harness/tolerances.py), every
     parameter with main gradients in both runs.  Measured (2 ranks): bitwise equal."""
     for worst, diff, mains, n_params in pool2.run(_lockstep_job, layout):
         assert all(m == [n_params, n_params] for m in mains), f"{layout}: parameters with main grads {mains}"
@@ -127,7 +127,7 @@ def test_bf16_zero_compiled_eager_comms_matches_eager(pool2, layout):
 
 def _graph_comms_job(layout: str, comms: str):
     """compile_blocks(comms=...) on a bf16 ZeRO model: the error's type and message."""
-    from meshlm.compile import compile_blocks
+    from meshlm.runtime.compile import compile_blocks
 
     torch._dynamo.reset()
     _mesh, model = _bf16_zero(layout)
@@ -152,8 +152,8 @@ def test_train_keeps_fp32_storage_for_graph_comms():
     """``meshlm train`` with compile_comms=graph shards ZeRO-1/2 with float32 storage and no
     main gradients (the documented fallback), with eager comms or no compile at the floor."""
     import meshlm
-    from meshlm.config import TrainConfig
-    from meshlm.train import shard_dtypes
+    from meshlm.app.config import TrainConfig
+    from meshlm.app.train import shard_dtypes
 
     lay = meshlm.load_layout("zero2")
     for compile_, comms, narrow in [("aot_eager", "graph", False), ("aot_eager", "eager", True),

@@ -36,7 +36,7 @@ def test_the_reshard_example_runs_as_written(tmp_path):
         env.pop(k, None)
     printed = []
     for c in commands:
-        r = subprocess.run([sys.executable, "-m", "meshlm.cli", *shlex.split(c)[1:]], cwd=tmp_path, env=env,
+        r = subprocess.run([sys.executable, "-m", "meshlm.app.cli", *shlex.split(c)[1:]], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (c, r.stderr[-3000:])
         printed += [ln for ln in r.stdout.splitlines() if "resumed from" in ln]

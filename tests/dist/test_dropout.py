@@ -1,14 +1,14 @@
-"""Dropout under layouts (NOTE [dropout keys] in meshlm/rng.py): a Llama with residual
+"""Dropout under layouts (NOTE [dropout keys] in meshlm/core/rng.py): a Llama with residual
 dropout in training mode has the one-device loss and gradients under every layout; the
 ranks of a data-parallel group draw different masks (for their different rows) and the
 ranks of a tensor-parallel group the same mask of a replicated activation.  Tolerances:
-meshlm/testing/tolerances.py (the masks themselves are compared exactly)."""
+tests/harness/tolerances.py (the masks themselves are compared exactly)."""
 
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import LlamaBuild, TokenBatches, check_training
+from harness import dist_pool_fixture
+from harness.parity import LlamaBuild, TokenBatches, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -69,7 +69,7 @@ def test_dropout_parity_activation_checkpointing(pool2, layout, mesh, mode):
 def _step_recompute(layout, mesh):
     """An eager ZeRO-3 block that re-gathers by recomputing its forward (meshlm's own
     checkpoint, NOTE [re-gather in backward]) rather than by freeing."""
-    from meshlm.lowering import blocks
+    from meshlm.runtime.lowering import blocks
 
     prev, blocks.EAGER_REGATHER = blocks.EAGER_REGATHER, "recompute"
     try:
@@ -87,7 +87,7 @@ def _no_grad_loss(layout, mesh_shape):
     blocks on local rows inside it (NOTE [local root]), so dropout must learn that the plain
     tensors there are this rank's rows from the block, not from the root."""
     import meshlm
-    from meshlm.lowering import shard_state
+    from meshlm.runtime.lowering import shard_state
     from meshlm.models import Llama, llama_config
 
     cfg = llama_config("llama_tiny", dropout=P)
@@ -115,7 +115,7 @@ def _masks(layout, mesh_shape, p=0.5):
     """Every keep-mask a forward of the sharded model computes on this rank, and those of
     the one-device model (the same forward, same keys)."""
     import meshlm
-    from meshlm import rng
+    from meshlm.core import rng
     from meshlm.models import Llama, llama_config
 
     cfg = llama_config("llama_tiny", dropout=p)

@@ -1,11 +1,11 @@
-"""Dropout across a resume at another world size (NOTE [dropout keys] in meshlm/rng.py):
+"""Dropout across a resume at another world size (NOTE [dropout keys] in meshlm/core/rng.py):
 ``meshlm train`` with ``model.dropout=0.1`` checkpointed under fsdp on 2 processes and
 resumed under ``single`` on 1, and the other way round, continues the uninterrupted run's
 loss curve: the masks are a function of (seed, step, global row, position, layer), not of a
 generator state the checkpoint restores only at the same world size.
 
-The workers call ``meshlm.train.run`` (the loop ``meshlm train`` runs) on module-scoped
-pools.  Tolerance: NOTE [invariance tolerance] in meshlm/testing/tolerances.py (the runs
+The workers call ``meshlm.app.train.run`` (the loop ``meshlm train`` runs) on module-scoped
+pools.  Tolerance: NOTE [invariance tolerance] in tests/harness/tolerances.py (the runs
 differ by the fp32 reduction order of fsdp against one process, fed back through a few
 AdamW steps); other masks after the resume move the loss by far more.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from meshlm.config import RunConfig, from_dict, load_config
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from meshlm.app.config import RunConfig, from_dict, load_config
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 STEPS, SAVED = 5, 2  # the checkpoint of step 2 resumes for steps 3..5
 
@@ -58,7 +58,7 @@ def _cfg(layout: str, mesh: dict, train: dict, ck: Path, resume: str | None = No
 
 def _losses(cfg: RunConfig, run_dir: str) -> dict[int, float]:
     """The run's loss per step (metrics.jsonl of rank 0's run dir)."""
-    from meshlm.train import run
+    from meshlm.app.train import run
 
     run(cfg, run_dir)
     dist.barrier()

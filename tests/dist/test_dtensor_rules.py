@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
@@ -34,8 +34,8 @@ def _loss_job(name, mesh_shape, rows):
 
     import meshlm
     from meshlm._torch_compat import dtensor_ops as _dtensor_ops
-    from meshlm.lower import placements
-    from meshlm.testing import tolerances as tol
+    from meshlm.runtime.lowering import placements
+    from harness import tolerances as tol
 
     _dtensor_ops.install()
     fn = LOSSES[name]
@@ -71,7 +71,7 @@ def _local_view_job(mesh_shape):
 
     import meshlm
     from meshlm._torch_compat import dtensor_ops as _dtensor_ops
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     _dtensor_ops.install()
     mesh = meshlm.make_mesh(mesh_shape)
@@ -120,7 +120,7 @@ def _strided_unflatten_job(mesh_shape):
 
     import meshlm
     from meshlm._torch_compat import dtensor_ops as _dtensor_ops
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     _dtensor_ops.install()
     mesh = meshlm.make_mesh(mesh_shape)

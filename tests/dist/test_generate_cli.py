@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -25,8 +25,8 @@ pool1 = dist_pool_fixture(1, timeout_s=60)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from meshlm.testing.hf_tiny import tiny_gpt2
-    from meshlm.testing.tokenizer import train_bpe
+    from harness.hf_tiny import tiny_gpt2
+    from harness.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("gpt2")
     tok = train_bpe(d, vocab=300)
@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory):
 
 
 def _meshlm(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "meshlm.cli", "generate", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "meshlm.app.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=240, cwd=cwd)
 
 
@@ -62,7 +62,7 @@ def test_text_equals_transformers_single_and_tp2(model_dir):
 
 def test_from_a_meshlm_checkpoint(model_dir, tmp_path):
     d, want = model_dir
-    conv = subprocess.run([sys.executable, "-m", "meshlm.cli", "convert", str(d), str(tmp_path / "ck")],
+    conv = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "convert", str(d), str(tmp_path / "ck")],
                           capture_output=True, text=True, timeout=240)
     assert conv.returncode == 0, conv.stderr
     r = _meshlm(tmp_path / "ck", "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--tokenizer", d)
@@ -71,7 +71,7 @@ def test_from_a_meshlm_checkpoint(model_dir, tmp_path):
 
 
 def _streamed(path, prompt, n):
-    from meshlm.infer.cli import parser, run
+    from meshlm.app.generate import parser, run
 
     class Writes(list):
         def write(self, s):

@@ -19,8 +19,8 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    from meshlm.data import ByteTokenizer
-    from meshlm.testing.hf_tiny import tiny_llava
+    from meshlm.data.text import ByteTokenizer
+    from harness.hf_tiny import tiny_llava
 
     d = tmp_path_factory.mktemp("llava")
     hf = tiny_llava(str(d))
@@ -37,7 +37,7 @@ def llava(tmp_path_factory):
 
 
 def _meshlm(*args):
-    return subprocess.run([sys.executable, "-m", "meshlm.cli", "generate", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "meshlm.app.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=240)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +20,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [200, 3, 4, 5, 6]]
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from meshlm.testing.hf_tiny import hf_greedy, tiny_llama
+    from harness.hf_tiny import hf_greedy, tiny_llama
 
     d = tmp_path_factory.mktemp("llama6")
     m = tiny_llama(layers=LAYERS)
@@ -31,8 +31,8 @@ def hf(tmp_path_factory):
 def _staged(path, cap, offload_dir):
     import torch.distributed as dist
 
-    from meshlm.hf import model_of
-    from meshlm.hf_load import load_hf_local
+    from meshlm.interop.hf import model_of
+    from meshlm.interop.hf.load import load_hf_local
     from meshlm.infer import KVCache, generate, placement
     from meshlm.infer.stages import Stages
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,7 +23,7 @@ NEW = 24
 def hf(tmp_path_factory):
     """Each tiny model's directory and transformers' greedy tokens for PROMPTS (batched,
     left-padded; each row up to its end-of-sequence token)."""
-    from meshlm.testing.hf_tiny import hf_greedy, tiny_gpt2, tiny_llama
+    from harness.hf_tiny import hf_greedy, tiny_gpt2, tiny_llama
 
     out = {}
     for name, m in (("llama", tiny_llama()), ("gpt2", tiny_gpt2()), ("llama_kv2", tiny_llama(kv_heads=2))):
@@ -36,7 +36,7 @@ def hf(tmp_path_factory):
 
 def _generate(path, mesh_shape, eos):
     import meshlm
-    from meshlm.hf import load_hf
+    from meshlm.interop.hf import load_hf
     from meshlm.infer import generate
 
     model = load_hf(path, "tp", meshlm.make_mesh(mesh_shape))
@@ -58,8 +58,8 @@ def test_tp4_greedy_equals_transformers(pool4, hf, name):
 def _decode_step(path, mesh_shape):
     """Prefill 6 tokens of 2 rows, then count one decode step's collectives."""
     import meshlm
-    from meshlm.comm import CommCounter
-    from meshlm.hf import load_hf
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.interop.hf import load_hf
     from meshlm.infer import KVCache
 
     mesh = meshlm.make_mesh(mesh_shape)
@@ -101,8 +101,8 @@ def test_decode_collectives_and_cache_bytes(pool2, pool4, hf, name, mesh, t):
 
 def _refused(path, layout, mesh_shape):
     import meshlm
-    from meshlm.errors import MeshlmError
-    from meshlm.hf import load_hf
+    from meshlm.core.errors import MeshlmError
+    from meshlm.interop.hf import load_hf
     from meshlm.infer import generate
 
     try:
@@ -123,7 +123,7 @@ def _compiled(path, eos):
     import importlib
 
     import meshlm
-    from meshlm.hf import load_hf
+    from meshlm.interop.hf import load_hf
     from meshlm.infer import generate
 
     counters = importlib.import_module("torch._dynamo.utils").counters

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ LAYOUT_MESH = {
 
 
 def _hf_model():
-    from meshlm.testing.hf_tiny import tiny_llama
+    from harness.hf_tiny import tiny_llama
 
     return tiny_llama()
 
@@ -49,7 +49,7 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 
 def _logits(path, layout, mesh_shape, tokens, export_to=None):
     import meshlm
-    from meshlm.hf import load_hf, save_hf
+    from meshlm.interop.hf import load_hf, save_hf
 
     torch._dynamo.reset()
     mesh = meshlm.make_mesh(mesh_shape)
@@ -99,7 +99,7 @@ def test_export_round_trip(pool4, hf_dirs, layout):
 
 
 def _convert_both_ways(hf, ckpt_root, out):
-    from meshlm.hf import convert_main
+    from meshlm.train.convert import convert_main
 
     assert convert_main([hf, ckpt_root]) == 0  # HF -> meshlm checkpoint (fsdp=4)
     torch._dynamo.reset()
@@ -120,7 +120,7 @@ def test_convert_single_process(hf_dirs, tmp_path):
     ck = os.path.join(hf_dirs["root"], "ckpt")
     if not os.path.isdir(ck):
         pytest.skip("needs test_convert_distributed's checkpoint")
-    code = ("import sys; from meshlm.hf import convert_main; "
+    code = ("import sys; from meshlm.train.convert import convert_main; "
             f"sys.exit(convert_main([{ck!r}, {str(tmp_path / 'out')!r}]))")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -129,8 +129,8 @@ def test_convert_single_process(hf_dirs, tmp_path):
 
 
 def test_bad_hf_dir(tmp_path):
-    from meshlm.errors import CheckpointError
-    from meshlm.hf import read_hf_config
+    from meshlm.core.errors import CheckpointError
+    from meshlm.interop.hf import read_hf_config
 
     with pytest.raises(CheckpointError, match="config.json: missing"):
         read_hf_config(str(tmp_path))
@@ -138,11 +138,11 @@ def test_bad_hf_dir(tmp_path):
 
 def _built_onto_the_tier(path, base, tokens):
     import meshlm
-    from meshlm.annotate import outer_blocks
-    from meshlm.hf import load_hf
-    from meshlm.memory import local_data
-    from meshlm.offload.params import ParamOffload
-    from meshlm.offload.store import SwapDir, Swapper, owns_storage
+    from meshlm.core.annotate import outer_blocks
+    from meshlm.interop.hf import load_hf
+    from meshlm.runtime.memory import local_data
+    from meshlm.runtime.offload.params import ParamOffload
+    from meshlm.runtime.offload.store import SwapDir, Swapper, owns_storage
 
     torch._dynamo.reset()
     rank = torch.distributed.get_rank()

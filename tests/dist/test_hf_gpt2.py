@@ -3,7 +3,7 @@
 fsdp_tp_sp mesh) from every file form (single and sharded safetensors, pytorch_model.bin,
 a headless GPT2Model file) with logits equal to transformers'; exported back byte for byte;
 bad directories rejected naming the key; and the shipped GPT2 trains as on one device
-(meshlm.testing.check_training, residual dropout and tensor parallel included)."""
+(harness.check_training, residual dropout and tensor parallel included)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from meshlm.layout import is_pipelined, load_layout, shipped_layouts
-from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing import tolerances as tol
-from meshlm.testing.parity import assert_parity
+from meshlm.layout.rules import is_pipelined, load_layout, shipped_layouts
+from harness import WorkerError, dist_pool_fixture
+from harness import tolerances as tol
+from harness.parity import assert_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +46,7 @@ FORMS = ("single", "sharded", "bin", "headless")  # the file forms, spread over 
 
 
 def _hf_model(tie: bool = True):
-    from meshlm.testing.hf_tiny import tiny_gpt2
+    from harness.hf_tiny import tiny_gpt2
 
     return tiny_gpt2(EMBED, HEADS, VOCAB, tie=tie)
 
@@ -82,7 +82,7 @@ def _logits(path, layout, mesh_shape, tokens, export_to=None):
     """Logits of the HF directory ``path`` loaded under ``layout``, and the shape of this
     rank's stored block of the first fused QKV weight; exported to ``export_to`` if given."""
     import meshlm
-    from meshlm.hf import save_hf
+    from meshlm.interop.hf import save_hf
 
     torch._dynamo.reset()
     mesh = meshlm.make_mesh(mesh_shape)
@@ -137,7 +137,7 @@ def test_logits_and_export_2d(pool4, hf):
 
 
 def _convert_both_ways(hf_dir, ckpt_root, out):
-    from meshlm.hf import convert_main
+    from meshlm.train.convert import convert_main
 
     assert convert_main([hf_dir, ckpt_root]) == 0  # HF -> meshlm checkpoint (fsdp=2)
     torch._dynamo.reset()
@@ -200,8 +200,8 @@ def test_bad_hf_gpt2_dir(pool2, hf, tmp_path, name, config, tensors, names):
 
 
 def test_export_refuses_a_gpt2_without_biases(tmp_path):
-    from meshlm.errors import ConfigError
-    from meshlm.hf import save_hf
+    from meshlm.core.errors import ConfigError
+    from meshlm.interop.hf import save_hf
     from meshlm.models import gpt2_model
 
     with pytest.raises(ConfigError, match="model.bias=false"):
@@ -228,7 +228,7 @@ _ok = assert_parity
 @pytest.mark.parametrize("layout,mesh,dropout,optims", [("zero2", "dp=2", 0.0, ("sgd",)),
                                                         ("tp_sp", "tp=2", 0.1, ("sgd", "adamw"))])
 def test_gpt2_trains_as_on_one_device(pool2, layout, mesh, dropout, optims):
-    from meshlm.testing.parity import TokenBatches, check_training
+    from harness.parity import TokenBatches, check_training
 
     batches = TokenBatches(vocab=VOCAB, batch=8, seq=16)
     _ok(pool2.run(check_training, layout, mesh, build=GPT2Build(dropout), batches=batches, optims=optims))

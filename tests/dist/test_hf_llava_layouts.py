@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,8 +37,8 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    from meshlm.hf_load import load_hf_local
-    from meshlm.testing.hf_tiny import tiny_llava
+    from meshlm.interop.hf.load import load_hf_local
+    from harness.hf_tiny import tiny_llava
 
     d = str(tmp_path_factory.mktemp("llava"))
     hf = tiny_llava(d)
@@ -64,7 +64,7 @@ def llava(tmp_path_factory):
 
 def _run(path, layout, mesh_shape, ids, labels, images):
     import meshlm
-    from meshlm.hf import load_hf
+    from meshlm.interop.hf import load_hf
 
     torch._dynamo.reset()
     mesh = meshlm.make_mesh(mesh_shape)

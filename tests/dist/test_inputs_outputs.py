@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshlm
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -155,7 +155,7 @@ def _data(bs=8, seq=6):
 
 
 def _grads_match(model, ref):
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     refp = dict(ref.named_parameters())
     for n, p in model.named_parameters():
@@ -169,8 +169,8 @@ def _grads_match(model, ref):
 
 def _run(cls, layout, mesh_shape, make_inputs, pick=lambda out: out, reduce=None):
     """Forward + backward of ``cls`` sharded vs one device; returns what the checks need."""
-    from meshlm.lowering import shard_state
-    from meshlm.testing import tolerances as tol
+    from meshlm.runtime.lowering import shard_state
+    from harness import tolerances as tol
 
     tokens, labels, target = _data()
     ref = cls()
@@ -200,7 +200,7 @@ def _dict_job(layout, mesh_shape):
              pick=lambda out: out["loss"])
     logits = r["out"]["logits"]
     full = logits.full_tensor() if isinstance(logits, torch.distributed.tensor.DTensor) else logits
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     torch.testing.assert_close(full, r["ref_out"]["logits"], rtol=tol.GRAD_RTOL, atol=1e-5)
     return {"calls": r["calls"], "roots": r["roots"]}
@@ -285,7 +285,7 @@ def test_undeclared_scalar_is_an_error_not_a_rerun(pool2):
 
 
 def _seq_first_job():
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     tokens, _, _ = _data()
     ref = SeqFirst()

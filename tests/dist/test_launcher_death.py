@@ -1,8 +1,8 @@
 """A ``meshlm train`` launcher killed outright (kill -9, as the OOM killer does) takes its
 workers with it within seconds, and they start no checkpoint save after it died (NOTE
-[launcher death] in meshlm/watchdog.py); two runs started together on one checkpoint
+[launcher death] in meshlm/app/watchdog.py); two runs started together on one checkpoint
 directory: one trains, the other stops at once naming the holder of the directory's lock
-(NOTE [one writer per checkpoint directory] in meshlm/_ckpt_lock.py).  Real ``meshlm train``
+(NOTE [one writer per checkpoint directory] in meshlm/train/checkpoint/lock.py).  Real ``meshlm train``
 processes on 2 gloo workers; meshlm serve's launcher: tests/dist/test_serve_stop.py."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ RUN = [
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "meshlm.cli", "train", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "meshlm.app.cli", "train", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=REPO,
         env=_env(),
         stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ mesh (6 heads over tp=4, vocab 250), and a random global batch.  Each case must 
 * match one device: the loss, every gradient (as a full tensor) and one plain-SGD step of
   every parameter equal those of the same-seed one-device ``Llama(cfg, seed=...)`` stepped by
   ``torch.optim.SGD`` with its own gradients (the reference never borrows meshlm's
-  gradients or optimizer), within ``meshlm.testing.tolerances``; OR
+  gradients or optimizer), within ``harness.tolerances``; OR
 * raise a ``meshlm.MeshlmError`` at ``parse_layout``, ``shard``, ``shard_batch`` or the first
   forward, the same on every rank, whose message names the offending parameter (a
   backquoted FQN) or logical axis, and whose divisibility claim ("axis 'heads' (size 6) is
@@ -38,9 +38,9 @@ from hypothesis import HealthCheck, Phase, event, example, given, note, seed, se
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from meshlm.errors import MeshlmError
-from meshlm.layout import parse_layout
-from meshlm.testing import WorkerError, dist_pool_fixture
+from meshlm.core.errors import MeshlmError
+from meshlm.layout.rules import parse_layout
+from harness import WorkerError, dist_pool_fixture
 
 # Short gloo timeouts: a collective that not every rank enters fails in seconds, not minutes.
 pool1 = dist_pool_fixture(1, timeout_s=20)
@@ -141,8 +141,8 @@ def run_case(case: dict) -> dict:
 
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing import tolerances as tol
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness import tolerances as tol
 
     cfg = llama_config("llama_tiny", **case["model"])
     layout = parse_layout(case["layout"], name="generated", source="generated.yaml")

@@ -1,6 +1,6 @@
 """Mixed precision at the memory floor: under ``train.param_dtype=bfloat16`` (as ``meshlm
 train`` shards and steps, AdamW), every shipped layout's model state per rank, measured,
-is at most the ZeRO / FSDP2 floor (NOTE [mixed precision] in meshlm/precision.py):
+is at most the ZeRO / FSDP2 floor (NOTE [mixed precision] in meshlm/layout/precision.py):
 
     ddp, single   18Ψ        fp32 params 4 + fp32 grads 4 + Adam 8, + the bf16 at-use
                              copies autograd keeps for backward, 2
@@ -30,7 +30,7 @@ NOTE [measuring model state]
     backward), and during its gradient reduction (``bucket.Gather.backward``) the
     compute-dtype weight gradients autograd hands it (2; counted once the reduction reads
     them through a view), the flat buffer they are cast and packed into (4, NOTE [reduce in
-    place of the casts] in meshlm/bucket/flat.py) and the reduced shards (4/N, N the smallest
+    place of the casts] in meshlm/runtime/bucket/flat.py) and the reduced shards (4/N, N the smallest
     data axis; 4 with none), until the reduction returns; plus the output head's and final
     norm's gathered copies that ZeRO-3 keeps from forward to backward (2 bytes per
     element).  Before the casts were packed straight into the flat buffer the reduction
@@ -49,8 +49,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing.memory import PeakStorage, storage_bytes
+from harness import dist_pool_fixture
+from harness.memory import PeakStorage, storage_bytes
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 pool4 = dist_pool_fixture(4, timeout_s=120)
@@ -81,9 +81,10 @@ class _ModelStatePeak(PeakStorage):
 
 def _instrument() -> None:
     """Mark the model-state code paths (NOTE [measuring model state])."""
-    from meshlm import bucket, main_grad
-    from meshlm.lowering import atuse
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime import bucket
+    from meshlm.runtime import main_grad
+    from meshlm.runtime.lowering import atuse
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     def marked(fn):
         def run(*args, **kwargs):
@@ -130,8 +131,8 @@ def _elements(model) -> dict:
     gathered elements (held for backward under ZeRO-3)."""
     import math
 
-    from meshlm.annotate import outer_blocks as _outer_blocks
-    from meshlm.lowering import iter_params, shard_state
+    from meshlm.core.annotate import outer_blocks as _outer_blocks
+    from meshlm.runtime.lowering import iter_params, shard_state
 
     st = shard_state(model)
     sizes = st.sizes
@@ -155,9 +156,9 @@ def _job(layout: str, mesh_shape: dict, old: bool):
     """Two steps of ``ACCUM`` micro-batches of llama_tiny in bf16 as ``meshlm train`` runs
     it (``old``: float32 storage for every layout, the previous rule); the second measured."""
     import meshlm
-    from meshlm.config import TrainConfig
-    from meshlm.testing.setup import tiny_sharded
-    from meshlm.train import shard_dtypes
+    from meshlm.app.config import TrainConfig
+    from harness.setup import tiny_sharded
+    from meshlm.app.train import shard_dtypes
 
     t = TrainConfig(param_dtype="bfloat16")
     kw = shard_dtypes(t) if old else shard_dtypes(t, meshlm.load_layout(layout), mesh_shape)
@@ -243,9 +244,9 @@ def test_memory_floor_catches_fp32_storage(pool2, pool4, layout, world):
 
 def _regathered_job(layers: int):
     """How many blocks' re-gathered parameters a ZeRO-3 backward holds at once (eager, NOTE
-    [free and re-gather] in meshlm/bucket/regather.py): counted by wrapping Freed.regather/free."""
+    [free and re-gather] in meshlm/runtime/bucket/regather.py): counted by wrapping Freed.regather/free."""
     import meshlm
-    from meshlm import bucket
+    from meshlm.runtime import bucket
     from meshlm.models import Llama, llama_config
 
     live, most = set(), [0]

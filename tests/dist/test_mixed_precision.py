@@ -1,8 +1,8 @@
-"""Mixed precision as ``meshlm train`` runs it (NOTE [mixed precision] in meshlm/precision.py):
+"""Mixed precision as ``meshlm train`` runs it (NOTE [mixed precision] in meshlm/layout/precision.py):
 bf16 compute over fp32 storage, gradients reduced and accumulated in fp32; float16 with
 dynamic loss scaling; the global gradient norm reduced over the mesh's own groups.
 
-On 2 and 4 gloo processes.  Tolerances and their derivations: meshlm/testing/tolerances.py.
+On 2 and 4 gloo processes.  Tolerances and their derivations: tests/harness/tolerances.py.
 Whole bf16 training steps against the same recipe in plain torch, with accumulation, SGD
 and AdamW: ``check_training(precision="bf16")`` in tests/dist/test_parity.py.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -29,9 +29,9 @@ def _train_shard_kwargs(param_dtype: str, layout: str | None = None, mesh=None) 
     """What ``meshlm train`` passes to ``meshlm.shard`` for ``train.param_dtype`` under
     ``layout`` on ``mesh`` (a dict or ``"dp=2"``; NOTE [mixed precision] in precision.py)."""
     import meshlm
-    from meshlm.config import TrainConfig
-    from meshlm.mesh import MeshSpec
-    from meshlm.train import shard_dtypes
+    from meshlm.app.config import TrainConfig
+    from meshlm.layout.mesh import MeshSpec
+    from meshlm.app.train import shard_dtypes
 
     if layout is None:
         return shard_dtypes(TrainConfig(param_dtype=param_dtype))
@@ -45,8 +45,8 @@ def _collectives_job(layout: str, mesh_shape: dict, how: str):
     (kind, axes, phase, dtype, device), and the gradients' dtypes.  ``how``: ``train`` (the
     dtypes ``meshlm train`` uses) or ``library`` (``shard(compute_dtype=bf16)``, the reduce
     dtype left to its default)."""
-    from meshlm.comm import CommCounter
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.comm import CommCounter
+    from harness.setup import tiny_sharded
 
     kw = _train_shard_kwargs("bfloat16", layout, mesh_shape) if how == "train" else {"compute_dtype": torch.bfloat16}
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=4, seq=8, **kw)
@@ -175,7 +175,7 @@ def test_bf16_accumulation_is_fp32(pool2, layout, mesh):
     exact here (error 0).  bf16 summation rounds every partial sum back to the large term
     (the small terms, 2^-10 of it, and two of them, stay below half an ulp), losing
     7·2^-10/(1 + 7·2^-10)·|G| = 6.79e-3·|G|: 1.74x the bound."""
-    from meshlm.testing.tolerances import accumulated_grad_atol
+    from harness.tolerances import accumulated_grad_atol
 
     accum, terms = 4, 8
     kw = _train_shard_kwargs("bfloat16", layout, mesh)  # zero1/zero2: bf16 storage, fp32 main grads
@@ -202,8 +202,8 @@ def _overflow_job(inject_rank: int):
     same; (3) a normal step then steps."""
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.precision import LossScaler
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.layout.precision import LossScaler
 
     cfg = llama_config("llama_tiny")
     mesh = meshlm.make_mesh("fsdp=2")
@@ -257,7 +257,7 @@ def test_fp16_loss_scaling_keeps_small_gradients(pool2):
     underflows them to 0 (below fp16's smallest subnormal, 2^-24); scaled by 2^16 and
     divided back in fp32, the gradient equals the fp32 one-device gradient within the same
     derived bound (fp16 rounds more finely than bf16, so the bf16 bound holds a fortiori)."""
-    from meshlm.testing.tolerances import accumulated_grad_atol
+    from harness.tolerances import accumulated_grad_atol
 
     kw = _train_shard_kwargs("float16")
     _, got, ref, abs_sum = pool2.run(_accumulate_job, "ddp", "dp=2", 4, kw, 2.0**-20, 2.0**16)[0]
@@ -272,9 +272,9 @@ def test_fp16_loss_scaling_keeps_small_gradients(pool2):
 def _norm_job():
     """clip_grad_norm_ on a 2-D mesh under CommCounter: the norm's collectives and value,
     and the one-device norm of the same step's gradients."""
-    from meshlm.comm import CommCounter
+    from meshlm.runtime.comm import CommCounter
     from meshlm.models import Llama, llama_config
-    from meshlm.testing.setup import tiny_sharded
+    from harness.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded("fsdp_tp", {"fsdp": 2, "tp": 2}, batch=4, seq=8)
     model(x, y).backward()
@@ -299,7 +299,7 @@ def test_grad_norm_reduces_over_the_mesh_groups(pool4):
 
 def _check_norm(records, device, norm, ref_norm) -> None:
     """``_norm_job``'s result as it must be (also mutation/battery.py's check)."""
-    from meshlm.testing.tolerances import NORM_RTOL
+    from harness.tolerances import NORM_RTOL
 
     assert sorted(records) == [("all_reduce", ("fsdp",), device), ("all_reduce", ("tp",), device)], records
     assert abs(norm - ref_norm) <= NORM_RTOL * ref_norm, (norm, ref_norm)
@@ -312,7 +312,7 @@ def _zero_bf16_job(layouts, steps: int = 3, accum: int = 2):
     the optimizer steps with (gathered), and the parameters at the end (as float32)."""
     import meshlm
     from meshlm.models import llama_config
-    from meshlm.testing.setup import tiny_sharded
+    from harness.setup import tiny_sharded
 
     cfg = llama_config("llama_tiny")
     gen = torch.Generator().manual_seed(1)
@@ -356,14 +356,14 @@ def test_zero_bf16_storage_matches_fp32_storage(pool2):
     float32 sums (ddp and zero2 reduce each micro-batch and then accumulate, zero1
     accumulates locally and reduces at the step).  So over 3 steps of 2 micro-batches the
     losses and the optimizer's gradients agree within the fp32 summation-order tolerances
-    (``LOSS_RTOL``, ``GRAD_RTOL``/``GRAD_ATOL_OF_MAX``, meshlm/testing/tolerances.py), and
+    (``LOSS_RTOL``, ``GRAD_RTOL``/``GRAD_ATOL_OF_MAX``, tests/harness/tolerances.py), and
     the stored parameters equal the fp32 reference's rounded to bf16, within one bf16 ulp
     (2·``BF16_UNIT_ROUNDOFF`` relative) where an fp32-order difference in the master moves
     it across a rounding boundary.  Measured (2 ranks): losses and zero2's gradients
     bitwise equal, zero1's gradients within 7.2e-9 of the largest entry at step 3,
     parameters bitwise equal.  A master started from the bf16-rounded weights instead
     fails the loss check from step 2 on (3e-5 relative)."""
-    from meshlm.testing.tolerances import BF16_UNIT_ROUNDOFF, GRAD_ATOL_OF_MAX, GRAD_RTOL, LOSS_RTOL
+    from harness.tolerances import BF16_UNIT_ROUNDOFF, GRAD_ATOL_OF_MAX, GRAD_RTOL, LOSS_RTOL
 
     r = pool2.run(_zero_bf16_job, ["ddp", "zero1", "zero2"])[0]
     ref = r["ddp"]
@@ -384,8 +384,8 @@ def test_zero_bf16_storage_matches_fp32_storage(pool2):
 
 def _clip_job():
     """clip_grad_norm_ given this step's norm: no collective, the gradients scaled to max_norm."""
-    from meshlm.comm import CommCounter
-    from meshlm.testing.setup import tiny_sharded
+    from meshlm.runtime.comm import CommCounter
+    from harness.setup import tiny_sharded
 
     mesh, model, opt, x, y = tiny_sharded("fsdp_tp", {"fsdp": 2, "tp": 2}, batch=4, seq=8)
     model(x, y).backward()
@@ -408,7 +408,7 @@ def test_clip_with_a_given_norm_scales_without_collectives(pool4):
 
 def _check_clip(n_collectives, dtype, norm, total, clipped, clipped_again) -> None:
     """``_clip_job``'s result as it must be (also mutation/battery.py's check)."""
-    from meshlm.testing.tolerances import NORM_RTOL
+    from harness.tolerances import NORM_RTOL
 
     assert n_collectives == 0
     assert dtype == torch.float32 and total == norm

@@ -1,11 +1,11 @@
 """A model written with meshlm.nn, as a model author writes one (not shaped by the library):
 a tiny GPT-2 (LayerNorm with bias, biases on every Linear, learned positions, a fused QKV
 Linear then split, the head tied to the token embedding nanoGPT's way).  It must train as
-on one device under every shipped layout (meshlm.testing.parity.check_training: loss,
+on one device under every shipped layout (harness.parity.check_training: loss,
 gradients the optimizer steps with, parameters, optimizer state; SGD and AdamW, three
 steps of two micro-batches), and its tie must be one parameter whose gradient is the sum
 of both uses.  The fused QKV output has an axis of the model's own (``qkv``, NOTE [open
-vocabulary] in meshlm/axes.py), which one case maps to tp in a layout of its own."""
+vocabulary] in meshlm/core/axes.py), which one case maps to tp in a layout of its own."""
 
 import math
 from dataclasses import dataclass
@@ -18,9 +18,9 @@ from torch import nn
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.layout import is_pipelined, load_layout, shipped_layouts
-from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing.parity import TokenBatches, assert_parity, check_training
+from meshlm.layout.rules import is_pipelined, load_layout, shipped_layouts
+from harness import WorkerError, dist_pool_fixture
+from harness.parity import TokenBatches, assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
@@ -182,7 +182,7 @@ def _tie_job(layout: str, mesh_shape: str):
     """The tie, lowered: one Parameter in both slots, one optimizer entry, both state_dict
     keys, and its gradient the sum of the gradients of both uses, which the untied model
     with the same weights has separately."""
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(mesh_shape)
     model = meshlm.shard(GPT(GPTConfig(), device="meta"), layout, mesh, seed=0)
@@ -201,7 +201,7 @@ def _tie_job(layout: str, mesh_shape: str):
     untied(x, y).backward()
     want = untied.transformer.wte.weight.grad + untied.lm_head.weight.grad
     embed_only = untied.transformer.wte.weight.grad
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     torch.testing.assert_close(got, want, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(want.abs().max()))
     return float((got - embed_only).abs().max())

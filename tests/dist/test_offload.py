@@ -1,4 +1,4 @@
-"""Offloaded optimizer state (NOTE [offloaded step] in meshlm/offload/optimizer.py): the same
+"""Offloaded optimizer state (NOTE [offloaded step] in meshlm/runtime/offload/optimizer.py): the same
 layout with and without ``offload.optimizer=disk|host`` gives the same losses, gradients,
 weights and AdamW state after three steps with gradient accumulation, bit for bit (the
 offloaded step does the same arithmetic chunk by chunk; only storage moves), on 1, 2 and 4
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool1 = dist_pool_fixture(1, timeout_s=90)
 pool2 = dist_pool_fixture(2, timeout_s=90)
@@ -25,14 +25,14 @@ STEPS, ACCUM = 3, 2
 
 
 def _batches(vocab: int):
-    from meshlm.testing.setup import accumulation_batches
+    from harness.setup import accumulation_batches
 
     return accumulation_batches(vocab, STEPS, ACCUM, seed=3)
 
 
 def _state(model, opt) -> dict:
-    from meshlm.lower import full_state_dict
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.lowering import full_state_dict
+    from harness.recipes import full_many
 
     with opt.resident():
         out = {f"param/{k}": v.detach().float().clone() for k, v in full_state_dict(model).items()}
@@ -47,11 +47,11 @@ def _state(model, opt) -> dict:
 def _job(layout: str, shape: str, tier: str | None, base: str, dtype: str):
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.store import SwapDir, Swapper
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.config import TrainConfig
-    from meshlm.precision import shard_dtypes
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.offload.store import SwapDir, Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.app.config import TrainConfig
+    from meshlm.layout.precision import shard_dtypes
+    from harness.recipes import full_many
 
     torch._dynamo.reset()
     cfg = llama_config("llama_tiny")

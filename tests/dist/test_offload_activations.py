@@ -1,4 +1,4 @@
-"""Activations offloaded to disk (NOTE [offloaded activations] in meshlm/offload/activations.py):
+"""Activations offloaded to disk (NOTE [offloaded activations] in meshlm/runtime/offload/activations.py):
 the same forward and backward with and without ``offload.activations=disk`` give the same
 loss and every gradient bit for bit, eager and compiled per block (aot_eager), with and
 without activation checkpointing; between forward and backward the saved activations are
@@ -11,20 +11,20 @@ import os
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=120)
 
 
 def _job(layout: str, shape: str, base: str, compile: str, ckpt: str, offload: bool):
     import meshlm
-    import meshlm.compile
-    from meshlm.activation_checkpointing import apply_activation_checkpointing
-    from meshlm.lower import full_state_dict
+    import meshlm.runtime.compile
+    from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.runtime.lowering import full_state_dict
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.store import SwapDir
-    from meshlm.offload.activations import ActivationOffload
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.offload.store import SwapDir
+    from meshlm.runtime.offload.activations import ActivationOffload
+    from harness.recipes import full_many
 
     torch._dynamo.reset()
     cfg = llama_config("llama_tiny")
@@ -32,7 +32,7 @@ def _job(layout: str, shape: str, base: str, compile: str, ckpt: str, offload: b
     model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
     apply_activation_checkpointing(model, ckpt)
     if compile != "none":
-        meshlm.compile.compile_blocks(model, compile)
+        meshlm.runtime.compile.compile_blocks(model, compile)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randint(0, cfg.vocab, (8, 32), generator=g), torch.randint(0, cfg.vocab, (8, 32), generator=g)
     disk = SwapDir(base, torch.distributed.get_rank(), run_id=f"a{int(offload)}") if offload else None

@@ -1,4 +1,4 @@
-"""Offloaded gradients (NOTE [offloaded gradients] in meshlm/offload/grads.py): the same layout
+"""Offloaded gradients (NOTE [offloaded gradients] in meshlm/runtime/offload/grads.py): the same layout
 with and without ``offload.grads=disk`` gives the same losses, reduced gradients, gradient
 norms, weights and AdamW state after three steps of two micro-batches each, with a loss
 scale unscaled and the norm clipped (so every path that reads or writes gradients between
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool1 = dist_pool_fixture(1, timeout_s=90)
 pool2 = dist_pool_fixture(2, timeout_s=90)
@@ -25,7 +25,7 @@ STEPS, ACCUM = 3, 2
 
 
 def _batches(vocab: int):
-    from meshlm.testing.setup import accumulation_batches
+    from harness.setup import accumulation_batches
 
     return accumulation_batches(vocab, STEPS, ACCUM, seed=5)
 
@@ -34,28 +34,28 @@ def _job(
     layout: str, shape: str, grads: str | None, optimizer: str | None, base: str, compiled: bool = False, dtype=None
 ):
     import meshlm
-    from meshlm.memory import local_data
+    from meshlm.runtime.memory import local_data
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.store import SwapDir, Swapper
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.precision import LossScaler
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.offload.store import SwapDir, Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.layout.precision import LossScaler
+    from harness.recipes import full_many
 
     torch._dynamo.reset()
     cfg = llama_config("llama_tiny")
     mesh = meshlm.make_mesh(shape)
     kw = {}
     if dtype is not None:  # bf16 storage: ZeRO-1/2 accumulate float32 main gradients (NOTE [main grads])
-        from meshlm.config import TrainConfig
-        from meshlm.precision import shard_dtypes
+        from meshlm.app.config import TrainConfig
+        from meshlm.layout.precision import shard_dtypes
 
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         kw = shard_dtypes(TrainConfig(param_dtype=dtype), meshlm.load_layout(layout), sizes)
     model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0, **kw)
     if compiled:
-        import meshlm.compile
+        import meshlm.runtime.compile
 
-        meshlm.compile.compile_blocks(model, "aot_eager")
+        meshlm.runtime.compile.compile_blocks(model, "aot_eager")
     rank = torch.distributed.get_rank()
     disk = SwapDir(base, rank, run_id="g") if "disk" in (grads, optimizer) else None
     gswap = Swapper(grads, disk) if grads else None
@@ -161,9 +161,9 @@ def _scaled(grads: str | None, base: str):
     and outside it (on the tier: the factor deferred), then read."""
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.store import SwapDir, Swapper
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.offload.store import SwapDir, Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness.recipes import full_many
 
     cfg = llama_config("llama_tiny")
     mesh = meshlm.make_mesh("fsdp=2")

@@ -1,4 +1,4 @@
-"""The optimizer step on the host (NOTE [host step] in meshlm/offload/host_step.py), run on
+"""The optimizer step on the host (NOTE [host step] in meshlm/runtime/offload/host_step.py), run on
 CPU through a swapper that simulates an accelerator (``Swapper("host", simulate=True)``:
 host copies are made and the "device" storage freed, as on a GPU).  The same layout with and
 without it gives the same losses, gradients, weights and AdamW state after three steps with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 from test_offload import CASES  # the layouts the disk tier's parity runs under
 
@@ -26,15 +26,15 @@ STEPS, ACCUM = 3, 2
 
 def _job(layout: str, shape: str, host: bool, dtype: str):
     import meshlm
-    from meshlm.config import TrainConfig
-    from meshlm.lower import full_state_dict
-    from meshlm.memory import local_data
+    from meshlm.app.config import TrainConfig
+    from meshlm.runtime.lowering import full_state_dict
+    from meshlm.runtime.memory import local_data
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.store import Swapper
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.precision import shard_dtypes
-    from meshlm.testing.recipes import full_many
-    from meshlm.testing.setup import accumulation_batches
+    from meshlm.runtime.offload.store import Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.layout.precision import shard_dtypes
+    from harness.recipes import full_many
+    from harness.setup import accumulation_batches
 
     cfg = llama_config("llama_tiny")
     mesh = meshlm.make_mesh(shape)

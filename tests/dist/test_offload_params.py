@@ -1,4 +1,4 @@
-"""Offloaded parameters (NOTE [offloaded parameters] in meshlm/offload/params.py): each
+"""Offloaded parameters (NOTE [offloaded parameters] in meshlm/runtime/offload/params.py): each
 block's stored parameters on disk between uses give the same losses, gradients, weights and
 AdamW state after three steps of two accumulated micro-batches as the same run without, bit
 for bit, on 1, 2 and 4 gloo processes: under ZeRO-3 (the stored shard re-gathered in
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool1 = dist_pool_fixture(1, timeout_s=120)
 pool2 = dist_pool_fixture(2, timeout_s=120)
@@ -25,16 +25,16 @@ STEPS, ACCUM = 3, 2
 
 def _run(layout, shape, base, compile, ckpt, params, optimizer):
     import meshlm
-    import meshlm.compile
-    from meshlm.activation_checkpointing import apply_activation_checkpointing
-    from meshlm.lower import full_state_dict
+    import meshlm.runtime.compile
+    from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
+    from meshlm.runtime.lowering import full_state_dict
     from meshlm.models import Llama, llama_config
-    from meshlm.annotate import outer_blocks
-    from meshlm.memory import local_data
-    from meshlm.offload.params import ParamOffload
-    from meshlm.offload.store import SwapDir, Swapper, owns_storage
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing.recipes import full_many
+    from meshlm.core.annotate import outer_blocks
+    from meshlm.runtime.memory import local_data
+    from meshlm.runtime.offload.params import ParamOffload
+    from meshlm.runtime.offload.store import SwapDir, Swapper, owns_storage
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness.recipes import full_many
 
     torch._dynamo.reset()
     cfg = llama_config("llama_tiny")
@@ -56,7 +56,7 @@ def _run(layout, shape, base, compile, ckpt, params, optimizer):
     model = meshlm.shard(meta, layout, mesh, seed=0, after_block=spill if params and layout != "tp" else None)
     apply_activation_checkpointing(model, ckpt)
     if compile != "none":
-        meshlm.compile.compile_blocks(model, compile)
+        meshlm.runtime.compile.compile_blocks(model, compile)
     poff = ParamOffload(model, pswap) if params else None
     opt = ShardedOptimizer(
         model,
@@ -139,11 +139,11 @@ def test_offloaded_parameters_equal_no_offload(
 
 def _refused(shape):
     import meshlm
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.params import ParamOffload
-    from meshlm.offload.store import Swapper
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.offload.params import ParamOffload
+    from meshlm.runtime.offload.store import Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(shape)
     model = meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "zero2", mesh, seed=0)

@@ -1,4 +1,4 @@
-"""Optimizers that need each parameter whole (NOTE [whole-tensor step] in meshlm/optim.py):
+"""Optimizers that need each parameter whole (NOTE [whole-tensor step] in meshlm/runtime/optim/sharded.py):
 torch's Adafactor and a matrix optimizer written here (an update normalised by the whole
 gradient's norm, wrong on any shard of it) step the same parameters as on one device,
 bit for bit, under layouts that shard storage (fsdp, tp), optimizer state (zero1, zero2)
@@ -12,7 +12,7 @@ be exact.  Three steps, 2 gloo processes.
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 
@@ -51,7 +51,7 @@ def _job(layout: str, mesh_shape: str, name: str):
 
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     cls, kw = OPTIMIZERS[name]
     cfg = llama_config("llama_tiny", vocab=64, embed=16, heads=2, kv_heads=2, mlp=32, layers=2)

@@ -7,8 +7,8 @@ torch.compile (aot_eager per block, SGD) on 4, eager on 4 too (EAGER_4 and the c
 it), inductor for one; the overlapped reduction; bf16
 mixed precision as ``meshlm train`` runs it (ddp, zero1, zero2, fsdp, tp; overlapped too)
 against the same recipe in plain torch.  The checks run inside the workers
-(meshlm.testing.parity.check_training); tolerances and their derivation are in
-meshlm/testing/tolerances.py (NOTE [tolerances after steps], NOTE [mixed-precision parity]).
+(harness.parity.check_training); tolerances and their derivation are in
+tests/harness/tolerances.py (NOTE [tolerances after steps], NOTE [mixed-precision parity]).
 """
 
 from typing import ClassVar
@@ -19,8 +19,8 @@ from torch import nn
 
 import meshlm
 
-from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing.parity import LlamaBuild, TokenBatches, check_training
+from harness import WorkerError, dist_pool_fixture
+from harness.parity import LlamaBuild, TokenBatches, check_training
 
 pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -42,7 +42,7 @@ COMPILED_4 = [
     ("hsdp", "dp=2,fsdp=2"), ("tp", "tp=4"), ("tp_sp", "tp=4"), ("fsdp_tp", "fsdp=2,tp=2"),
     ("fsdp_tp_sp", "fsdp=2,tp=2"),
 ]
-# The overlapped reduction (NOTE [overlapped reduction] in meshlm/bucket/op.py; the default on
+# The overlapped reduction (NOTE [overlapped reduction] in meshlm/runtime/bucket/op.py; the default on
 # CUDA): all-reduce, reduce-scatter, both (hsdp), and with tp.
 OVERLAP_4 = [("ddp", "dp=4"), ("zero2", "dp=4"), ("hsdp", "dp=2,fsdp=2"), ("fsdp_tp_sp", "fsdp=2,tp=2")]
 
@@ -52,7 +52,7 @@ def _ids(cases):
 
 
 def _local_root(layout: str, mesh: str) -> bool:
-    """Whether the root runs on local tensors (NOTE [local root] in meshlm/lowering/local_root.py): on one
+    """Whether the root runs on local tensors (NOTE [local root] in meshlm/runtime/lowering/local_root.py): on one
     device, or where the layout splits the batch over every mesh axis of size > 1 and those
     are all data axes
     (every shipped layout but single puts the batch on dp and fsdp; tp layouts on a mesh
@@ -81,7 +81,7 @@ def _ok(res, layout=None, mesh=None):
 @pytest.mark.parametrize("layout", ["single", "fsdp", "tp_sp"])
 def test_parity_one_device(pool1, layout, compile):
     """On a one-device mesh every layout's blocks and root run on local tensors (NOTE
-    [local blocks] in meshlm/bucket/__init__.py, NOTE [local root] in meshlm/lowering/local_root.py), eager and compiled."""
+    [local blocks] in meshlm/runtime/bucket/__init__.py, NOTE [local root] in meshlm/runtime/lowering/local_root.py), eager and compiled."""
     _ok(pool1.run(check_training, layout, "dp=1", compile=compile), layout, "dp=1")
 
 
@@ -107,7 +107,7 @@ def test_parity_compiled_inductor(pool2):
     """Inductor compiles for tens of seconds on this machine: one case, SGD only (the step
     itself is eager; the AdamW step is covered above), with dropout, whose keys inductor
     draws as eager does only with fallback_random, which compile_blocks sets (NOTE [dropout
-    keys] in meshlm/rng.py; without it the masks, and so the losses, differ)."""
+    keys] in meshlm/core/rng.py; without it the masks, and so the losses, differ)."""
     _ok(pool2.run(check_training, "tp_sp", "tp=2", compile="inductor", optims=("sgd",),
                   build=LlamaBuild(overrides=(("dropout", 0.1),))))
 
@@ -115,7 +115,7 @@ def test_parity_compiled_inductor(pool2):
 @pytest.mark.parametrize("layout,mesh", OVERLAP_4, ids=_ids(OVERLAP_4))
 def test_parity_overlapped_reduction(pool4, layout, mesh):
     """Gradient reductions left in flight through backward (NOTE [overlapped reduction] in
-    meshlm/bucket/op.py; the default on CUDA), across accumulated micro-batches, give the same
+    meshlm/runtime/bucket/op.py; the default on CUDA), across accumulated micro-batches, give the same
     gradients, settled as plain tensors."""
     _ok(pool4.run(check_training, layout, mesh, overlap=True), layout, mesh)
 
@@ -123,7 +123,7 @@ def test_parity_overlapped_reduction(pool4, layout, mesh):
 @pytest.mark.parametrize("layout,mesh,overlap", [("fsdp", "fsdp=4", True), ("zero2", "dp=4", False)])
 def test_parity_compiled_body_eager_comms(pool4, layout, mesh, overlap):
     """Only the blocks' math compiled, their collectives eager around it (NOTE [compiled body]
-    in meshlm/compile.py): fsdp with overlap frees, re-gathers and prefetches under compile."""
+    in meshlm/runtime/compile.py): fsdp with overlap frees, re-gathers and prefetches under compile."""
     _ok(pool4.run(check_training, layout, mesh, compile="aot_eager", comms="eager", overlap=overlap, optims=("sgd",)),
         layout, mesh)
 
@@ -196,13 +196,13 @@ def test_parity_local_root_ignored_targets(pool4, layout, mesh):
 
 def _nll_sum_job():
     """An NLL sum over the rows (not the shipped model's mean): the local root lifts it by
-    its autograd node, summed over the ranks, once per call (NOTE [local root] in meshlm/lowering/local_root.py)."""
+    its autograd node, summed over the ranks, once per call (NOTE [local root] in meshlm/runtime/lowering/local_root.py)."""
     import torch.nn.functional as F
 
     import meshlm
-    from meshlm.lowering import shard_state
+    from meshlm.runtime.lowering import shard_state
     from meshlm.models import Llama, llama_config
-    from meshlm.testing import tolerances as tol
+    from harness import tolerances as tol
 
     class SumLoss(Llama):
         def forward(self, tokens, labels):
@@ -235,7 +235,7 @@ def test_local_root_lifts_nll_sum(pool2):
 class _Regressor(nn.Module):
     """A model meshlm did not shape: a two-layer MLP with an MSE loss, weights drawn by the
     caller.  An MSE is not an NLL, so the model says how it reduces over the batch
-    (``meshlm.reduce_batch``; NOTE [local root] in meshlm/lowering/local_root.py); under DTensor its
+    (``meshlm.reduce_batch``; NOTE [local root] in meshlm/runtime/lowering/local_root.py); under DTensor its
     backward goes through NOTE [mean loss backward] in meshlm/_torch_compat/dtensor_loss.py."""
 
     param_axes: ClassVar[dict] = {"w_in": ("mlp", "embed"), "w_out": ("embed", "mlp")}
@@ -271,9 +271,9 @@ def test_parity_model_meshlm_did_not_shape(pool2, layout, mesh):
 def _with_bug(layout: str, mesh: str, bug: str, precision: str = "fp32"):
     """check_training (SGD, 2 steps) with ``bug`` injected into this worker only; the
     AssertionError it raises (None if none)."""
-    from meshlm import main_grad
-    from meshlm.lowering import local_root
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime import main_grad
+    from meshlm.runtime.lowering import local_root
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     saved = ShardedOptimizer.reduce_grads, local_root.BatchReduce.backward, main_grad._add
     kw = {}
@@ -321,10 +321,10 @@ def test_parity_catches_gradient_scale_bugs(pool2, layout, bug):
 
 
 # Mixed precision as ``meshlm train`` runs it under train.param_dtype=bfloat16 (NOTE [mixed
-# precision] in meshlm/precision.py): bf16 compute over float32 storage (ddp, fsdp, tp), bf16
+# precision] in meshlm/layout/precision.py): bf16 compute over float32 storage (ddp, fsdp, tp), bf16
 # storage with float32 masters and main gradients (zero1, zero2), against the same recipe in
-# plain torch on one device (meshlm/testing/parity_mp.py; tolerances: NOTE [mixed-precision
-# parity] in meshlm/testing/tolerances.py).
+# plain torch on one device (tests/harness/parity_mp.py; tolerances: NOTE [mixed-precision
+# parity] in tests/harness/tolerances.py).
 BF16_2 = [("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "dp=2"), ("fsdp", "fsdp=2"), ("tp", "tp=2")]
 
 
@@ -364,13 +364,13 @@ def test_parity_bf16_catches_bugs(pool2, layout, bug, caught):
 
 def _full_many_job(layout, mesh):
     """full_many against full_tensor one by one (NOTE [gathered at once] in
-    meshlm/testing/recipes.py), on the weights and the ZeRO masters, stored unevenly where
+    tests/harness/recipes.py), on the weights and the ZeRO masters, stored unevenly where
     the layout allows it (vocab 998, mlp 50 over 4 ranks; tensor parallelism wants its
     compute axes divisible): equal bit for bit, and how many went through the pasting path."""
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.testing.recipes import _pasted, full, full_many
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from harness.recipes import _pasted, full, full_many
 
     uneven = {"vocab": 998, "embed": 20, "heads": 2, "kv_heads": 1, "mlp": 50} if "tp" not in layout else {}
     cfg = llama_config("llama_tiny", layers=1, **uneven)

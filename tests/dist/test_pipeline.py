@@ -1,8 +1,8 @@
-"""Pipeline parallelism (meshlm/pipeline/): every pp layout and schedule against one device,
+"""Pipeline parallelism (meshlm/runtime/pipeline/): every pp layout and schedule against one device,
 its point-to-point bytes against the analytic activation sends, the gradient reduction
 once per step, and the traps torch's schedules set.
 
-Parity is ``check_training`` (meshlm/testing/parity.py, through meshlm/testing/parity_pp.py):
+Parity is ``check_training`` (tests/harness/parity.py, through tests/harness/parity_pp.py):
 three optimizer steps of SGD (momentum) and AdamW, each over ``grad_accum`` micro-batches
 that are the pipeline's, checked on each micro-batch loss, the gradient each optimizer
 steps with, the parameters and the optimizer state, on 2, 4 and 8 gloo processes (8 for
@@ -15,16 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.pipeline.schedule import zero_bubble_supported
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import LlamaBuild, assert_parity, check_training
+from meshlm.runtime.pipeline.schedule import zero_bubble_supported
+from harness import dist_pool_fixture
+from harness.parity import LlamaBuild, assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
 pool8 = dist_pool_fixture(8, timeout_s=120)
 
 LLAMA4 = LlamaBuild("llama_tiny", (("layers", 4),))
-# torch 2.11's zero-bubble schedules are refused (meshlm.pipeline.schedule.zero_bubble_supported)
+# torch 2.11's zero-bubble schedules are refused (meshlm.runtime.pipeline.schedule.zero_bubble_supported)
 ZB = pytest.mark.skipif(not zero_bubble_supported(), reason="zero-bubble schedules need torch >= 2.13")
 SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
@@ -96,7 +96,7 @@ def test_pp_dropout_is_the_one_device_mask(pool4):
 
 def _scale_grads_twice(layout, mesh):
     """torch's own 1/micro-batches (scale_grads=True) on top of meshlm's: check_training says."""
-    from meshlm.pipeline import pipe as pipe_mod
+    from meshlm.runtime.pipeline import pipe as pipe_mod
 
     saved = pipe_mod.make_schedule
 
@@ -128,9 +128,9 @@ def test_parity_catches_torchs_gradient_scaling_on_top(pool2):
 # --------------------------------------------------------------------------- bytes
 def _one_step_counted(layout, mesh, schedule, v, microbatches):
     import meshlm
-    from meshlm.comm import CommCounter
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.pipeline import build_pipeline, pipeline_mesh
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
 
     B, S = 8, 16
     full, sub = pipeline_mesh(mesh)
@@ -203,7 +203,7 @@ def test_p2p_bytes_are_the_activation_sends(pool4, layout, mesh, schedule, v, wo
         assert summary.get(("send", ("pp",)), (0, 0)) == sends, (summary, ranks, mine)
         assert summary.get(("recv", ("pp",)), (0, 0)) == recvs, (summary, ranks, mine)
         # pp's collectives besides: the step's loss with its total and reference weights (NOTE
-        # [token weighting] in meshlm/weighting.py), 24 bytes, and the gradient norm, 8 bytes
+        # [token weighting] in meshlm/core/weighting.py), 24 bytes, and the gradient norm, 8 bytes
         assert summary[("all_reduce", ("pp",))] == (2, 32), summary
 
 
@@ -237,11 +237,11 @@ def _real_memory(layout, mesh, schedule, v, microbatches):
     """One real step measured as meshlm train measures its own (NOTE [run memory]), after a
     warm-up step; and this rank's sends and receives."""
     import meshlm
-    from meshlm.comm import CommCounter
-    from meshlm.memory import model_state_bytes
-    from meshlm.metrics import StepMemory
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.pipeline import build_pipeline, pipeline_mesh
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.runtime.memory import model_state_bytes
+    from meshlm.train.metrics import StepMemory
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
 
     B, S = 8, 16
     full, sub = pipeline_mesh(mesh)

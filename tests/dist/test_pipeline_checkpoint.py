@@ -3,9 +3,9 @@ like any other: a run saved under fsdp_tp_pp on 8 processes resumes under fsdp o
 the other way round, and one saved at pp=2 x fsdp=2 resumes at pp=4, each continuing with
 the losses of a run that never changed layout.  Every stage's parameters and optimizer
 state are saved (the resumed run starts from all of them).  Runs go through
-``meshlm.train.run``, the loop ``meshlm train`` runs, with 2 micro-batches a step.
+``meshlm.app.train.run``, the loop ``meshlm train`` runs, with 2 micro-batches a step.
 
-Tolerance: NOTE [invariance tolerance] in meshlm/testing/tolerances.py (these are 4 of the
+Tolerance: NOTE [invariance tolerance] in tests/harness/tolerances.py (these are 4 of the
 12 steps it is derived for)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from meshlm.config import RunConfig, from_dict
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from meshlm.app.config import RunConfig, from_dict
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 pool4 = dist_pool_fixture(4, timeout_s=60)
 pool8 = dist_pool_fixture(8, timeout_s=120)
@@ -36,7 +36,7 @@ def _cfg(layout: str, mesh: dict, steps: int, ckpt: str, resume: bool) -> RunCon
 
 
 def _run(cfg: RunConfig, run_dir: str) -> list[float]:
-    from meshlm.train import run
+    from meshlm.app.train import run
 
     run(cfg, run_dir)
     dist.barrier()
@@ -46,7 +46,7 @@ def _run(cfg: RunConfig, run_dir: str) -> list[float]:
 def _saved_keys(path: str) -> set[str]:
     import torch.distributed.checkpoint as dcp
 
-    from meshlm.checkpoint import latest_checkpoint
+    from meshlm.train.checkpoint import latest_checkpoint
 
     return set(dcp.FileSystemReader(latest_checkpoint(path)).read_metadata().state_dict_metadata)
 
@@ -81,6 +81,6 @@ def test_resume_under_another_layout(pool4, pool8, reference, tmp_path, first, s
 
 
 def _param_names() -> list[str]:
-    from meshlm.model_config import ModelConfig, build_model
+    from meshlm.models.node import ModelConfig, build_model
 
     return [n for n, _ in build_model(ModelConfig.from_dict(MODEL), "meta").named_parameters()]

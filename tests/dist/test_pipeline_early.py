@@ -1,4 +1,4 @@
-"""Early reduction under a pipeline (NOTE [early reduction] in meshlm/optim_early.py): with
+"""Early reduction under a pipeline (NOTE [early reduction] in meshlm/runtime/optim/early.py): with
 ``Pipeline.attach(opt, early=True)`` each optimizer chunk's reduce-scatter starts in the backward pass that
 makes its last gradient, and the gradients and weights after two steps equal those of the
 same pipeline reducing at the step, bit for bit (fsdp_pp on fsdp=2 x pp=2, 1F1B over 4
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool4 = dist_pool_fixture(4, timeout_s=120)
 
@@ -16,9 +16,9 @@ pool4 = dist_pool_fixture(4, timeout_s=120)
 def _run(early: bool):
     import meshlm
     from meshlm.models import Llama, llama_config
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.pipeline import build_pipeline, pipeline_mesh
-    from meshlm.testing.recipes import full_many
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
+    from harness.recipes import full_many
 
     cfg = llama_config("llama_tiny")
     g = torch.Generator().manual_seed(0)

@@ -4,10 +4,10 @@ plain torch on one process (``check_training``: loss, the gradient each optimize
 with, parameters, optimizer state and buffers after 3 steps of SGD and of AdamW with weight
 decay) under every shipped layout without pipeline stages, on 2 and 4 gloo processes.
 
-NOTE [model build] in meshlm/model_plain.py (how ``meshlm train`` builds them), NOTE
-[buffers] in meshlm/lowering/buffers.py (a fixed table, running statistics, a
-non-persistent mask; checkpoints), NOTE [ties] in meshlm/ties.py (one module in two
-blocks).  Tolerances: meshlm/testing/tolerances.py."""
+NOTE [model build] in meshlm/app/model_plain.py (how ``meshlm train`` builds them), NOTE
+[buffers] in meshlm/runtime/lowering/buffers.py (a fixed table, running statistics, a
+non-persistent mask; checkpoints), NOTE [ties] in meshlm/core/ties.py (one module in two
+blocks).  Tolerances: tests/harness/tolerances.py."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing.parity import TokenBatches, check_training
+from harness import WorkerError, dist_pool_fixture
+from harness.parity import TokenBatches, check_training
 
 USERMODEL = str(Path(__file__).resolve().parents[1] / "usermodel")
 if USERMODEL not in sys.path:  # here and in the pool's workers, which import this module
@@ -80,7 +80,7 @@ def _table(layout: str, mesh: str) -> dict:
     def build(device: str, seed: int):
         from mymodels.plain import TableLM
 
-        from meshlm.annotate import init_params
+        from meshlm.core.annotate import init_params
 
         m = TableLM(device=device)
         if device != "meta":
@@ -104,8 +104,8 @@ def _build(layout: str, mesh: dict, target: str, seed: int) -> dict:
     import importlib
 
     import meshlm
-    from meshlm.model_build import build_sharded
-    from meshlm.model_config import ModelConfig
+    from meshlm.app.model_build import build_sharded
+    from meshlm.models.node import ModelConfig
 
     model = build_sharded(ModelConfig(target=target), meshlm.load_layout(layout), meshlm.make_mesh(mesh), seed=seed)
     mod, _, cls = target.rpartition(".")
@@ -142,8 +142,8 @@ def _save_resume(layout: str, mesh: str, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import meshlm
-    from meshlm.checkpoint import load_checkpoint, save_checkpoint
-    from meshlm.testing.parity import TokenBatches
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
+    from harness.parity import TokenBatches
 
     def fresh():
         return meshlm.shard(Plain("PlainLM")("cpu", 0), layout, meshlm.make_mesh(mesh))

@@ -1,13 +1,13 @@
 """meshlm.plan against reality on 2 and 4 gloo processes, for every shipped layout:
 parameter, gradient and optimizer-state bytes per rank exactly; communication bytes per
-step exactly (counted by meshlm.comm in a real step); activations within 10% of the bytes
+step exactly (counted by meshlm.runtime.comm in a real step); activations within 10% of the bytes
 held from the end of forward to backward, and the at-use parameter copies held over the
 same span exactly.
 
 NOTE [measuring held activations]
     Saved-tensor hooks cannot see inside a checkpointed block (its own hooks replace ours,
     and what it keeps is a cache of selected op outputs), and the fsdp-family layouts
-    checkpoint every block (NOTE [re-gather in backward] in meshlm/lowering/policies.py).  So the measurement
+    checkpoint every block (NOTE [re-gather in backward] in meshlm/runtime/lowering/policies.py).  So the measurement
     is hook-free: a TorchDispatchMode notes the storage of every op output in forward
     (the local shard of a DTensor output) with a weak reference; at the end of forward the
     storages still alive, less the parameters, the inputs and the loss, at their size then,
@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 B, S = 4, 8
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -45,7 +45,7 @@ def _storage(w):
 class _Seen:
     """A storage first made by an op in forward: a weak reference, whether a gather made it,
     its bytes when ``held`` ran, and whether another thread freed it (NOTE [storage the
-    backend frees] in meshlm/memory.py)."""
+    backend frees] in meshlm/runtime/memory.py)."""
 
     def __init__(self, st, gathered: bool, thread: int):
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -86,7 +86,7 @@ class _HeldAfterForward(TorchDispatchMode):
     def held(self, exclude: set[int]) -> tuple[int, int]:
         """(activation bytes, at-use parameter copy bytes) still alive, at their present
         size (a block's gathered parameters are freed to 0 bytes until backward: NOTE
-        [free and re-gather] in meshlm/bucket/regather.py)."""
+        [free and re-gather] in meshlm/runtime/bucket/regather.py)."""
         self.counted = [e for p, e in self.seen.items() if not e.ref.expired() and p not in exclude]
         for e in self.counted:
             e.at_held = _storage(e.ref).nbytes()
@@ -95,16 +95,16 @@ class _HeldAfterForward(TorchDispatchMode):
     def backend_slack(self) -> int:
         """Bytes ``held`` counted that the backend's thread freed later: a collective's buffer
         that gloo's work object still referenced (NOTE [storage the backend frees] in
-        meshlm/memory.py).  Call it once the step is over."""
+        meshlm/runtime/memory.py).  Call it once the step is over."""
         return sum(e.at_held for e in self.counted if e.off_thread)
 
 
 def _count_at_use() -> None:
     """Mark what the parameter gathers make: per parameter (``AtUse``) and flat
     (``bucket.Gather``: the blocks', whose copies are freed after forward, and a local
-    root's, NOTE [local root] in meshlm/lowering/local_root.py)."""
-    from meshlm import bucket
-    from meshlm.lowering import atuse
+    root's, NOTE [local root] in meshlm/runtime/lowering/local_root.py)."""
+    from meshlm.runtime import bucket
+    from meshlm.runtime.lowering import atuse
 
     for fn in (atuse.AtUse, bucket.Gather):
         if getattr(fn, "_test_counted", False):
@@ -123,14 +123,14 @@ def _count_at_use() -> None:
 
 
 def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str = "float32"):
-    from meshlm.comm import CommCounter
-    from meshlm.config import TrainConfig
-    from meshlm.testing.setup import tiny_sharded
-    from meshlm.train import apply_activation_checkpointing, shard_dtypes
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.app.config import TrainConfig
+    from harness.setup import tiny_sharded
+    from meshlm.app.train import apply_activation_checkpointing, shard_dtypes
 
     import meshlm
 
-    # as meshlm train shards it (NOTE [mixed precision] in meshlm/precision.py)
+    # as meshlm train shards it (NOTE [mixed precision] in meshlm/layout/precision.py)
     kw = shard_dtypes(TrainConfig(param_dtype=param_dtype), meshlm.load_layout(layout), mesh_shape)
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, **kw)
     apply_activation_checkpointing(model, ac)
@@ -157,7 +157,7 @@ def _measure(layout: str, mesh_shape: dict, ac: str = "none", param_dtype: str =
 
     params = nbytes(model.parameters())
     # gradients at whichever of the end of backward and the step holds more (ZeRO-1's main
-    # gradients are released as the step reduces them: NOTE [main grads] in meshlm/main_grad.py)
+    # gradients are released as the step reduces them: NOTE [main grads] in meshlm/runtime/main_grad.py)
     grads = _grad_storages(model, opt)  # live now (a freed one's address may be reused since)
     grad_bytes = max(sum(v for k, v in d.items() if k not in params) for d in (grads_bwd, grads))
     state = nbytes([v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -189,12 +189,13 @@ MESHES = {
 
 
 def _check(pool, world, layout, ac="none", param_dtype="float32"):
-    from meshlm.config import load_config
-    from meshlm.plan import _from_run_config, plan
+    from meshlm.app.config import load_config
+    from meshlm.plan import plan
+    from meshlm.app.plan import from_run_config
 
     mesh = MESHES[world][layout]
     got = pool.run(_measure, layout, mesh, ac, param_dtype)[0]
-    kw = _from_run_config(load_config([f"train.param_dtype={param_dtype}"]))  # the dtypes meshlm plan uses
+    kw = from_run_config(load_config([f"train.param_dtype={param_dtype}"]))  # the dtypes meshlm plan uses
     p = plan("llama_tiny", layout, mesh, global_batch=B, seq=S, activation_checkpointing=ac,
              param_dtype=kw["param_dtype"], master_dtype=kw["master_dtype"], compute_dtype=kw["compute_dtype"],
              reduce_dtype=kw["reduce_dtype"])
@@ -232,7 +233,7 @@ def test_plan_exact_checkpointed(pool4, ac):
 @pytest.mark.parametrize("layout", ["ddp", "zero1", "zero2", "fsdp", "hsdp", "tp_sp", "fsdp_tp"])
 def test_plan_exact_bf16(pool4, layout):
     """``train.param_dtype=bfloat16`` as ``meshlm train`` runs it (NOTE [mixed precision]
-    in meshlm/precision.py: bf16 at use and float32 gradient reductions; float32 storage
+    in meshlm/layout/precision.py: bf16 at use and float32 gradient reductions; float32 storage
     and optimizer state, except zero1/zero2, which store bf16 parameters beside float32
     masters and main gradients): the plan ``meshlm plan`` makes for it is exact too."""
     _check(pool4, 4, layout, param_dtype="bfloat16")

@@ -5,10 +5,10 @@ gloo processes, for a model that is not ours: the GPT-2 of tests/dist/test_nn_mo
 Equal to the byte: parameter, gradient and optimizer bytes per rank, the activations held
 from forward to backward (NOTE [measuring held activations] in test_plan_exact.py), the
 peak of live tensor storage in a step as ``meshlm train`` measures it (NOTE [run memory]
-in meshlm/metrics.py), and every collective's count and bytes per (kind, axes, phase).
+in meshlm/train/metrics.py), and every collective's count and bytes per (kind, axes, phase).
 The peak and the held activations are equal but for the collective buffers that gloo's
 thread happened to free late in that run (NOTE [storage the backend frees] in
-meshlm/memory.py: measured in the same run, usually 0).  The same for a user's model in a package of its own (tests/usermodel/mymodels), built from
+meshlm/runtime/memory.py: measured in the same run, usually 0).  The same for a user's model in a package of its own (tests/usermodel/mymodels), built from
 its Hydra node exactly as ``meshlm plan model._target_=mymodels.TinyLM`` builds it."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.layout import is_pipelined, load_layout, shipped_layouts
-from meshlm.testing import dist_pool_fixture
+from meshlm.layout.rules import is_pipelined, load_layout, shipped_layouts
+from harness import dist_pool_fixture
 
 B, S = 8, 16
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -40,8 +40,8 @@ def _build(device):
 
 def _build_user(device):
     """The user's model from its model node, as meshlm plan and meshlm train build it."""
-    from meshlm.model_config import ModelConfig
-    from meshlm.plan import build_model
+    from meshlm.models.node import ModelConfig
+    from meshlm.app.plan import build_model
 
     return build_model(ModelConfig(target="mymodels.TinyLM", args={"width": 32, "heads": 4}))(device)
 
@@ -50,7 +50,7 @@ BUILDS = {"gpt2": _build, "user": _build_user}
 
 
 def _mesh(layout: str, world: int) -> dict[str, int]:
-    from meshlm.layout import load_layout
+    from meshlm.layout.rules import load_layout
 
     lay = load_layout(layout)
     data = "fsdp" if any("fsdp" in v for v in lay.params.values()) else "dp"
@@ -67,12 +67,12 @@ def _real(layout: str, mesh_shape: dict, ac: str, model: str = "gpt2"):
     from test_plan_exact import _HeldAfterForward, _local
 
     import meshlm
-    from meshlm.comm import CommCounter
-    from meshlm.config import TrainConfig
-    from meshlm.memory import model_state_bytes
-    from meshlm.metrics import StepMemory
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.train import apply_activation_checkpointing, shard_dtypes
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.app.config import TrainConfig
+    from meshlm.runtime.memory import model_state_bytes
+    from meshlm.train.metrics import StepMemory
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+    from meshlm.app.train import apply_activation_checkpointing, shard_dtypes
 
     mesh = meshlm.make_mesh(mesh_shape)
     kw = shard_dtypes(TrainConfig(), meshlm.load_layout(layout), mesh_shape)
@@ -96,17 +96,17 @@ def _real(layout: str, mesh_shape: dict, ac: str, model: str = "gpt2"):
         (loss / 1).backward()  # train's loss / train.grad_accum
         mem.after_backward()
         opt.step()
-        # ZeRO-1's gradients peak in the step (NOTE [main grads] in meshlm/main_grad.py)
+        # ZeRO-1's gradients peak in the step (NOTE [main grads] in meshlm/runtime/main_grad.py)
         grads = max(mem.grads, model_state_bytes(model, opt)["grads"])
     comm = {k: (int(v["count"]), int(v["bytes"])) for k, v in cc.summary(by_phase=True).items()}
     return dict(mem.result, grads=grads, activations=act + gathered, comm=comm, backend_slack=mem.backend_slack, held_slack=held_slack)
 
 
 def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2") -> None:
-    from meshlm.config import TrainConfig
-    from meshlm.layout import load_layout
+    from meshlm.app.config import TrainConfig
+    from meshlm.layout.rules import load_layout
     from meshlm.plan import plan_model
-    from meshlm.train import shard_dtypes
+    from meshlm.app.train import shard_dtypes
 
     mesh = _mesh(layout, world)
     got = pool.run(_real, layout, mesh, ac, model)[0]
@@ -122,7 +122,7 @@ def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2")
     planned = {k: p.memory[k] for k in ("params", "grads", "optimizer")}
     measured = {k: got[k] for k in planned}
     assert planned == measured, f"{layout} {mesh} {ac}: planned {planned} measured {measured}"
-    # NOTE [storage the backend frees] in meshlm/memory.py: gloo's thread may hold a
+    # NOTE [storage the backend frees] in meshlm/runtime/memory.py: gloo's thread may hold a
     # collective's buffer past the program's last use; the fake step has no such thread.
     act = (got["activations"] - got["held_slack"], got["activations"])
     assert act[0] <= p.memory["activations"] <= act[1], (
@@ -165,11 +165,11 @@ def test_a_step_the_fake_tensors_cannot_run_is_a_clear_error():
     """Known limit: under tp_sp the user's model's backward makes DTensor read a shard size
     back from a tensor, which a fake tensor cannot (the real run trains: test_user_model).
     The planner says so in the plan's terms, not with a torch traceback."""
-    from meshlm.config import TrainConfig
-    from meshlm.errors import ConfigError
-    from meshlm.layout import load_layout
+    from meshlm.app.config import TrainConfig
+    from meshlm.core.errors import ConfigError
+    from meshlm.layout.rules import load_layout
     from meshlm.plan import plan_model
-    from meshlm.train import shard_dtypes
+    from meshlm.app.train import shard_dtypes
 
     mesh = _mesh("tp_sp", 2)
     with pytest.raises(ConfigError, match=r"could not measure layout tp_sp on mesh \{'tp': 2\}.*needs real data"):

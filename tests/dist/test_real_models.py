@@ -3,15 +3,15 @@ torch on one process (``check_training``: loss, the gradient each optimizer step
 parameters and optimizer state after 3 steps of SGD and of AdamW with weight decay):
 
 - a parameter that gets no gradient in a step keeps ``grad is None`` and torch.optim skips it
-  (NOTE [unused parameters] in meshlm/unused.py): a branch unused on some steps, inside and
+  (NOTE [unused parameters] in meshlm/runtime/unused.py): a branch unused on some steps, inside and
   outside blocks, used on one data-parallel rank only, and a mixture-of-experts layer whose
   unrouted experts get no gradient;
 - micro-batches of unequal token counts weigh as the whole batch on one device (NOTE [token
-  weighting] in meshlm/weighting.py), for ``F.cross_entropy(ignore_index=...)`` and for a
+  weighting] in meshlm/core/weighting.py), for ``F.cross_entropy(ignore_index=...)`` and for a
   masked mean written by hand through ``meshlm.reduce_batch(..., weight=)``.
 
 The models are plain torch modules (``nn.Linear``, ``nn.Embedding``) with their axes given by
-``meshlm.set_axes``.  Tolerances: meshlm/testing/tolerances.py."""
+``meshlm.set_axes``.  Tolerances: tests/harness/tolerances.py."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshlm
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
-from meshlm.testing.parity import assert_parity, check_training
+from harness import dist_pool_fixture
+from harness import tolerances as tol
+from harness.parity import assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=90)
 pool4 = dist_pool_fixture(4, timeout_s=90)
@@ -274,7 +274,7 @@ def test_moe_unrouted_experts(pool2, layout, mesh):
 
 
 # --------------------------------------------------------------------------- the training loop
-# ``meshlm train``'s own loop (``meshlm.train.run``) over a user's model whose loss ignores
+# ``meshlm train``'s own loop (``meshlm.app.train.run``) over a user's model whose loss ignores
 # the targets below 'a' (spaces, capitals, punctuation of the shipped text): micro-batches
 # then count different numbers of targets, and the step must weigh them as one device
 # weighs the whole batch.  Tolerances: NOTE [invariance tolerance] (these are 3 of the 12
@@ -309,8 +309,8 @@ def __getattr__(name):  # the model class, defined lazily so that collecting thi
 def _train(layout: str, mesh: dict, grad_accum: int, run_dir: str) -> list[float]:
     import torch.distributed as dist
 
-    from meshlm.config import from_dict
-    from meshlm.train import run
+    from meshlm.app.config import from_dict
+    from meshlm.app.train import run
 
     t = {"steps": 3, "batch_size": 8, "seq_len": 16, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 1,
          "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False, "pg_timeout_s": 60,

@@ -2,7 +2,7 @@
 processes: SIGTERM mid-run saves and the resume continues the uninterrupted loss curve
 exactly; a resume at the last step exits 0; a second fresh run into the same checkpoint
 directory refuses and changes nothing; a converted Hugging Face checkpoint resumes from its
-directory alone (meshlm/lifecycle.py, meshlm/_ckpt_runs.py)."""
+directory alone (meshlm/train/lifecycle.py, meshlm/train/checkpoint/runs.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _env() -> dict[str, str]:
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     keys = {o.split("=", 1)[0] for o in overrides}
     run = [a for a in RUN if a.split("=", 1)[0] not in keys]
-    return subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *run, *overrides,
+    return subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *run, *overrides,
                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -178,13 +178,13 @@ def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
                                    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "hf", safe_serialization=True)
-    conv = subprocess.run([sys.executable, "-m", "meshlm.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "ck")],
+    conv = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "ck")],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert conv.returncode == 0, conv.stderr[-3000:]
     base = [a for a in RUN if not a.startswith(("model=", "train.steps="))] + ["train.steps=3"]
 
     def run(run_dir, *overrides):
-        p = subprocess.Popen([sys.executable, "-m", "meshlm.cli", "train", *base, *overrides,
+        p = subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *base, *overrides,
                               f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         return _finish(p)

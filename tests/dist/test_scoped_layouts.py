@@ -1,9 +1,9 @@
-"""Scoped layouts (NOTE [scoped layouts] in meshlm/scopes.py) on a two-tower model written
+"""Scoped layouts (NOTE [scoped layouts] in meshlm/core/scopes.py) on a two-tower model written
 here, as a model author would (meshlm.nn layers, not shaped by the library): an encoder
 over patch features, a projector, and a causal decoder over [projected patches, tokens].
 Both towers use the standard axes (embed, heads, mlp), so only a scope can shard them
 differently.  Each scoped layout must train as on one device (loss, the gradients the
-optimizer steps with, parameters, optimizer state; meshlm.testing.parity), and each
+optimizer steps with, parameters, optimizer state; harness.parity), and each
 parameter must be stored where its scope says."""
 
 from dataclasses import dataclass
@@ -16,8 +16,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import assert_parity, check_training
+from harness import dist_pool_fixture
+from harness.parity import assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=90)
 pool2 = dist_pool_fixture(2, timeout_s=60)
@@ -186,7 +186,7 @@ def _activations(layout: str, compile: bool = False):
     mesh = meshlm.make_mesh("fsdp=2,tp=2")
     model = meshlm.shard(TwoTower(Cfg(), device="meta"), layout, mesh, seed=0)
     if compile:
-        from meshlm.compile import compile_blocks
+        from meshlm.runtime.compile import compile_blocks
 
         compile_blocks(model, "aot_eager")
     seen = {}

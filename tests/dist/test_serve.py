@@ -28,10 +28,10 @@ MAX = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from meshlm.hf_load import load_hf_local
+    from meshlm.interop.hf.load import load_hf_local
     from meshlm.infer import generate
-    from meshlm.testing.hf_tiny import tiny_gpt2
-    from meshlm.testing.tokenizer import train_bpe
+    from harness.hf_tiny import tiny_gpt2
+    from harness.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("gpt2")
     tok = train_bpe(d, vocab=300)
@@ -53,7 +53,7 @@ def _port() -> int:
 class Server:
     def __init__(self, d, *args):
         self.port = _port()
-        cmd = [sys.executable, "-m", "meshlm.cli", "serve", str(d), "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "meshlm.app.cli", "serve", str(d), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:

@@ -1,8 +1,8 @@
 """``meshlm serve`` stops within seconds on SIGTERM and SIGINT, in the middle of a long
 request, on one process and tensor parallel over 2 workers, with one line naming the signal
-and the exit status 128 + its number (NOTE [stopping a server] in meshlm/infer/serve_cli.py);
+and the exit status 128 + its number (NOTE [stopping a server] in meshlm/app/serve.py);
 its workers end when its launcher is killed outright (NOTE [launcher death] in
-meshlm/watchdog.py).  A tiny GPT-2 of 4096 positions and no end-of-sequence token, and 16
+meshlm/app/watchdog.py).  A tiny GPT-2 of 4096 positions and no end-of-sequence token, and 16
 requests of 4000 tokens queued one behind another: far longer than a stop may take."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ STOP_S = 8  # GRACE_S (2) for the request in flight, the engine's stop, the agen
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from meshlm.testing.hf_tiny import tiny_gpt2
-    from meshlm.testing.tokenizer import train_bpe
+    from harness.hf_tiny import tiny_gpt2
+    from harness.tokenizer import train_bpe
 
     d = tmp_path_factory.mktemp("gpt2")
     train_bpe(d, vocab=300)
@@ -72,7 +72,7 @@ def _serve(d: Path, *args: str, started: list) -> tuple[subprocess.Popen, int]:
     port = _port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.cli", "serve", str(d), "--port", str(port), *args],
+        [sys.executable, "-m", "meshlm.app.cli", "serve", str(d), "--port", str(port), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -170,7 +170,7 @@ def test_generate_workers_end_with_a_killed_launcher(model_dir):
     workers are gone within 10 s (the launcher's death, as for ``meshlm train`` and serve)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.cli", "generate", str(model_dir), "--prompt", "the quick brown",
+        [sys.executable, "-m", "meshlm.app.cli", "generate", str(model_dir), "--prompt", "the quick brown",
          "--max-new-tokens", "4000", "--layout", "tp", "--mesh", "tp=2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

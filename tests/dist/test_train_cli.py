@@ -31,7 +31,7 @@ def _env() -> dict[str, str]:
 
 
 def meshlm(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "meshlm.app.cli", *args], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -99,7 +99,7 @@ def test_train_user_model(tmp_path):
     env = _env()
     env["PYTHONPATH"] = str(REPO / "tests" / "usermodel") + os.pathsep + env["PYTHONPATH"]
     args = [a for a in TINY if not a.startswith("model=")]
-    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", *args, "model._target_=mymodels.TinyLM",
+    r = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "train", *args, "model._target_=mymodels.TinyLM",
                         "model.width=32", "layout=fsdp", "mesh=fsdp2", "train.steps=8", f"hydra.run.dir={tmp_path}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -114,10 +114,10 @@ def test_train_user_model(tmp_path):
 def test_train_plain_model(tmp_path):
     """A plain PyTorch model (weights and buffers made in ``__init__``, no ``init_weights``:
     tests/usermodel/mymodels/plain.py) trains as it is: built whole on the host from
-    ``train.seed`` (NOTE [model build] in meshlm/model_plain.py), which the memory line says."""
+    ``train.seed`` (NOTE [model build] in meshlm/app/model_plain.py), which the memory line says."""
     env = _env()
     env["PYTHONPATH"] = str(REPO / "tests" / "usermodel") + os.pathsep + env["PYTHONPATH"]
-    r = subprocess.run([sys.executable, "-m", "meshlm.cli", "train", "model._target_=mymodels.plain.PlainLM",
+    r = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "train", "model._target_=mymodels.plain.PlainLM",
                         "model.seq=16", "train.seq_len=16", "train.batch_size=8", "train.warmup_steps=1",
                         "train.val_every=0", "train.val_batches=1", "train.progress=false", "layout=fsdp_tp",
                         "mesh=fsdp2_tp2", "train.steps=8", "train.pg_timeout_s=60", f"hydra.run.dir={tmp_path}"],
@@ -153,8 +153,8 @@ def test_sweep_writes_summary(tmp_path):
     assert "its data parallel (dp/fsdp) drops out" in r.stderr
     md = (tmp_path / "summary.md").read_text()
     assert "| train.seed=0 | ddp (runs as: one device) |" in md and "Warnings:" in md
-    from meshlm.sweep import runs
-    from meshlm.sweep_plots import curves_figure
+    from meshlm.app.sweep import runs
+    from meshlm.app.sweep_plots import curves_figure
 
     fig = curves_figure(runs(tmp_path))
     for ax in fig.axes:
@@ -217,7 +217,7 @@ def test_bad_config_value_names_key_and_choices(tmp_path):
 
 
 def test_mesh_too_large_for_this_machine_stops_before_any_worker(tmp_path):
-    """256 ranks on one machine (NOTE [local process limit] in meshlm/launch.py): one line
+    """256 ranks on one machine (NOTE [local process limit] in meshlm/app/launch.py): one line
     naming the mesh, its size and the limit, status 1, no worker started (no rank's log);
     it was a 65-line traceback ending in 'too many fds' after 125 workers had started."""
     t0 = time.time()
@@ -237,7 +237,7 @@ def _free_port() -> int:
 
 def test_torchrun_mesh_mismatch_says_both_numbers(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "meshlm.train", *TINY, "mesh=dp4", f"hydra.run.dir={tmp_path}"]
+           "meshlm.app.train", *TINY, "mesh=dp4", f"hydra.run.dir={tmp_path}"]
     r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "4 devices but the job has 2 processes" in r.stdout + r.stderr
@@ -263,7 +263,7 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-conf", "is_host=false,join_timeout=120", "--rdzv-id", f"meshlm-test-{port}",
-               "--max-restarts", "0", "-m", "meshlm.train", *TINY,
+               "--max-restarts", "0", "-m", "meshlm.app.train", *TINY,
                "layout=fsdp", "mesh=dp2_fsdp2", "train.steps=5", f"hydra.run.dir={tmp_path}"]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -292,11 +292,11 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
 
 def test_float16_trains_with_loss_scaling_like_bfloat16(tmp_path):
     """train.param_dtype=float16 trains under dynamic loss scaling (the scale in the metrics
-    and in the checkpoint, NOTE [mixed precision] in meshlm/precision.py), step by step
-    close to the same run in bfloat16 (tolerance: meshlm/testing/tolerances.py)."""
+    and in the checkpoint, NOTE [mixed precision] in meshlm/layout/precision.py), step by step
+    close to the same run in bfloat16 (tolerance: tests/harness/tolerances.py)."""
     import torch
 
-    from meshlm.testing.tolerances import FP16_VS_BF16_LOSS_RTOL
+    from harness.tolerances import FP16_VS_BF16_LOSS_RTOL
 
     common = [*TINY, "layout=ddp", "mesh=dp2", "train.steps=6", "train.grad_accum=2"]
     rows = {}

@@ -1,4 +1,4 @@
-"""``meshlm train data.format=images`` end to end through ``meshlm.train.run`` on 2 gloo ranks:
+"""``meshlm train data.format=images`` end to end through ``meshlm.app.train.run`` on 2 gloo ranks:
 the shapes task written under the run directory, each rank's rows of tokens, labels and images
 reaching a stand-in image-text model (``model(tokens, labels, images=...)``) sharded over the
 batch, the same loss under two layouts; a pipelined layout refused naming the format.
@@ -16,10 +16,10 @@ from torch import nn
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.config import RunConfig, from_dict
-from meshlm.errors import ConfigError
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from meshlm.app.config import RunConfig, from_dict
+from meshlm.core.errors import ConfigError
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 STEPS = 6
@@ -51,7 +51,7 @@ def _cfg(layout: str, mesh: dict) -> RunConfig:
 
 
 def _run(cfg: RunConfig, run_dir: str) -> dict:
-    from meshlm.train import run
+    from meshlm.app.train import run
 
     summary = run(cfg, run_dir)
     dist.barrier()

@@ -4,10 +4,10 @@ curve and the same gradient-norm curve (``grad_norm`` in metrics.jsonl: the glob
 the gradient the optimizer steps with, before clipping).  Gradient accumulation is checked
 on both: clipping and AdamW hide a gradient's scale from the loss curve, not from its norm.
 
-The workers call ``meshlm.train.run`` (the loop ``meshlm train`` runs) on a module-scoped
+The workers call ``meshlm.app.train.run`` (the loop ``meshlm train`` runs) on a module-scoped
 pool, so the 4-process runs share one process group.
 
-Tolerances: NOTE [invariance tolerance] in meshlm/testing/tolerances.py.
+Tolerances: NOTE [invariance tolerance] in tests/harness/tolerances.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch.distributed as dist
 
-from meshlm.config import RunConfig, from_dict, load_config
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from meshlm.app.config import RunConfig, from_dict, load_config
+from harness import dist_pool_fixture
+from harness import tolerances as tol
 
 STEPS = 12  # INVARIANCE_RTOL and INVARIANCE_NORM_RTOL are derived for 12 steps
 INVARIANCE_RTOL, NORM_RTOL = tol.INVARIANCE_RTOL, tol.INVARIANCE_NORM_RTOL
@@ -45,7 +45,7 @@ def _curves(cfg: RunConfig, run_dir: str) -> dict[str, list[float]]:
     import json
     from pathlib import Path
 
-    from meshlm.train import run
+    from meshlm.app.train import run
 
     run(cfg, run_dir)
     dist.barrier()

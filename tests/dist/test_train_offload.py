@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.testing.tolerances import INVARIANCE_RTOL
+from harness.tolerances import INVARIANCE_RTOL
 
 from test_train_cli import TINY, _metrics, meshlm
 

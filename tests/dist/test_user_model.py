@@ -1,10 +1,10 @@
 """A user's model in a package of its own (tests/usermodel/mymodels, not meshlm.*), named by
 ``model._target_`` with no change to meshlm: it trains under every shipped layout through
-``meshlm.train.run`` (the loop ``meshlm train`` runs) with the loss curve of the one-device
+``meshlm.app.train.run`` (the loop ``meshlm train`` runs) with the loss curve of the one-device
 layout, and breaks of the model contract stop the run with the error that names them.  The
 command itself runs once in tests/dist/test_train_cli.py::test_train_user_model.
 
-Tolerances: NOTE [invariance tolerance] in meshlm/testing/tolerances.py (these are 3 of the
+Tolerances: NOTE [invariance tolerance] in tests/harness/tolerances.py (these are 3 of the
 12 steps it is derived for)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from meshlm.config import RunConfig, from_dict
-from meshlm.layout import load_layout, shipped_layouts
-from meshlm.testing import WorkerError, dist_pool_fixture
-from meshlm.testing import tolerances as tol
+from meshlm.app.config import RunConfig, from_dict
+from meshlm.layout.rules import load_layout, shipped_layouts
+from harness import WorkerError, dist_pool_fixture
+from harness import tolerances as tol
 
 USERMODEL = str(Path(__file__).resolve().parents[1] / "usermodel")
 if USERMODEL not in sys.path:  # here and in the pool's workers, which import this module
@@ -30,7 +30,7 @@ STEPS = 3
 MESHES = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fsdp": 4}, "hsdp": {"dp": 2, "fsdp": 2},
           "tp": {"dp": 2, "tp": 2}, "tp_sp": {"tp": 4}, "fsdp_tp": {"fsdp": 2, "tp": 2},
           "fsdp_tp_sp": {"fsdp": 2, "tp": 2}, "single": {"dp": 4},
-          # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/pipeline/
+          # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/runtime/pipeline/
           "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2}}
 TINY = {"_target_": "mymodels.TinyLM", "width": 32, "depth": 2, "heads": 4, "mlp": 64}
 
@@ -43,7 +43,7 @@ def _cfg(layout: str, mesh: dict, model: dict = TINY, data: dict | None = None) 
 
 
 def _run(cfg: RunConfig, run_dir: str) -> dict:
-    from meshlm.train import run
+    from meshlm.app.train import run
 
     summary = run(cfg, run_dir)
     dist.barrier()
@@ -84,7 +84,7 @@ def test_contract_breaks_stop_the_run_naming_them(pool4, tmp_path, model, words)
 
 
 def test_one_module_in_two_blocks_trains_as_one_weight_and_stops_a_pipeline(pool4, reference, tmp_path):
-    """NOTE [ties] in meshlm/ties.py: the same Linear as ``blocks.0.up`` and ``blocks.1.up``
+    """NOTE [ties] in meshlm/core/ties.py: the same Linear as ``blocks.0.up`` and ``blocks.1.up``
     trains under fsdp (the loss falls); pipeline stages would hold two copies of it, so a
     pp layout stops with the error that names both paths (it used to fail inside the
     schedule with a raw stage error, or hang in it)."""
@@ -132,8 +132,8 @@ def test_fine_tuning_reads_the_data_with_the_model_s_tokenizer(pool4, tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from meshlm.data import DataConfig, ShardedLoader, TokenDataset
-    from meshlm.testing.tokenizer import corpus, train_bpe
+    from meshlm.data.text import DataConfig, ShardedLoader, TokenDataset
+    from harness.tokenizer import corpus, train_bpe
 
     d = tmp_path / "hf"
     tok = train_bpe(d)

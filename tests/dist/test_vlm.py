@@ -1,8 +1,8 @@
 """The vision-language model (meshlm.models.VLM) under scoped layouts (NOTE [scoped layouts]
-in meshlm/scopes.py) and whole-model ones, on 4 gloo processes:
+in meshlm/core/scopes.py) and whole-model ones, on 4 gloo processes:
 
 - parity with one device (loss, the gradients the optimizer steps with, parameters and
-  optimizer state over three steps of two micro-batches; meshlm.testing.parity) under the
+  optimizer state over three steps of two micro-batches; harness.parity) under the
   shipped vlm_fsdp_tp, with the encoder switched to replicated, tensor parallel or inline
   rules by its scope's line alone, and under whole-model fsdp and fsdp_tp;
 - a batch in which whole ranks hold text-only rows finishes, with correct gradients;
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from meshlm.testing import dist_pool_fixture
-from meshlm.testing.parity import assert_parity, check_training
+from harness import dist_pool_fixture
+from harness.parity import assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=90)
 MESH = "fsdp=2,tp=2"
@@ -64,7 +64,7 @@ _ok = assert_parity
 
 def _scoped(tmp_path, vision: str) -> str:
     """vlm_fsdp_tp with its `vision:` line replaced: the only change a user makes."""
-    from meshlm.layout import load_layout
+    from meshlm.layout.rules import load_layout
 
     text = open(load_layout("vlm_fsdp_tp").source).read()
     assert "  vision: fsdp\n" in text
@@ -99,9 +99,9 @@ def test_vlm_ranks_with_text_only_rows(pool4):
 
 def _reshard_job(layout: str, load_from, save_to, steps_before: int, steps_after: int):
     import meshlm
-    from meshlm.checkpoint import load_checkpoint, save_checkpoint
-    from meshlm.lower import full_state_dict
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.train.checkpoint import load_checkpoint, save_checkpoint
+    from meshlm.runtime.lowering import full_state_dict
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(MESH)
     model = meshlm.shard(Build()("meta", 0), layout, mesh, seed=0)
@@ -147,6 +147,6 @@ def test_vlm_checkpoint_moves_between_scoped_layouts(pool4, tmp_path):
 def test_vlm_compiled_blocks_match_one_device(pool4):
     """Encoder and decoder blocks compiled (aot_eager): two block classes whose activations
     differ in length (17 patches, 24 tokens) each get a static graph (NOTE [static block
-    shapes] in meshlm/compile.py; a symbolic length failed in DTensor's view rules)."""
+    shapes] in meshlm/runtime/compile.py; a symbolic length failed in DTensor's view rules)."""
     _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(), input_axes=INPUT_AXES,
                   optims=("sgd",), compile="aot_eager"))

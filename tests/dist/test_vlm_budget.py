@@ -1,6 +1,6 @@
 """Collective budget of the VLM under a scoped layout: the encoder's collectives follow its
 scope's formula and the decoder's its own (one training step, 4 gloo processes, fsdp=2 x
-tp=2, counted with meshlm.comm.CommCounter per kind, mesh axis and phase).
+tp=2, counted with meshlm.runtime.comm.CommCounter per kind, mesh axis and phase).
 
 The layout keeps the language model and the projector tensor parallel over tp and data
 parallel over fsdp (parameters replicated over fsdp), and scopes the encoder to ``fsdp``
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.testing import dist_pool_fixture
+from harness import dist_pool_fixture
 
 pool4 = dist_pool_fixture(4, timeout_s=60)
 LAYOUT = """\
@@ -48,9 +48,9 @@ def _count(layout: str) -> dict:
     from test_vlm import INPUT_AXES, Batches
 
     import meshlm
-    from meshlm.comm import CommCounter
+    from meshlm.runtime.comm import CommCounter
     from meshlm.models import VLM, vlm_config
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh("fsdp=2,tp=2")
     model = meshlm.shard(VLM(vlm_config("vlm_tiny"), device="meta"), layout, mesh, seed=0)
@@ -73,7 +73,7 @@ def _count(layout: str) -> dict:
 
 
 def budget(vision: str) -> dict:
-    from meshlm.annotate import is_block, param_axes_of
+    from meshlm.core.annotate import is_block, param_axes_of
     from meshlm.models import VLM, vlm_config
 
     c = vlm_config("vlm_tiny")

@@ -10,8 +10,8 @@ import pytest
 
 
 def test_plan_text_and_json(capsys):
-    from meshlm.config import load_config
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
 
     over = [
         "model=llama3_70b",
@@ -33,9 +33,9 @@ def test_plan_text_and_json(capsys):
     assert d["memory"]["total"] == sum(v for k, v in d["memory"].items() if k != "total")
 
 
-def test_choose_layout_from_run_config(tmp_path):
-    from meshlm.config import load_config
-    from meshlm.plan import choose_layout
+def test_choose_layoutfrom_run_config(tmp_path):
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import choose_layout
 
     cfg = load_config(
         [
@@ -58,8 +58,8 @@ def test_choose_layout_from_run_config(tmp_path):
 def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
     """`meshlm plan layout=auto` without plan.png writes its plot under outputs/ in the
     current directory, as `meshlm train` writes its runs, never beside the code."""
-    from meshlm.config import load_config
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
 
     monkeypatch.chdir(tmp_path)
     assert (
@@ -84,7 +84,8 @@ def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
 
 
 def test_nothing_fits_names_what_to_grow():
-    from meshlm.plan import NothingFits, choose_layout
+    from meshlm.app.plan import choose_layout
+    from meshlm.plan import NothingFits
 
     with pytest.raises(
         NothingFits,
@@ -122,8 +123,8 @@ def test_405b_on_16384_ranks_plans():
 def test_measured_plan_ends_with_the_train_command_of_its_winner(tmp_path, capsys):
     """`meshlm plan layout=auto` (measured: a fake step per candidate) prints the winner's
     `meshlm train` command: the given overrides, less layout/mesh/plan, plus the winner."""
-    from meshlm.config import load_config
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
 
     argv = [
         "layout=auto",
@@ -158,7 +159,7 @@ def test_headroom_and_ties_toward_lower_memory():
     rows = sorted([cand(200, 0.1), cand(100, 0.5)], key=rank_key)
     assert [r.plan.memory["total"] for r in rows] == [100, 200]
     with pytest.raises(NothingFits_(), match=r"nothing fits in 0\.5 GiB"):
-        from meshlm.plan import choose_layout
+        from meshlm.app.plan import choose_layout
 
         choose_layout(
             model="llama_small",
@@ -185,9 +186,9 @@ def test_plan_a_users_model_from_its_node(capsys, monkeypatch):
     import sys
     from pathlib import Path
 
-    from meshlm.config import load_config
-    from meshlm.errors import ConfigError
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
+    from meshlm.core.errors import ConfigError
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "usermodel"))
     sys.modules.pop("mymodels", None)
@@ -215,8 +216,8 @@ def test_plan_a_users_model_from_its_node(capsys, monkeypatch):
 def test_pipeline_plan_prints_every_pp_rank(capsys):
     """`meshlm plan` of a pipeline layout: a row per pp rank (its stages, blocks, state, what
     is in flight at its peak, what it sends), the schedule's bubble, the train command."""
-    from meshlm.config import load_config
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
 
     argv = [
         "model=llama_tiny",
@@ -244,7 +245,7 @@ def test_pipeline_plan_prints_every_pp_rank(capsys):
 def test_layout_auto_considers_pipelines():
     """layout=auto plans the pipeline layouts on every mesh with a pp axis of size > 1 (and
     never on one without, where each is another layout's candidate already)."""
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
     from meshlm.plan import search
 
     asked = []

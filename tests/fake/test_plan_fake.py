@@ -21,7 +21,7 @@ MESHES = {  # 8 ranks each, every axis a layout uses of size > 1
 def fake8():
     import torch.distributed as dist
 
-    from meshlm.mesh import init_fake
+    from meshlm.layout.mesh import init_fake
 
     init_fake(8)
     yield
@@ -30,10 +30,10 @@ def fake8():
 
 def _check_comm(layout: str, ac: str = "none") -> None:
     """The plan's collectives (kind, axes, phase -> count, bytes) equal a counted step's."""
-    from meshlm.comm import count_step
+    from harness.setup import tiny_sharded
+    from meshlm.app.train import apply_activation_checkpointing
     from meshlm.plan import plan
-    from meshlm.testing.setup import tiny_sharded
-    from meshlm.train import apply_activation_checkpointing
+    from meshlm.runtime.comm import count_step
 
     mesh_shape = MESHES[layout]
     mesh, model, opt, x, y = tiny_sharded(layout, mesh_shape, batch=B, seq=S, fake=True)
@@ -67,13 +67,13 @@ def test_measured_plan_equals_the_llama_formula(fake8, layout, ac):
     exact (tests/dist/test_plan_exact.py): model state and every collective equal, and the
     held activations equal the formula's activations plus its held parameter copies, which
     the measurement cannot tell apart, plus, under a local root (pure data parallelism,
-    NOTE [local root] in meshlm/lowering/local_root.py), the 4-byte loss weight it keeps
+    NOTE [local root] in meshlm/runtime/lowering/local_root.py), the 4-byte loss weight it keeps
     beside the loss and the 4-byte total weight the loss carries for weighting micro-batches
-    (NOTE [token weighting] in meshlm/weighting.py), which the formula leaves out."""
-    from meshlm.layout import load_layout
-    from meshlm.lower import _pure_data_parallel
+    (NOTE [token weighting] in meshlm/core/weighting.py), which the formula leaves out."""
+    from meshlm.layout.rules import load_layout
     from meshlm.models import Llama, llama_config
     from meshlm.plan import plan, plan_model
+    from meshlm.runtime.lowering.params import pure_data_parallel
 
     cfg = llama_config("llama_tiny")
     m = plan_model(
@@ -87,7 +87,7 @@ def test_measured_plan_equals_the_llama_formula(fake8, layout, ac):
     p = plan("llama_tiny", layout, MESHES[layout], global_batch=B, seq=S, activation_checkpointing=ac)
     for k in ("params", "grads", "optimizer"):
         assert m.memory[k] == p.memory[k], f"{layout} {k}: measured {m.memory[k]} formula {p.memory[k]}"
-    root_weight = 8 if _pure_data_parallel(load_layout(layout), MESHES[layout]) else 0
+    root_weight = 8 if pure_data_parallel(load_layout(layout), MESHES[layout]) else 0
     assert m.memory["activations"] == p.memory["activations"] + p.memory["gathered"] + root_weight
     assert m.memory["peak"] >= m.memory["params"] + m.memory["optimizer"] + m.memory["activations"]
 

@@ -35,13 +35,13 @@ def _real_optimizer_bytes(layout: str, sizes: dict, master_dtype=None, dtype="bf
     ``meshlm train`` shards it under ``dtype`` compute, on rank 0 of a fake process group of
     ``sizes`` (real tensors; the collectives do nothing)."""
     import meshlm
-    from meshlm.config import TrainConfig
+    from harness.simworld import fake_mesh
+    from meshlm.app.config import TrainConfig
+    from meshlm.layout.precision import shard_dtypes
     from meshlm.models import Llama, llama_config
-    from meshlm.offload.host_step import planned
-    from meshlm.offload.store import Swapper
-    from meshlm.optim import ShardedOptimizer
-    from meshlm.precision import shard_dtypes
-    from meshlm.testing.simworld import fake_mesh
+    from meshlm.runtime.offload.host_step import planned
+    from meshlm.runtime.offload.store import Swapper
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = fake_mesh(sizes)
     if master_dtype is None:
@@ -185,9 +185,9 @@ def test_grads_on_the_tier_formula_equals_the_measured_step(layout, sizes, dtype
     kw = dict(global_batch=8, seq=32, grad_accum=2)
     fkw, mkw = {}, {}
     if dtype is not None:  # as meshlm train sets them (precision.shard_dtypes)
-        from meshlm.config import TrainConfig
-        from meshlm.layout import load_layout
-        from meshlm.precision import shard_dtypes
+        from meshlm.app.config import TrainConfig
+        from meshlm.layout.precision import shard_dtypes
+        from meshlm.layout.rules import load_layout
 
         fkw = dict(param_dtype="auto", compute_dtype=dtype)
         mkw = dict(shard_kw=shard_dtypes(TrainConfig(param_dtype=dtype), load_layout(layout), sizes))
@@ -239,7 +239,8 @@ def _totals(offload=None) -> list[int]:
 
 
 def test_layout_auto_offloads_the_optimizer_only_when_nothing_fits():
-    from meshlm.plan import NothingFits, choose_layout
+    from meshlm.app.plan import choose_layout
+    from meshlm.plan import NothingFits
 
     on_device, on_host = min(_totals()), min(_totals({"optimizer": "host"}))
     assert on_host < on_device
@@ -280,7 +281,7 @@ def test_candidates_without_offload_rank_first():
 
 def test_json_of_a_plan_made_by_hand():
     """A Plan made without the new fields (an older caller) still has them in its JSON."""
-    from meshlm.offload.spec import KINDS
+    from meshlm.layout.offload import KINDS
     from meshlm.plan import Plan
 
     p = Plan("m", "l", {"dp": 2}, 2, 2, 2, "float32", "float32", "none", {"params": 3, "total": 7}, {})
@@ -292,8 +293,8 @@ def test_json_of_a_plan_made_by_hand():
 def test_plan_cli_offload_text_json_and_train_command(capsys, tmp_path):
     """`meshlm plan ... offload.optimizer=disk`: the offload line and the tiers in the text,
     the same in the JSON; layout=auto that needs offload prints a train command with it."""
-    from meshlm.config import load_config
-    from meshlm.plan import plan_main
+    from meshlm.app.config import load_config
+    from meshlm.app.plan import plan_main
     from meshlm.plan.offload import size
 
     over = ["model=llama_tiny", "mesh=fsdp2", "layout=fsdp", "plan.method=formula", "offload.optimizer=disk"]
@@ -318,7 +319,7 @@ def test_plan_cli_offload_text_json_and_train_command(capsys, tmp_path):
     assert plan_main(load_config(measured), measured) == 0  # the measured planner, from the CLI
     dm = json.loads(capsys.readouterr().out)
     assert "peak" in dm["memory"] and dm["tiers"]["disk"] == dm["offload"]["kinds"]["optimizer"]["bytes"] == k["bytes"]
-    from meshlm.plan.main import _measured
+    from meshlm.app.plan import _measured
 
     # layout=auto's measured planner plans each candidate with the run's offload settings
     assert _measured(load_config(over))("fsdp", {"fsdp": 2}).tiers["disk"] == k["bytes"]
@@ -348,8 +349,8 @@ def test_planned_memory_of_an_offloaded_run(no_pg):
     """`meshlm train`'s planned figures are the device's: the optimizer state on disk is not
     on it (what the runtime moves leaves the optimizer and the total); on a CPU run
     offload=host moves nothing, so it stays."""
-    from meshlm.config import load_config
-    from meshlm.run_report import planned_memory
+    from meshlm.app.config import load_config
+    from meshlm.app.run_report import planned_memory
 
     base = ["model=llama_tiny", "mesh=fsdp2", "layout=fsdp", "train.device=cpu", "train.param_dtype=float32"]
     p0 = planned_memory(load_config(base), "fsdp", {"fsdp": 2})
@@ -372,10 +373,10 @@ def _real_block_bytes(sizes: dict, layers: int) -> tuple[int, int, int]:
     import dataclasses
 
     import meshlm
+    from harness.simworld import fake_mesh
     from meshlm import _torch_compat as compat
-    from meshlm.annotate import outer_blocks
+    from meshlm.core.annotate import outer_blocks
     from meshlm.models import Llama, llama_config
-    from meshlm.testing.simworld import fake_mesh
 
     cfg = dataclasses.replace(llama_config("llama_tiny"), layers=layers)
     model = meshlm.shard(Llama(cfg, device="meta"), "fsdp", fake_mesh(sizes), seed=0)
@@ -397,7 +398,7 @@ def test_params_on_disk_are_the_blocks_parameters(no_pg):
 
     import torch.distributed as dist
 
-    from meshlm.errors import ConfigError
+    from meshlm.core.errors import ConfigError
     from meshlm.models import Llama, llama_config
     from meshlm.plan import plan, plan_model
 
@@ -419,8 +420,9 @@ def test_params_on_disk_are_the_blocks_parameters(no_pg):
 
 
 def test_offload_refusals_name_the_key():
-    from meshlm.errors import ConfigError
-    from meshlm.plan import choose_layout, plan_model
+    from meshlm.app.plan import choose_layout
+    from meshlm.core.errors import ConfigError
+    from meshlm.plan import plan_model
 
     with pytest.raises(ConfigError, match=r"offload\.grads='nvme' is not a tier"):
         choose_layout(**_auto_kwargs(2**40), out=io.StringIO(), offload={"grads": "nvme"})
@@ -432,7 +434,7 @@ def test_offload_refusals_name_the_key():
 
 def test_docs_offload_example_is_what_the_command_prints(capsys, monkeypatch, tmp_path):
     """docs/plan.md's Offload section quotes a command and its offload lines as it prints them."""
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     monkeypatch.chdir(tmp_path)  # its plot goes under outputs/ here
 
@@ -447,8 +449,8 @@ def test_docs_offload_example_is_what_the_command_prints(capsys, monkeypatch, tm
 def test_meshlm_train_layout_auto_runs_the_winner_with_its_offload(capsys):
     """``meshlm train layout=auto`` (cli.resolve_auto) trains the winner with the offload it
     needs to fit, not without."""
-    from meshlm.cli import resolve_auto
-    from meshlm.config import load_config
+    from meshlm.app.cli import resolve_auto
+    from meshlm.app.config import load_config
 
     on_device, on_host = min(_totals()), min(_totals({"optimizer": "host"}))
     args = [

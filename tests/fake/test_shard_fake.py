@@ -5,8 +5,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
-from meshlm.lower import plan_params
 from meshlm.models import Llama, llama_config
+from meshlm.runtime.lowering import plan_params
 
 
 @pytest.fixture

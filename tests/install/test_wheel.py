@@ -110,9 +110,9 @@ def test_wheel_holds_every_module_layout_and_config(wheel):
 # One interpreter for the library checks (each start imports torch: seconds on a busy machine).
 PROBE = """
 import json, sysconfig, meshlm
-from meshlm.cli import layout_list
-from meshlm.config import conf_dir
-from meshlm.layout import load_layout, shipped_layouts
+from meshlm.app.cli import layout_list
+from meshlm.app.config import conf_dir
+from meshlm.layout.rules import load_layout, shipped_layouts
 print(json.dumps({"site": sysconfig.get_path("purelib"), "meshlm": meshlm.__file__, "conf": str(conf_dir()),
                   "fsdp": load_layout("fsdp").source, "shipped": shipped_layouts(), "mine": load_layout("mine").source,
                   "list": layout_list()}))

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import meshlm
-from meshlm import bucket
-from meshlm.comm import CommCounter
-from meshlm.lowering.atuse import _AT_USE, AtUse, at_use_key
+from meshlm.runtime import bucket
+from meshlm.runtime.comm import CommCounter
+from meshlm.runtime.lowering.atuse import _AT_USE, AtUse, at_use_key
 
 R, P, S0 = Replicate(), Partial(), Shard(0)
 f32, bf16 = torch.float32, torch.bfloat16

@@ -1,4 +1,4 @@
-"""The block runtime (``meshlm.lowering.blocks``) in one process.
+"""The block runtime (``meshlm.runtime.lowering.blocks``) in one process.
 
 A model written as a user would (a gated two-layer MLP stack whose block owns a
 submodule's parameters, takes a keyword tensor and returns a tuple) is sharded on a fake
@@ -33,13 +33,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshlm
+from harness import tolerances as tol
+from harness.simworld import Gain, fake_mesh, make_periodic, patch_replicas
 from meshlm import _torch_compat as compat
-from meshlm import bucket, rng
-from meshlm.lower import plan_params
-from meshlm.lowering import blocks, shard_state
-from meshlm.lowering.blocks import BlockSpec, block_spec, kept_gathers, submodule, whole_in_compute
-from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import Gain, fake_mesh, make_periodic, patch_replicas
+from meshlm.core import rng
+from meshlm.runtime import bucket
+from meshlm.runtime.lowering import blocks, plan_params, shard_state
+from meshlm.runtime.lowering.blocks import BlockSpec, block_spec, kept_gathers, submodule, whole_in_compute
 
 V, D, H = 16, 8, 12  # vocab, width, hidden
 ROWS, SEQ = 2, 3  # this rank's rows
@@ -587,7 +587,7 @@ def test_prefetch_under_overlap(monkeypatch):
 def test_compiled_blocks(monkeypatch, comms):
     """Blocks compiled (``aot_eager``): whole with their gathers in the graph, or only
     their math (NOTE [compiled body]); one device's loss and gradients either way."""
-    from meshlm.compile import compile_blocks
+    from meshlm.runtime.compile import compile_blocks
 
     torch._dynamo.reset()
     ref, model, mesh = _pair(monkeypatch, "fsdp", {"fsdp": 2})

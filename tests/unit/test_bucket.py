@@ -1,4 +1,4 @@
-"""meshlm.bucket's helpers that decide numbers, in one process, against independent references:
+"""meshlm.runtime.bucket's helpers that decide numbers, in one process, against independent references:
 which parameters a bucket gathers and how (``member``, ``_gather_steps``), where a gradient
 ends (``_target``), how tensors are grouped into flat buffers (``_groups``), and how they are
 packed into and cut out of them (``_pack``, ``_split``), eager and traced.  The collectives
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from meshlm import bucket
-from meshlm.testing.simworld import shares_storage
+from harness.simworld import shares_storage
+from meshlm.runtime import bucket
 
 # The ``eager`` fixture only sets a constant, the same for every example.
 SETTINGS = settings(

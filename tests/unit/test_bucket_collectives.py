@@ -1,4 +1,4 @@
-"""meshlm.bucket's flat collectives on simulated ranks (meshlm.testing.simworld: the ranks of a
+"""meshlm.runtime.bucket's flat collectives on simulated ranks (harness.simworld: the ranks of a
 mesh as threads, the collectives as exchanges among them), against the layout the placements
 mean: every rank's result must be its block of the global tensor (or of the sum over ranks)
 under the target placements.  Values are small integers, so sums are exact in any order and
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from meshlm import bucket
-from meshlm.testing.simworld import SimWorld, locals_of, shares_storage
+from harness.simworld import SimWorld, locals_of, shares_storage
+from meshlm.runtime import bucket
 
 SETTINGS = settings(
     max_examples=25,

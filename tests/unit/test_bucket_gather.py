@@ -1,5 +1,5 @@
 """A block bucket's gather (``gather_locals``, ``Gather.forward``) and gradient reduction
-(``Gather.backward``) on simulated ranks (meshlm.testing.simworld), against the layout the
+(``Gather.backward``) on simulated ranks (harness.simworld), against the layout the
 placements mean: the gathered parameters must be their compute blocks, and each gradient
 its block, under the layout's ``grads`` placements, of the sum over every rank's gradient.
 The DTensors live on a fake process group's mesh (metadata only): any collective the
@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshlm import bucket
+from harness.simworld import SimWorld, fake_mesh, locals_of, shares_storage
 from meshlm._torch_compat import torch_at_least
-from meshlm.bucket.flat import is_sum_partial
-from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of, shares_storage
+from meshlm.runtime import bucket
+from meshlm.runtime.bucket.flat import is_sum_partial
 
 # These run DTensor ops on the threads of a SimWorld; torch 2.11's DTensor shape propagation
 # (its FakeTensorMode) crashes off the main thread.  The library runs one rank per process.

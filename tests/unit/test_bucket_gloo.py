@@ -1,4 +1,4 @@
-"""meshlm.bucket's flat collectives on a real one-rank gloo group: the functional collectives'
+"""meshlm.runtime.bucket's flat collectives on a real one-rank gloo group: the functional collectives'
 arguments are ones c10d takes, the in-place all-reduce writes into the packed buffer, and
 ``wait=False`` leaves a result in flight (an AsyncCollectiveTensor) that ``wait=True`` does
 not (NOTE [overlapped reduction]).  The layouts over several ranks:
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
-from meshlm import bucket
+from meshlm.runtime import bucket
 
 
 @pytest.fixture

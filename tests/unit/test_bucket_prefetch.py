@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from harness.simworld import data_bucket, fake_mesh, patch_replicas
 from meshlm import _torch_compat as compat
-from meshlm import bucket
-from meshlm.bucket.prefetch import Prefetch, gather_locals
-from meshlm.errors import AnnotationError
-from meshlm.testing.simworld import data_bucket, fake_mesh, patch_replicas
+from meshlm.core.errors import AnnotationError
+from meshlm.runtime import bucket
+from meshlm.runtime.bucket.prefetch import Prefetch, gather_locals
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 f32 = torch.float32
@@ -201,7 +201,7 @@ def test_wrap_local_gives_the_batch_sharded_dtensor_of_these_rows():
         bucket.wrap_local(torch.tensor(1.0), mesh, (2, 1), (S0, R))
     assert str(e.value) == (
         "a block returned a 0-d tensor while running on local rows (NOTE [local blocks] in "
-        "meshlm/bucket/__init__.py): blocks must return batch-first activations"
+        "meshlm/runtime/bucket/__init__.py): blocks must return batch-first activations"
     )
     dist.destroy_process_group()
 

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from harness.simworld import data_bucket, fake_mesh, patch_replicas, shares_storage
 from meshlm import _torch_compat as compat
-from meshlm import bucket
-from meshlm.bucket.prefetch import Prefetch
-from meshlm.testing.simworld import data_bucket, fake_mesh, patch_replicas, shares_storage
+from meshlm.runtime import bucket
+from meshlm.runtime.bucket.prefetch import Prefetch
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 f32 = torch.float32

@@ -1,5 +1,5 @@
 """Checkpoints when something is wrong: a damaged newest checkpoint under
-``checkpoint.resume=auto`` (NOTE [damaged checkpoints] in meshlm/checkpoint.py), a save that
+``checkpoint.resume=auto`` (NOTE [damaged checkpoints] in meshlm/train/checkpoint/__init__.py), a save that
 runs out of disk (NOTE [failed save]), a ``checkpoint.dir`` that cannot hold checkpoints and
 a resume path that does not exist: each one line that says what and how to go on, nothing
 damaged loaded, nothing complete lost.  One process, a plain module: the rules are rank 0's
@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from meshlm.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints
-from meshlm.errors import CheckpointError, ConfigError
-from meshlm.testing.faults import full_disk
+from harness.faults import full_disk
+from meshlm.core.errors import CheckpointError, ConfigError
+from meshlm.train.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints
 
 
 def _model(seed: int) -> torch.nn.Linear:
@@ -109,7 +109,7 @@ def test_disk_full_while_writing_shards(tmp_path, monkeypatch):
 
 
 def test_disk_full_while_committing(tmp_path, monkeypatch):
-    import meshlm.checkpoint as checkpoint
+    import meshlm.train.checkpoint.save as checkpoint
 
     ck = _run(tmp_path, range(1, 3))
     real = checkpoint._atomic_write
@@ -128,7 +128,7 @@ def test_disk_full_while_committing(tmp_path, monkeypatch):
 
 def _train(*overrides) -> int:
     """``meshlm train`` in this process on one device (a tiny model): its exit status."""
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     tiny = ["mesh=cpu1", "model=llama_tiny", "layout=single", "train.batch_size=2", "train.seq_len=16"]
     try:
@@ -154,7 +154,7 @@ def test_meshlm_train_exits_with_one_line_when_the_disk_fills(tmp_path, monkeypa
 
 # --------------------------------------------------------------------------- checkpoint.dir
 def test_checkpoint_dir_that_is_a_file(tmp_path):
-    from meshlm.config import check_checkpoint_dir
+    from meshlm.app.config import check_checkpoint_dir
 
     f = tmp_path / "afile"
     f.write_text("x")
@@ -165,7 +165,7 @@ def test_checkpoint_dir_that_is_a_file(tmp_path):
 
 
 def test_checkpoint_dir_not_writable(tmp_path, monkeypatch):
-    from meshlm.config import check_checkpoint_dir
+    from meshlm.app.config import check_checkpoint_dir
 
     # tests run as root, whom permission bits do not stop: the answers are faked
     monkeypatch.setattr(os, "access", lambda p, mode: False)
@@ -182,7 +182,7 @@ def test_checkpoint_dir_not_writable(tmp_path, monkeypatch):
 
 
 def test_checkpoint_dir_that_is_fine(tmp_path):
-    from meshlm.config import check_checkpoint_dir
+    from meshlm.app.config import check_checkpoint_dir
 
     check_checkpoint_dir(str(tmp_path / "new" / "ck"))  # made at the first save
     check_checkpoint_dir(str(tmp_path))
@@ -210,7 +210,7 @@ def test_resume_path_that_does_not_exist(tmp_path):
 
 
 def test_convert_from_a_source_that_does_not_exist(tmp_path, capsys):
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err.strip()

@@ -1,5 +1,5 @@
 """A checkpoint directory belongs to one run (NOTE [one run per checkpoint directory] in
-meshlm/_ckpt_runs.py): two runs into one directory lose nothing and never mix.  One process,
+meshlm/train/checkpoint/runs.py): two runs into one directory lose nothing and never mix.  One process,
 a plain module: the rules are rank 0's file handling, the same on any world size."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from meshlm.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints, read_meta, save_checkpoint
-from meshlm.errors import CheckpointError
+from meshlm.core.errors import CheckpointError
+from meshlm.train.checkpoint import CheckpointConfig, Checkpointer, list_checkpoints, read_meta, save_checkpoint
 
 
 def _model(seed: int) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """Reading a checkpoint runs no code from it (NOTE [trusted checkpoint files] in
-meshlm/_ckpt_load.py): a ``.metadata`` whose pickle calls ``os.system``, with meta.json
+meshlm/train/checkpoint/load.py): a ``.metadata`` whose pickle calls ``os.system``, with meta.json
 rewritten to match, is refused by name through every load path (load_checkpoint, a resume,
 ``checkpoint.resume=auto``, ``meshlm convert`` and ``meshlm generate``) and its payload never
 runs.  One process: the reading is the same on every rank."""
@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 
-from meshlm.checkpoint import CheckpointConfig, Checkpointer, load_checkpoint, save_checkpoint
-from meshlm.errors import CheckpointError
+from meshlm.core.errors import CheckpointError
+from meshlm.train.checkpoint import CheckpointConfig, Checkpointer, load_checkpoint, save_checkpoint
 
 
 class _Payload:
@@ -123,7 +123,7 @@ def llama_ckpt(tmp_path):
 
 @pytest.mark.parametrize("command", ["convert", "generate"])
 def test_cli_refuses_a_tampered_checkpoint(tmp_path, llama_ckpt, capsys, command):
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     marker = tmp_path / "PAYLOAD_RAN"
     bad = _tampered(llama_ckpt, str(tmp_path / "bad"), str(marker))

@@ -1,5 +1,5 @@
 """One writer per checkpoint directory (NOTE [one writer per checkpoint directory] in
-meshlm/_ckpt_lock.py): a lock another process holds refuses, naming it; the lock of a
+meshlm/train/checkpoint/lock.py): a lock another process holds refuses, naming it; the lock of a
 process that died (kill -9) or a LOCK file naming a dead pid is taken over, saying whose it
 was; a run's end empties the file; without flock, the file alone decides."""
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm import _ckpt_lock
-from meshlm.checkpoint import CheckpointConfig, Checkpointer
-from meshlm.errors import CheckpointError
+from meshlm.core.errors import CheckpointError
+from meshlm.train.checkpoint import CheckpointConfig, Checkpointer
+from meshlm.train.checkpoint import lock as _ckpt_lock
 
 REPO = Path(__file__).resolve().parents[2]
-HOLD = "import sys, time; from meshlm import _ckpt_lock; _ckpt_lock.acquire(sys.argv[1], 'runs/a'); print('held', flush=True); time.sleep(60)"
+HOLD = "import sys, time; from meshlm.train.checkpoint import lock; lock.acquire(sys.argv[1], 'runs/a'); print('held', flush=True); time.sleep(60)"
 
 
 def _holder(root) -> subprocess.Popen:

@@ -1,11 +1,11 @@
-"""meshlm.config: conf/ composes into a validated RunConfig; bad values name key and choices."""
+"""meshlm.app.config: conf/ composes into a validated RunConfig; bad values name key and choices."""
 
 import pytest
 
-from meshlm.config import MeshConfig, RunConfig, from_dict, load_config
-from meshlm.errors import ConfigError, MeshError
-from meshlm.layout import shipped_layouts
-from meshlm.train import check_world, lr_at
+from meshlm.app.config import MeshConfig, RunConfig, from_dict, load_config
+from meshlm.app.train import check_world, lr_at
+from meshlm.core.errors import ConfigError, MeshError
+from meshlm.layout.rules import shipped_layouts
 
 
 def test_defaults_are_the_quickstart():
@@ -89,19 +89,19 @@ def test_batch_size_that_does_not_split_names_it_and_the_nearest_values(override
 
 
 def test_batch_size_of_every_shape_that_splits_passes():
-    from meshlm.config import check_batch
+    from meshlm.app.config import check_batch
 
     load_config(["layout=tp", "mesh=tp4", "train.batch_size=3"])  # tp does not split the batch
     load_config(["layout=auto", "train.batch_size=3"])  # the planner picks a mesh that splits it
     cfg = load_config(["layout=ddp", "mesh.dp=-1", "mesh.fsdp=1", "mesh.tp=1", "train.batch_size=6"])
     with pytest.raises(ConfigError, match=r"train.batch_size=6 .* 4 data-parallel ranks .* 4 or 8"):
-        check_batch(cfg, {"dp": 4})  # meshlm.train.run, the world size known
+        check_batch(cfg, {"dp": 4})  # meshlm.app.train.run, the world size known
     check_batch(cfg, {"dp": 3})
 
 
 def test_config_typo_on_the_command_line_is_one_line_with_the_closest_key(capsys):
     """Before Hydra, which said "Key 'stpes' is not in struct" over six lines, and exited."""
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     assert main(["train", "train.stpes=5"]) == 1
     err = capsys.readouterr().err
@@ -120,7 +120,7 @@ def test_one_spelling_per_idea(capsys):
     saved config (a dict) as from the command line, and in the Checkpointer API too."""
     import torch
 
-    from meshlm.checkpoint import CheckpointConfig, Checkpointer
+    from meshlm.train.checkpoint import CheckpointConfig, Checkpointer
 
     with pytest.raises(ConfigError, match=r"train.compute_dtype is not a config key.*train.param_dtype=bfloat16"):
         from_dict({"train": {"compute_dtype": "bfloat16"}})
@@ -128,7 +128,7 @@ def test_one_spelling_per_idea(capsys):
     assert from_dict({"train": {"compute_dtype": None, "param_dtype": "bfloat16"}}).train.param_dtype == "bfloat16"
     assert load_config(["checkpoint.dir=/x", "checkpoint.resume=auto"]).checkpoint.resume == "auto"
     assert load_config(["checkpoint.resume=runs/ck/latest"]).checkpoint.resume == "runs/ck/latest"
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     assert main(["train", "train.compute_dtype=bfloat16"]) == 1  # before Hydra, which would only say "not in struct"
     assert "train.param_dtype=bfloat16" in capsys.readouterr().err
@@ -167,8 +167,8 @@ def test_bad_optimizer_bucket_and_compile_comms_name_the_argument():
     """Checked before anything is built, so a plain module is enough."""
     import torch
 
-    from meshlm.compile import compile_blocks
-    from meshlm.optim import ShardedOptimizer
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     with pytest.raises(ValueError, match=r"bucket_mb=0\): must be a positive number of MiB, or None"):
         ShardedOptimizer(torch.nn.Linear(2, 2), bucket_mb=0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.data import ByteTokenizer, DataConfig, ShardedLoader, TokenDataset, load_text
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
+from meshlm.data.text import ByteTokenizer, DataConfig, ShardedLoader, TokenDataset, load_text
 
 SEQ = 7  # windows of 8 tokens
 
@@ -185,19 +185,19 @@ def test_too_few_windows_for_one_batch():
 
 # --------------------------------------------------------------------------- beyond bytes
 def bpe_dir(path):
-    from meshlm.testing.tokenizer import train_bpe
+    from harness.tokenizer import train_bpe
 
     return train_bpe(path)
 
 
 def _corpus(tmp_path):
-    from meshlm.testing.tokenizer import corpus
+    from harness.tokenizer import corpus
 
     return corpus(tmp_path / "corpus.txt")
 
 
 def test_hf_tokenizer_encodes_the_text(tmp_path):
-    from meshlm.data import HFTokenizer
+    from meshlm.data.text import HFTokenizer
 
     tok = bpe_dir(tmp_path / "tok")
     f = _corpus(tmp_path)

@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from meshlm.config import TrainConfig, from_dict
-from meshlm.data import ShardedLoader
-from meshlm.data_config import DataConfig
-from meshlm.data_images import IGNORE, ImageSpec, ImageTextDataset, image_spec, open_dataset, read_samples
-from meshlm.data_shapes import COLOURS, PLACES, make_shapes, write_shapes
-from meshlm.errors import ConfigError
-from meshlm.model_config import ModelConfig
-from meshlm.train_step import accumulate, evaluate, train_step
+from meshlm.app.config import TrainConfig, from_dict
+from meshlm.core.errors import ConfigError
+from meshlm.data.config import DataConfig
+from meshlm.data.images import IGNORE, ImageSpec, ImageTextDataset, image_spec, open_dataset, read_samples
+from meshlm.data.shapes import COLOURS, PLACES, make_shapes, write_shapes
+from meshlm.data.text import ShardedLoader
+from meshlm.models.node import ModelConfig
+from meshlm.train.step import accumulate, evaluate, train_step
 
 SPEC = ImageSpec(image_size=16, patch_size=8, image_token=256)  # P = 4 image tokens
 P = SPEC.patches
@@ -112,7 +112,7 @@ def test_bad_lines_name_file_and_line(small_dir, line, words):
 
 
 def test_missing_captions_and_arrays_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"no captions.jsonl.*python -m meshlm.data_shapes .*data.path=null"):
+    with pytest.raises(ConfigError, match=r"no captions.jsonl.*python -m meshlm.data.shapes .*data.path=null"):
         read_samples(tmp_path / "absent", 16)
     _captions(tmp_path, [{"image": 0, "text": "x"}])
     with pytest.raises(ConfigError, match="images.npz, which does not exist"):
@@ -167,7 +167,7 @@ def test_split_is_seeded():
 
 
 def _as_samples(pairs):
-    from meshlm.data_images import Sample
+    from meshlm.data.images import Sample
 
     return [Sample(None if im is None else np.asarray(im), t, f"g{i}", f"s:{i}") for i, (im, t) in enumerate(pairs)]
 
@@ -214,7 +214,7 @@ def test_write_shapes_loses_a_race_quietly(tmp_path, monkeypatch):
     """Two processes writing the same task: the one whose rename fails keeps the other's."""
     import os
 
-    import meshlm.data_shapes as shapes
+    import meshlm.data.shapes as shapes
 
     real = os.rename
     write_shapes(tmp_path / "other", 6, 16, seed=0)  # the other process's copy

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.config import RunConfig, load_config
+from meshlm.app.config import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

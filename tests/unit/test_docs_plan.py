@@ -29,7 +29,7 @@ def test_readme_quotes_the_start_of_a_regenerated_output():
 
 @pytest.mark.parametrize("name", [f.stem for f in OUTPUTS if "plan.method=formula" in f.read_text().splitlines()[0]])
 def test_formula_outputs_are_what_the_command_prints(name, capsys, monkeypatch):
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     monkeypatch.chdir(DOCS.parent)
     head, *expected = (DOCS / "plan" / f"{name}.txt").read_text().rstrip("\n").splitlines()

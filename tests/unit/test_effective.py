@@ -1,4 +1,4 @@
-"""NOTE [effective sharding] (meshlm/effective.py): what a layout does on a mesh.
+"""NOTE [effective sharding] (meshlm/layout/effective.py): what a layout does on a mesh.
 
 The kinds of parallelism ``effective`` reads from a layout's rules are checked against what
 the lowering actually does to a real model on that mesh (``lower.plan_params`` on Llama's
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.effective import check, effective
-from meshlm.errors import LayoutError
-from meshlm.layout import load_layout, resolve, shipped_layouts
+from meshlm.core.errors import LayoutError
+from meshlm.layout.effective import check, effective
+from meshlm.layout.rules import load_layout, resolve, shipped_layouts
 
 MESHES = [
     {"dp": 4},
@@ -31,9 +31,9 @@ MESHES = [
 
 def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
     """Kind -> mesh axes, read off the lowering's plans for llama_tiny, or vlm_tiny for a
-    scoped layout (independent of the rule scan in meshlm/effective.py)."""
-    from meshlm.lower import plan_params
+    scoped layout (independent of the rule scan in meshlm/layout/effective.py)."""
     from meshlm.models import VLM, Llama, llama_config, vlm_config
+    from meshlm.runtime.lowering import plan_params
 
     lay = load_layout(layout_name)
     with torch.device("meta"):
@@ -58,9 +58,9 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
         if pp.grads is not None:
             add("sharded grads", axes_of(pp.grads) - storage)
         add("sharded optimizer", axes_of(pp.optimizer) - (storage if pp.grads is None else axes_of(pp.grads)))
-    from meshlm.pipeline import is_pipelined
+    from meshlm.runtime.pipeline import is_pipelined
 
-    if is_pipelined(lay) and mesh.get("pp", 1) > 1:  # cut into stages over pp (meshlm.pipeline)
+    if is_pipelined(lay) and mesh.get("pp", 1) > 1:  # cut into stages over pp (meshlm.runtime.pipeline)
         add("pipeline parallel", {"pp"})
     for scope in [lay, *(s.layout for s in lay.scopes)]:  # activations inside each scope, and outside
         act = resolve(("batch", "seq", "embed"), scope.compute, mesh)
@@ -107,7 +107,7 @@ def test_strict_raises_naming_the_key():
 
 
 def test_layout_show_prints_the_effective_sharding():
-    from meshlm.show import layout_table
+    from meshlm.app.show import layout_table
 
     out = layout_table("llama_tiny", "tp", "fsdp=4")
     assert "effective on this mesh: data parallel over fsdp=4" in out

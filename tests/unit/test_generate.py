@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.errors import ConfigError
+from harness import tolerances as tol
+from meshlm.core.errors import ConfigError
 from meshlm.infer import KVCache, Sampling, generate, stream
 from meshlm.infer.sample import choose, filter_logits
 from meshlm.models.gpt2 import GPT2, GPT2Config
 from meshlm.models.llama import Llama, LlamaConfig
-from meshlm.testing import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,13 +69,13 @@ def test_left_padded_row_equals_its_prompt_alone(name):
 
 @pytest.fixture(scope="module")
 def hf_models():
-    from meshlm.testing.hf_tiny import tiny_gpt2, tiny_llama
+    from harness.hf_tiny import tiny_gpt2, tiny_llama
 
     return {"llama": tiny_llama(kv_heads=2), "gpt2": tiny_gpt2()}
 
 
 def _ours(hf_model, tmp_path):
-    from meshlm.hf_load import load_hf_local
+    from meshlm.interop.hf.load import load_hf_local
 
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     return load_hf_local(str(tmp_path))
@@ -85,7 +85,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [200, 3, 4, 5, 6]]
 
 
 def _hf_greedy(m, prompts, n):
-    from meshlm.testing.hf_tiny import hf_greedy
+    from harness.hf_tiny import hf_greedy
 
     return hf_greedy(m, prompts, n)
 

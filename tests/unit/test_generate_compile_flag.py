@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from meshlm.testing.hf_tiny import tiny_llama
+    from harness.hf_tiny import tiny_llama
 
     d = tmp_path_factory.mktemp("tiny")
     tiny_llama().save_pretrained(str(d), safe_serialization=True)
@@ -37,7 +37,7 @@ def _spy(monkeypatch) -> list:
 
 @pytest.mark.parametrize("flag", [None, "aot_eager"])
 def test_generate_cli_passes_compile(model_dir, monkeypatch, flag):
-    from meshlm.infer.cli import parser, run
+    from meshlm.app.generate import parser, run
 
     asked = _spy(monkeypatch)
     argv = [str(model_dir), "--prompt", "ab", "--tokenizer", "bytes", "--max-new-tokens", "3"]
@@ -51,8 +51,8 @@ def test_generate_cli_passes_compile(model_dir, monkeypatch, flag):
 
 
 def test_serve_decode_passes_compile(model_dir, monkeypatch):
-    from meshlm.hf_load import load_hf_local
     from meshlm.infer import Sampling, serve
+    from meshlm.interop.hf.load import load_hf_local
 
     asked = _spy(monkeypatch)
     model = load_hf_local(str(model_dir))

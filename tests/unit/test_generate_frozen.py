@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.infer import compiled, generate
 from meshlm.models.llama import Llama, LlamaConfig
 

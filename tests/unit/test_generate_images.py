@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.infer.generate import generate
 from meshlm.infer.images import image_prompts
 from meshlm.models import VLM, Llama, llama_config, vlm_config

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.models import GPT2, GPT2_CONFIGS, GPT2Config, gpt2_model
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"

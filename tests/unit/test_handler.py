@@ -1,4 +1,4 @@
-"""The constrain handler is a context variable (``meshlm.annotate.handling``): set for a
+"""The constrain handler is a context variable (``meshlm.core.annotate.handling``): set for a
 block of code, restored after it, invisible to other threads, and seen by code that
 torch.compile traces (which reads its mirror and recompiles for another handler)."""
 
@@ -9,7 +9,7 @@ import threading
 import torch
 
 from meshlm import _torch_compat as compat
-from meshlm import annotate
+from meshlm.core import annotate
 
 
 class Tag:

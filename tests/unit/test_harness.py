@@ -1,4 +1,4 @@
-"""The multi-process gloo harness (meshlm.testing.dist): results, tensors, failures, hangs.
+"""The multi-process gloo harness (harness.dist): results, tensors, failures, hangs.
 
 One module-scoped pool per world size, as every test module that uses the harness should.
 Tests that break a pool on purpose check that the next run still works.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.testing.dist import (
+from harness.dist import (
     DistPool,
     WorkerError,
     _Failure,
@@ -281,7 +281,7 @@ def test_a_shared_pool_asked_with_another_timeout_keeps_its_workers():
     """NOTE [shared pools]: a module asking for the shared pool with another gloo timeout
     gets the same workers, in a group formed again with its timeout (a deadlock then fails
     after it, not after the first module's)."""
-    from meshlm.testing.dist import _shared_pool
+    from harness.dist import _shared_pool
 
     env = {"MESHLM_HARNESS_PROBE": "shared"}  # a pool of this test's own (the env is in the key)
     pool = _shared_pool(2, 60.0, env)
@@ -325,7 +325,7 @@ def test_between_modules_the_groups_of_the_modules_meshes_end():
     with threads that keep polling) ends with the module, even where DTensor's caches
     or meshlm's bucket table held the meshes; a leak made every idle worker of the suite
     busy (620 threads each)."""
-    from meshlm.testing.dist import _between_modules
+    from harness.dist import _between_modules
 
     with DistPool(4, timeout_s=60) as pool:
         base = pool.run(_threads)

@@ -1,4 +1,4 @@
-"""Hugging Face LLaVA -> meshlm VLM (meshlm/hf_llava.py): a tiny random
+"""Hugging Face LLaVA -> meshlm VLM (meshlm/interop/hf/llava.py): a tiny random
 LlavaForConditionalGeneration built locally (offline) loads with logits and loss equal to
 transformers' (a text-only row in the batch; the default feature layer and the last one with
 a tied head); files in the older tensor names load the same; every tensor's block reads as
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from meshlm.errors import ConfigError
-from meshlm.testing import tolerances as tol
+from harness import tolerances as tol
+from meshlm.core.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,8 +36,8 @@ def _inputs():
 
 @pytest.fixture(scope="module", params=[(-2, False), (-1, True)], ids=["layer-2", "layer-1-tied"])
 def llava(request, tmp_path_factory):
-    from meshlm.hf_load import load_hf_local
-    from meshlm.testing.hf_tiny import tiny_llava
+    from harness.hf_tiny import tiny_llava
+    from meshlm.interop.hf.load import load_hf_local
 
     layer, tie = request.param
     d = str(tmp_path_factory.mktemp("llava"))
@@ -71,7 +71,7 @@ def test_loss_equals_transformers(llava):
 
 
 def test_tensor_names_and_skipped_tower_layers(llava):
-    from meshlm import hf_llava
+    from meshlm.interop.hf import llava as hf_llava
 
     cfg = llava["ours"].cfg
     names = {hf_llava.hf_name(n) for n, _ in llava["ours"].named_parameters()}
@@ -101,14 +101,14 @@ def _older(name: str) -> str:
 
 def _in_memory(name: str) -> str:
     """transformers 5's in-memory names (as a 4.52-4.57 file might hold them)."""
-    from meshlm import hf_llava
+    from meshlm.interop.hf import llava as hf_llava
 
     return hf_llava.canonical(name).replace("model.vision_tower.", "model.vision_tower.vision_model.")
 
 
 @pytest.mark.parametrize("rename", [_older, _in_memory], ids=["vision_model", "in_memory"])
 def test_other_tensor_names_load_the_same(llava, tmp_path, rename):
-    from meshlm.hf_load import load_hf_local
+    from meshlm.interop.hf.load import load_hf_local
 
     dst = str(tmp_path / "renamed")
     _rewrite(llava["dir"], dst, rename)
@@ -121,8 +121,8 @@ def test_other_tensor_names_load_the_same(llava, tmp_path, rename):
 def test_blocks_read_as_slices_of_the_whole(llava):
     """Each parameter's block at every half along each dim (a 2-way shard of that dim, as a
     rank of fsdp=2 or tp=2 reads it) equals that block of the whole parameter."""
-    from meshlm import hf_llava
-    from meshlm.hf_load import _HFReader
+    from meshlm.interop.hf import llava as hf_llava
+    from meshlm.interop.hf.load import _HFReader
 
     ours = llava["ours"]
     reader = _HFReader(llava["dir"], hf_llava.canonical)
@@ -139,7 +139,7 @@ def test_blocks_read_as_slices_of_the_whole(llava):
 
 
 def test_export_loads_in_transformers(llava, tmp_path):
-    from meshlm.hf import save_hf
+    from meshlm.interop.hf import save_hf
 
     out = str(tmp_path / "export")
     save_hf(llava["ours"], out)
@@ -171,7 +171,7 @@ def _config(llava_dir: str) -> dict:
     ],
 )
 def test_unsupported_config_is_named(llava, key, value, match):
-    from meshlm import hf_llava
+    from meshlm.interop.hf import llava as hf_llava
 
     hf = _config(llava["dir"])
     where, _, leaf = key.rpartition(".")
@@ -181,7 +181,7 @@ def test_unsupported_config_is_named(llava, key, value, match):
 
 
 def test_directory_of_another_text_model_is_refused(llava, tmp_path):
-    from meshlm.hf import read_hf_config
+    from meshlm.interop.hf import read_hf_config
 
     hf = _config(llava["dir"])
     hf["text_config"]["model_type"] = "qwen2"

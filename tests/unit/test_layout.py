@@ -10,11 +10,11 @@ import yaml
 from torch import nn
 
 import meshlm
-from meshlm.errors import AnnotationError, AxisError, LayoutError, MeshError
-from meshlm.layout import is_pipelined, layout_axes, load_layout, parse_layout, resolve, shipped_layouts
-from meshlm.lower import plan_params
-from meshlm.mesh import MeshSpec
+from meshlm.core.errors import AnnotationError, AxisError, LayoutError, MeshError
+from meshlm.layout.mesh import MeshSpec
+from meshlm.layout.rules import is_pipelined, layout_axes, load_layout, parse_layout, resolve, shipped_layouts
 from meshlm.models import CONFIGS, Llama, llama_config
+from meshlm.runtime.lowering import plan_params
 
 SHIPPED = Path(__file__).resolve().parents[2] / "layouts"
 
@@ -123,7 +123,7 @@ def test_zero_layout_sections():
 
 
 def test_unknown_logical_axis_in_yaml(tmp_path):
-    """Logical axes are an open vocabulary (NOTE [open vocabulary] in meshlm/axes.py), so a
+    """Logical axes are an open vocabulary (NOTE [open vocabulary] in meshlm/core/axes.py), so a
     layout alone cannot tell a typo from a model's own axis: the typo is caught when the
     layout meets a model, naming the file, the key and the closest known axis."""
     p = tmp_path / "bad.yaml"
@@ -239,7 +239,7 @@ PARSE_ERRORS = [
         {"params": {"embed": ["tp", "fsdp"]}},
         LayoutError,
         "s.yaml: params.embed: mesh axes ['tp', 'fsdp'] are not in canonical outer -> inner order; "
-        "write ['fsdp', 'tp'] (see NOTE [shard order] in meshlm/layout.py)",
+        "write ['fsdp', 'tp'] (see NOTE [shard order] in meshlm/layout/rules.py)",
     ),
 ]
 
@@ -430,7 +430,7 @@ def test_model_runs_unchanged_without_shard():
 
 
 def test_layout_show_cli_table(capsys):
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     assert main(["layout", "show", "fsdp_tp", "--model", "llama3_8b", "--mesh", "dp=8,fsdp=16,tp=8"]) == 0
     out = capsys.readouterr().out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshlm.cli import main
-from meshlm.layout import layout_dirs, load_layout
+from meshlm.app.cli import main
+from meshlm.layout.rules import layout_dirs, load_layout
 
 SHIPPED = Path(__file__).resolve().parents[2] / "layouts"
 

@@ -1,4 +1,4 @@
-"""Scoped layouts (NOTE [scoped layouts] in meshlm/scopes.py): parsing, which rules each
+"""Scoped layouts (NOTE [scoped layouts] in meshlm/core/scopes.py): parsing, which rules each
 parameter gets, and the errors for scopes that cannot apply (no process group needed:
 plan_params takes mesh sizes)."""
 
@@ -8,9 +8,9 @@ from torch import nn
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.errors import LayoutError
-from meshlm.layout import parse_layout
-from meshlm.lowering import plan_params, pure_data_parallel
+from meshlm.core.errors import LayoutError
+from meshlm.layout.rules import parse_layout
+from meshlm.runtime.lowering import plan_params, pure_data_parallel
 
 MESH = {"fsdp": 2, "tp": 2}
 TOP = {"params": {"embed": "fsdp", "mlp": "tp"}, "compute": {"batch": ["dp", "fsdp"], "mlp": "tp"}}

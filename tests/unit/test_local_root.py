@@ -1,4 +1,4 @@
-"""The local root (NOTE [local root] in meshlm/lowering/local_root.py) in one process.
+"""The local root (NOTE [local root] in meshlm/runtime/lowering/local_root.py) in one process.
 
 The model runs under ``ddp`` on a fake process group's mesh, with its collectives made to
 stand for ranks that all hold this rank's rows (``simworld.patch_replicas``: a sum is this
@@ -31,11 +31,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
-from meshlm.lower import plan_params
-from meshlm.lowering import shard_state
-from meshlm.lowering.local_root import LocalHandler, _lift, local_rows
-from meshlm.testing import tolerances as tol
-from meshlm.testing.simworld import Gain, SimWorld, fake_mesh, make_periodic, patch_replicas
+from harness import tolerances as tol
+from harness.simworld import Gain, SimWorld, fake_mesh, make_periodic, patch_replicas
+from meshlm.runtime.lowering import plan_params, shard_state
+from meshlm.runtime.lowering.local_root import LocalHandler, _lift, local_rows
 
 V, D, H, C = 24, 8, 12, 6  # vocab, width, hidden, classes
 ROWS, SEQ = 4, 5  # this rank's rows
@@ -232,7 +231,7 @@ def test_dict_outputs_are_lifted_to_the_global_batch(monkeypatch, mesh_shape):
 def test_micro_batches_accumulate_and_leave_no_state_behind(monkeypatch):
     """Two forward/backward passes (gradient accumulation) sum their gradients, as on one
     device; between and after them no gathered parameter and no local-root flag is left set."""
-    from meshlm.lowering import atuse
+    from meshlm.runtime.lowering import atuse
 
     model, world = _sharded(monkeypatch, "weighted", {"dp": 2, "fsdp": 2})
     ref = _reference("weighted")

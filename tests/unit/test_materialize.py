@@ -21,12 +21,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import meshlm
-from meshlm import main_grad
-from meshlm.absent import Absent
-from meshlm.layout import load_layout
-from meshlm.lowering.materialize import materialize
-from meshlm.lowering.params import plan_params
-from meshlm.testing.simworld import fake_mesh
+from harness.simworld import fake_mesh
+from meshlm.layout.rules import load_layout
+from meshlm.runtime import main_grad
+from meshlm.runtime.absent import Absent
+from meshlm.runtime.lowering.materialize import materialize
+from meshlm.runtime.lowering.params import plan_params
 
 f32, bf16 = torch.float32, torch.bfloat16
 
@@ -181,7 +181,7 @@ def test_meta_without_init_and_uninitialised_shards():
 
 
 def test_a_slot_left_unsharded_is_an_internal_error_by_name():
-    from meshlm.lowering.materialize import _check_no_shared_params
+    from meshlm.runtime.lowering.materialize import _check_no_shared_params
 
     mesh = fake_mesh(SHAPE)
     model = Model(device="meta")
@@ -192,5 +192,5 @@ def test_a_slot_left_unsharded_is_an_internal_error_by_name():
         _check_no_shared_params(model)
     assert str(e.value) == (
         "internal error: parameter `inner.stray` was left unsharded by meshlm.shard (a slot of a tied "
-        "parameter, NOTE [ties] in meshlm/ties.py, not re-pointed)"
+        "parameter, NOTE [ties] in meshlm/core/ties.py, not re-pointed)"
     )

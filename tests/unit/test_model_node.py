@@ -1,4 +1,4 @@
-"""The ``model`` node (NOTE [model node] in meshlm/model_config.py): any ``_target_`` that
+"""The ``model`` node (NOTE [model node] in meshlm/models/node.py): any ``_target_`` that
 returns an nn.Module, built on the meta device, with errors that name ``model.<key>``; the
 loss contract (``loss_of``) and the model's vocabulary (``model_vocab``); ``meshlm layout
 show`` for a user's model from a package outside meshlm (tests/usermodel/mymodels)."""
@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Literal, Optional
 import pytest
 import torch
 
-from meshlm.config import ModelConfig, build_model, from_dict, load_config
-from meshlm.errors import AnnotationError, ConfigError
-from meshlm.model_config import loss_of, model_vocab
+from meshlm.app.config import ModelConfig, build_model, from_dict, load_config
+from meshlm.app.model_build import model_vocab
+from meshlm.core.errors import AnnotationError, ConfigError
+from meshlm.models.node import loss_of
 
 if TYPE_CHECKING:
     from unknown_package import Unknown  # only for a type checker: the annotation cannot be read at run time
@@ -111,7 +112,7 @@ def test_values_the_target_takes_pass():
 def test_argument_types_from_annotations_and_defaults():
     """What a target declares, read from PEP 563 strings (this module's annotations are
     strings), with an unreadable annotation left unchecked, and from number defaults."""
-    from meshlm.arg_types import check_value, parameter_types
+    from meshlm.core.arg_types import check_value, parameter_types
 
     def target(a: int, b: float = 1.0, c: Optional[int] = None, d: bool = False, e=3, f="x", g: Unknown = 1, h=None,
                i: "list[int] | None" = None, j: Literal["x", "y"] = "x", **kw):  # fmt: skip
@@ -177,7 +178,7 @@ def test_model_vocab_is_the_size_of_the_vocab_axis():
 
 
 def test_layout_show_user_model(capsys):
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     assert (
         main(["layout", "show", "fsdp_tp", "--mesh", "fsdp=2,tp=2", "model._target_=mymodels.TinyLM", "model.width=16"])
@@ -192,7 +193,7 @@ def test_layout_show_user_model(capsys):
 
 
 def test_unannotated_parameter_is_named():
-    from meshlm.show import layout_rows
+    from meshlm.app.show import layout_rows
 
     with pytest.raises(AnnotationError, match="scale"):
         layout_rows(ModelConfig(target="mymodels.Unannotated"), "fsdp", "fsdp=2")

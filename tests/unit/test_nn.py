@@ -1,6 +1,6 @@
 """The author's API without a process group: meshlm.nn layers, per-instance annotation, the
-open vocabulary of logical axes (NOTE [open vocabulary] in meshlm/axes.py) and ties
-(NOTE [ties] in meshlm/ties.py), checked through ``plan_params`` and ``init_params``."""
+open vocabulary of logical axes (NOTE [open vocabulary] in meshlm/core/axes.py) and ties
+(NOTE [ties] in meshlm/core/ties.py), checked through ``plan_params`` and ``init_params``."""
 
 from typing import ClassVar
 
@@ -11,9 +11,9 @@ from torch import nn
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.errors import AnnotationError, AxisError
-from meshlm.layout import load_layout, parse_layout
-from meshlm.lower import plan_params
+from meshlm.core.errors import AnnotationError, AxisError
+from meshlm.layout.rules import load_layout, parse_layout
+from meshlm.runtime.lowering import plan_params
 
 TP = {"tp": 2}
 

@@ -1,4 +1,4 @@
-"""The offload tiers' settings and swap store (meshlm/offload/spec.py, store.py, runtime.py):
+"""The offload tiers' settings and swap store (meshlm/layout/offload.py, store.py, runtime.py):
 a layout's ``offload`` section under the run's ``offload.*`` keys, the refusals (naming
 the key and where it was set), and the disk tier's files: bytes back bit for bit, storage
 freed while out, per-run directories, cleanup, and the errors for a bad directory or a
@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from meshlm.config import load_config, offload_spec
-from meshlm.errors import ConfigError
-from meshlm.layout import parse_layout
-from meshlm.offload import OffloadSpec, resolve_offload
-from meshlm.offload.runtime import Offload
-from meshlm.offload.store import SwapDir, Swapper
+from meshlm.app.config import load_config, offload_spec
+from meshlm.core.errors import ConfigError
+from meshlm.layout.rules import parse_layout
+from meshlm.runtime.offload import OffloadSpec, resolve_offload
+from meshlm.runtime.offload.runtime import Offload
+from meshlm.runtime.offload.store import SwapDir, Swapper
 
 
 def test_run_settings_override_the_layout_kind_by_kind():
@@ -142,7 +142,7 @@ def test_the_default_disk_tier_is_under_the_run_directory(tmp_path):
 
 
 def test_saved_activations_come_back_with_their_bytes_and_strides(tmp_path):
-    from meshlm.offload.activations import ActivationOffload, _dense
+    from meshlm.runtime.offload.activations import ActivationOffload, _dense
 
     act = ActivationOffload("disk", SwapDir(tmp_path, 0, run_id="a"), min_bytes=64)
     base = torch.randn(8, 16, 4)
@@ -168,7 +168,7 @@ def test_saved_activations_come_back_with_their_bytes_and_strides(tmp_path):
 
 
 def test_activation_hooks_do_not_change_gradients(tmp_path):
-    from meshlm.offload.activations import ActivationOffload
+    from meshlm.runtime.offload.activations import ActivationOffload
 
     act = ActivationOffload("disk", SwapDir(tmp_path, 0, run_id="g"), min_bytes=64)
     torch.manual_seed(0)
@@ -217,16 +217,18 @@ def test_a_read_ahead_is_waited_for_and_a_clean_tensor_is_not_written_again(tmp_
 def test_meshlm_train_refuses_parameters_offloaded_in_a_pipeline(tmp_path):
     """offload.params under pp is refused before any file, with the kinds that work there;
     offload.grads under pp opens (tests/dist/test_train_offload.py trains with it)."""
-    from meshlm.layout import load_layout
-    from meshlm.offload.runtime import open_offload
+    from meshlm.layout.rules import load_layout
+    from meshlm.runtime.offload.runtime import open_offload
 
     cfg = load_config(["layout=pp", "mesh=pp2", "offload.params=disk"])
     with pytest.raises(
         ConfigError, match=r"offload.params=disk with the pipeline layout pp \(pp=2\): a stage keeps .*offload.grads"
     ):
-        open_offload(cfg, load_layout("pp"), tmp_path, 0)
+        open_offload(offload_spec(cfg, load_layout("pp")), load_layout("pp"), cfg.mesh.pp, tmp_path, 0)
     assert not (tmp_path / "offload").exists()  # refused before any file
-    grads = open_offload(load_config(["layout=pp", "mesh=pp2", "offload.grads=disk"]), load_layout("pp"), tmp_path, 0)
+    cfg = load_config(["layout=pp", "mesh=pp2", "offload.grads=disk"])
+    grads = open_offload(offload_spec(cfg, load_layout("pp")), load_layout("pp"), 2, tmp_path, 0)
     assert grads is not None and grads.grads is not None
     grads.close()
-    assert open_offload(load_config(["layout=pp", "mesh=pp2"]), load_layout("pp"), tmp_path, 0) is None
+    cfg = load_config(["layout=pp", "mesh=pp2"])
+    assert open_offload(offload_spec(cfg, load_layout("pp")), load_layout("pp"), 2, tmp_path, 0) is None

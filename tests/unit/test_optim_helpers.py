@@ -1,7 +1,7 @@
 """optim.py's helpers that decide numbers, in one process: the chunks of the optimizer's
 flat collectives (``outside_chunks``, ``_chunk_keys``), the master that is a view of this
 rank's block (``optim_chunks.shard_view``, on a fake process group, one rank at a time) and the global
-gradient norm (``grad_norm``, on simulated ranks: meshlm.testing.simworld)."""
+gradient norm (``grad_norm``, on simulated ranks: harness.simworld)."""
 
 import itertools
 import math
@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshlm import block, optim, optim_chunks
-from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
+from harness.simworld import SimWorld, fake_mesh, locals_of
+from meshlm import block
+from meshlm.runtime.optim import chunks as optim_chunks
+from meshlm.runtime.optim import sharded as optim
 
 SETTINGS = settings(max_examples=200, deadline=None, database=None, derandomize=True)
 

@@ -1,4 +1,4 @@
-"""What ``ShardedOptimizer`` steps on, per parameter (module docstring of meshlm/optim.py), on
+"""What ``ShardedOptimizer`` steps on, per parameter (module docstring of meshlm/runtime/optim/sharded.py), on
 a fake process group (shapes, placements, dtypes and storage; the only values compared are
 this rank's own, which no collective produces):
 
@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import meshlm
-from meshlm.lower import local_box, placements, shard_state
-from meshlm.mesh import init_fake
+from meshlm.layout.mesh import init_fake
+from meshlm.layout.precision import train_dtypes
 from meshlm.models import Llama, llama_config
-from meshlm.optim import ShardedOptimizer
-from meshlm.precision import train_dtypes
+from meshlm.runtime.lowering import local_box, placements, shard_state
+from meshlm.runtime.optim.sharded import ShardedOptimizer
 
 CFG = llama_config("llama_tiny", vocab=64, embed=16, heads=2, kv_heads=2, mlp=32, layers=1)
 MESH = {"ddp": {"dp": 2}, "zero1": {"dp": 2}, "zero2": {"fsdp": 2}, "fsdp": {"fsdp": 2}, "tp": {"tp": 2}}

@@ -1,4 +1,4 @@
-"""``ShardedOptimizer.reduce_grads`` and ``step`` on simulated ranks (meshlm.testing.simworld)
+"""``ShardedOptimizer.reduce_grads`` and ``step`` on simulated ranks (harness.simworld)
 over a fake process group's mesh: every master's gradient must be its block, in the master's
 placements and dtype, of the sum over ranks of the parameter's gradient (its main gradient
 where it has one), and after the step every parameter its block of the updated master, with
@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshlm import main_grad, optim
+from harness.simworld import SimWorld, fake_mesh, locals_of
 from meshlm._torch_compat import torch_at_least
-from meshlm.testing.simworld import SimWorld, fake_mesh, locals_of
+from meshlm.runtime import main_grad
+from meshlm.runtime.optim import sharded as optim
 
 # These run DTensor ops on the threads of a SimWorld; torch 2.11's DTensor shape propagation
 # (its FakeTensorMode) crashes off the main thread.  The library runs one rank per process.

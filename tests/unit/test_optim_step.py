@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshlm import optim
-from meshlm.testing.simworld import fake_mesh
+from harness.simworld import fake_mesh
+from meshlm.runtime.optim import sharded as optim
 
 
 @pytest.fixture

@@ -25,11 +25,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
-from meshlm.errors import LayoutError
-from meshlm.layout import load_layout, parse_layout
-from meshlm.lowering import params as P
-from meshlm.mesh import MeshSpec
-from meshlm.testing.simworld import fake_mesh
+from harness.simworld import fake_mesh
+from meshlm.core.errors import LayoutError
+from meshlm.layout.mesh import MeshSpec
+from meshlm.layout.rules import load_layout, parse_layout
+from meshlm.runtime.lowering import params as P
 
 R = Replicate()
 

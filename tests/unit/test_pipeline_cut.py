@@ -12,13 +12,13 @@ from torch import nn
 
 import meshlm
 from meshlm import nn as mnn
-from meshlm.absent import Absent, absent_like, has_absent
-from meshlm.errors import ConfigError, LayoutError
-from meshlm.layout import parse_layout
+from meshlm.core.errors import ConfigError, LayoutError
+from meshlm.layout.rules import parse_layout
 from meshlm.models import Llama, llama_config
-from meshlm.pipeline import bubble, cut, probe, schedule_spec
-from meshlm.pipeline.cut import stage_ranks
-from meshlm.pipeline.pipe import check_layout
+from meshlm.runtime.absent import Absent, absent_like, has_absent
+from meshlm.runtime.pipeline import bubble, cut, probe, schedule_spec
+from meshlm.runtime.pipeline.cut import stage_ranks
+from meshlm.runtime.pipeline.pipe import check_layout
 
 TOK = torch.zeros(2, 8, dtype=torch.long)
 
@@ -170,7 +170,7 @@ def test_absent_values_propagate_shapes_and_refuse_data():
 
 
 def test_layout_show_names_the_pp_rank_of_each_parameter():
-    from meshlm.show import layout_table
+    from meshlm.app.show import layout_table
 
     out = layout_table("llama_tiny", "fsdp_pp", "fsdp=2,pp=2")
     rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("tok_emb", "lm_head", "layers.1."))}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.errors import ConfigError
+from meshlm.core.errors import ConfigError
 from meshlm.infer import generate
 from meshlm.infer.placement import MiB, measure, place, spill, stream_blocks, swapper
 
@@ -20,7 +20,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [200, 3, 4, 5, 6]]
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from meshlm.testing.hf_tiny import tiny_llama
+    from harness.hf_tiny import tiny_llama
 
     d = tmp_path_factory.mktemp("llama6")
     m = tiny_llama(layers=LAYERS)
@@ -29,7 +29,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _meta(d):
-    from meshlm.hf import model_of
+    from meshlm.interop.hf import model_of
 
     return model_of(d)
 
@@ -67,7 +67,7 @@ def test_the_fewest_blocks_streamed_that_fit(hf_dir):
 
 
 def test_streamed_generation_equals_transformers(hf_dir, tmp_path):
-    from meshlm.hf_load import load_hf_local
+    from meshlm.interop.hf.load import load_hf_local
 
     d, hf = hf_dir
     pl = place(_meta(d), 0.9 * MiB, B, 7 + 16)
@@ -91,7 +91,7 @@ def test_streamed_generation_equals_transformers(hf_dir, tmp_path):
         assert all(p.untyped_storage().nbytes() > 0 for p in resident)
     finally:
         off.close()
-    from meshlm.testing.hf_tiny import hf_greedy
+    from harness.hf_tiny import hf_greedy
 
     assert got == hf_greedy(hf, PROMPTS, 16, until_eos=False)
 
@@ -99,7 +99,7 @@ def test_streamed_generation_equals_transformers(hf_dir, tmp_path):
 def test_meshlm_plan_generate_for_a_model_never_built(capsys):
     """`meshlm plan generate llama3_8b` places a model of 8B parameters without memory (meta
     device): its KV cache for 8 rows of 4,096 positions in bf16 is Llama 3's formula."""
-    from meshlm.cli import main
+    from meshlm.app.cli import main
     from meshlm.models import CONFIGS
 
     c = CONFIGS["llama3_8b"]

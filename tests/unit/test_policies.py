@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from harness.simworld import fake_mesh
 from meshlm import _torch_compat as compat
-from meshlm import annotate, bucket
-from meshlm.lowering import policies
-from meshlm.testing.simworld import fake_mesh
+from meshlm.core import annotate
+from meshlm.runtime import bucket
+from meshlm.runtime.lowering import policies
 
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
 aten = torch.ops.aten

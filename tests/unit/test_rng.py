@@ -1,4 +1,4 @@
-"""meshlm.dropout and its counter-based masks (NOTE [dropout keys] in meshlm/rng.py), on one
+"""meshlm.dropout and its counter-based masks (NOTE [dropout keys] in meshlm/core/rng.py), on one
 device: statistics, determinism per key, and the property every layout relies on: the
 mask of a block of a tensor is the block of the tensor's mask."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import meshlm
-from meshlm import rng
-from meshlm.errors import AnnotationError
+from meshlm.core import rng
+from meshlm.core.errors import AnnotationError
 from meshlm.models import Llama, llama_config
 
 KEYS = [torch.tensor(k, dtype=torch.int64) for k in (0, 1, 12345, 2**40 + 7, 2**62 - 1)]
@@ -141,11 +141,11 @@ def test_forward_seed_is_a_hash_of_seed_step_and_micro_batch():
 
 
 def _step_masks(monkeypatch, model, step: int, before: int) -> list[torch.Tensor]:
-    """The keep-masks that ``meshlm train``'s micro-batches (meshlm.train_step.accumulate:
+    """The keep-masks that ``meshlm train``'s micro-batches (meshlm.train.step.accumulate:
     2 micro-batches) draw at ``step``, the global generator seeded with ``before`` (and then
     drawn from) before the step."""
-    from meshlm.config import TrainConfig, load_config
-    from meshlm.train_step import accumulate
+    from meshlm.app.config import TrainConfig, load_config
+    from meshlm.train.step import accumulate
 
     masks: list[torch.Tensor] = []
     real = rng.keep_mask

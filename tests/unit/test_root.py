@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import meshlm
-from meshlm.testing.simworld import patch_replicas
+from harness.simworld import patch_replicas
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 B, F_IN, H = 4, 6, 8  # this rank's rows, features, hidden (sharded over tp under tp)

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from meshlm.errors import ConfigError
-from meshlm.infer.serve_cli import check_port
+from meshlm.app.serve import check_port
+from meshlm.core.errors import ConfigError
 
 
 @pytest.fixture()
@@ -37,7 +37,7 @@ def test_port_in_use_names_the_flag(busy_port):
 def test_serve_on_a_port_in_use_fails_before_loading_the_model(busy_port, monkeypatch, capsys, tmp_path):
     """One line and status 1 from the command, before it reads the source (which does not
     exist here, so loading it would have failed with another message)."""
-    from meshlm.cli import main
+    from meshlm.app.cli import main
 
     for name in ("fastapi", "uvicorn"):  # installed or not: the check comes before they are used
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))

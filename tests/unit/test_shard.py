@@ -1,4 +1,4 @@
-"""``meshlm.shard`` (``meshlm.lowering.shard``): what it attaches and swaps, in one process.
+"""``meshlm.shard`` (``meshlm.runtime.lowering.shard``): what it attaches and swaps, in one process.
 
 A model as a user would write it (a tied embedding and output head, a non-block submodule
 with parameters, two blocks of one class) is sharded on fake process groups' meshes, and
@@ -25,12 +25,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import meshlm
-from meshlm import bucket, main_grad
-from meshlm.lowering import blocks, root, shard_state
-from meshlm.lowering.atuse import _AT_USE
-from meshlm.lowering.shard import sharded_class
-from meshlm.mesh import MeshSpec
-from meshlm.testing.simworld import Gain, fake_mesh
+from harness.simworld import Gain, fake_mesh
+from meshlm.layout.mesh import MeshSpec
+from meshlm.runtime import bucket, main_grad
+from meshlm.runtime.lowering import blocks, root, shard_state
+from meshlm.runtime.lowering.atuse import _AT_USE
+from meshlm.runtime.lowering.shard import sharded_class
 
 V, D, H = 16, 8, 12
 R = Replicate()
@@ -241,7 +241,7 @@ def test_the_compile_conduit_is_allowed_only_for_regathering_buckets(monkeypatch
     """Dynamo's side effects under checkpoint are allowed (``allow_conduit_under_checkpoint``,
     a process-wide setting) only when a block both re-gathers and has a bucket: under fsdp
     (two Mlp and the Pair), never under a layout that keeps parameters whole."""
-    shard_mod = importlib.import_module("meshlm.lowering.shard")  # the module: the package exports the function
+    shard_mod = importlib.import_module("meshlm.runtime.lowering.shard")  # the module: the package exports the function
     seen = []
     monkeypatch.setattr(shard_mod, "allow_conduit_under_checkpoint", lambda: seen.append(1))
     _sharded(layout, {"dp": 2} if layout == "ddp" else {"fsdp": 2})

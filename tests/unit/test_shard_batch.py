@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import meshlm
-from meshlm.layout import parse_layout
-from meshlm.testing.simworld import fake_mesh
+from harness.simworld import fake_mesh
+from meshlm.layout.rules import parse_layout
 
 
 @pytest.fixture(autouse=True)

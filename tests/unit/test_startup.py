@@ -28,7 +28,7 @@ def _python(code: str) -> str:
 def test_the_launcher_modules_import_no_torch():
     out = _python(
         "import sys, json\n"
-        "import meshlm, meshlm.cli, meshlm.config, meshlm.launch, meshlm.effective, meshlm.layout\n"
+        "import meshlm, meshlm.app.cli, meshlm.app.config, meshlm.app.launch, meshlm.layout.effective, meshlm.layout.rules\n"
         "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))"
     )
     assert json.loads(out) == []
@@ -72,7 +72,7 @@ def test_prestart_starts_the_forkserver_of_a_multi_process_mesh(mesh, starts):
     the server."""
     out = _python(
         "import json, os, multiprocessing.forkserver as fs\n"
-        "from meshlm.launch import prestart\n"
+        "from meshlm.app.launch import prestart\n"
         f"prestart({mesh!r})\n"
         "pid = fs._forkserver._forkserver_pid\n"
         f"prestart({mesh!r})\n"
@@ -84,13 +84,13 @@ def test_prestart_starts_the_forkserver_of_a_multi_process_mesh(mesh, starts):
 
 def test_a_mesh_too_large_for_this_machine_is_refused_before_any_process_starts(monkeypatch, tmp_path):
     """256 ranks on one machine (the fork server takes at most 125 workers; NOTE [local
-    process limit] in meshlm/launch.py): one MeshError naming the mesh, the size and the
+    process limit] in meshlm/app/launch.py): one MeshError naming the mesh, the size and the
     limit, and pointing at ``meshlm plan`` and torchrun, before the launcher runs."""
     import torch.distributed.launcher.api as launcher_api
 
-    from meshlm.config import load_config
-    from meshlm.errors import MeshError
-    from meshlm.launch import launch, local_limit
+    from meshlm.app.config import load_config
+    from meshlm.app.launch import launch, local_limit
+    from meshlm.core.errors import MeshError
 
     def started(*a, **k):
         raise AssertionError("the launcher started workers")

@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import meshlm
-from meshlm.layout import load_layout
-from meshlm.lowering.state import ShardState, shard_state
-from meshlm.testing.simworld import fake_mesh
+from harness.simworld import fake_mesh
+from meshlm.layout.rules import load_layout
+from meshlm.runtime.lowering.state import ShardState, shard_state
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 

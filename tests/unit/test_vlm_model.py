@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshlm.errors import ConfigError
+from harness import tolerances as tol
+from meshlm.core.errors import ConfigError
 from meshlm.models import VLM, VLM_CONFIGS, Llama, VLMConfig, vlm_config, vlm_model
-from meshlm.testing import tolerances as tol
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 MESHLM_KEYS = ("name", "init_from")
@@ -71,7 +71,7 @@ def test_every_parameter_is_planned(layout, mesh):
     under tp the vision heads and MLP are split like the decoder's, the projector column-
     then row-parallel."""
     import meshlm
-    from meshlm.lowering import plan_params
+    from meshlm.runtime.lowering import plan_params
 
     m = VLM(VLM_CONFIGS["vlm_tiny"], device="meta")
     plans = plan_params(m, meshlm.load_layout(layout), mesh)
@@ -86,7 +86,7 @@ def test_every_parameter_is_planned(layout, mesh):
 
 def test_each_part_is_called_as_a_module():
     """A layout scope runs a submodule's forward under its rules through the module's hooks
-    (NOTE [scoped layouts] in meshlm/scopes.py): each part must be called, not reached into."""
+    (NOTE [scoped layouts] in meshlm/core/scopes.py): each part must be called, not reached into."""
     m = _model()
     calls = []
     for name in ("vision", "projector", "language"):

@@ -1,4 +1,4 @@
-"""Token weighting (NOTE [token weighting] in meshlm/weighting.py), on one process against
+"""Token weighting (NOTE [token weighting] in meshlm/core/weighting.py), on one process against
 plain torch: micro-batches of unequal counted tokens combined by ``Accumulation`` give the
 loss and the gradient of the whole batch in one forward; a loss's weight is read from
 torch's NLL node, from ``reduce_batch(..., weight=)``, or is unknown."""
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import meshlm
-from meshlm.errors import MeshlmError
-from meshlm.weighting import Accumulation, rescale, weight_of
+from meshlm.core.errors import MeshlmError
+from meshlm.core.weighting import Accumulation, rescale, weight_of
 
 
 def _data():

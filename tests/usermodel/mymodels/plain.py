@@ -1,9 +1,9 @@
 """Plain PyTorch models, as people bring them: torch's own layers with their own init, real
 weights made in ``__init__``, no ``init_weights``; only their logical axes are added
 (``meshlm.set_axes``).  ``meshlm train model._target_=mymodels.plain.PlainLM`` builds them
-whole on the host from ``train.seed`` (NOTE [model build] in meshlm/model_plain.py).
+whole on the host from ``train.seed`` (NOTE [model build] in meshlm/app/model_plain.py).
 
-``PlainLM`` has every kind of buffer (NOTE [buffers] in meshlm/lowering/buffers.py): a fixed
+``PlainLM`` has every kind of buffer (NOTE [buffers] in meshlm/runtime/lowering/buffers.py): a fixed
 sinusoidal table computed in ``__init__``, running statistics updated in forward (a mean
 and a counter), and a non-persistent causal mask.  ``SharedLM`` registers one ``nn.Linear``
 in both of its blocks.  ``TableLM`` builds on the meta device: its ``init_weights`` fill

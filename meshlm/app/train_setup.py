@@ -1,0 +1,108 @@
+"""What a training run sets up around its loop (meshlm/app/train.py): the device and process
+group, the check of the mesh against the job's processes, this rank's data-parallel rank,
+the per-rank log file, rank 0's progress bar, and what a checkpoint holds besides the
+tensors."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshlm.app.config import RunConfig, TrainConfig
+from meshlm.core.errors import ConfigError, MeshError
+
+log = logging.getLogger("meshlm.app.train")
+
+
+def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel replicas: the mesh axes the
+    layout splits the input batch over (ranks that differ only in tp/pp/ep share a rank)."""
+    from meshlm.layout.mesh import mesh_spec
+    from meshlm.layout.rules import INPUT_MESH_AXES, resolve
+
+    sizes = mesh_spec(mesh).as_dict()
+    plan = resolve(
+        ("batch", "seq"),
+        layout.compute,
+        sizes,
+        shape=(batch, seq),
+        what=f"input batch ({batch} sequences of {seq} tokens per micro-batch)",
+        layout=layout,
+        allow_mesh=INPUT_MESH_AXES,
+    )
+    if plan[1]:
+        raise ConfigError(
+            f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
+            "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp"
+        )
+    names = list(mesh.mesh_dim_names or ())
+    rank, size = 0, 1
+    for a in plan[0]:
+        i = names.index(a)
+        rank = rank * mesh.size(i) + mesh.get_local_rank(i)
+        size *= mesh.size(i)
+    return rank, size
+
+
+def device_for(t: TrainConfig) -> torch.device:
+    if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_process_group(cfg: RunConfig, device: torch.device) -> None:
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.pg_timeout_s))
+
+
+def check_world(cfg: RunConfig, world_size: int) -> None:
+    """A mesh whose size differs from the number of processes: say both numbers."""
+    need = cfg.mesh.size(world_size)
+    if need != world_size:
+        raise MeshError(
+            f"mesh {cfg.mesh} has {need} devices but the job has {world_size} processes; make the mesh sizes "
+            f"multiply to {world_size} (e.g. mesh.dp=-1 for 'the rest'), or launch {need} processes"
+        )
+
+
+def logging_to(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    h = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [h]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def progress_bar(t: TrainConfig, start: int, life):
+    """rank 0's tqdm bar (None without ``train.progress`` or tqdm); the lifecycle's lines go through it."""
+    if not t.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
+    life.say = bar.write
+    return bar
+
+
+def ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
+    """What a checkpoint holds besides the tensors: step, data-loader position, loss scale."""
+    state = {"step": step, "loader": loader.state_dict()}
+    if scaler is not None:
+        state["loss_scaler"] = scaler.state_dict()
+    return state

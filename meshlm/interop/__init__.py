@@ -1,0 +1,1 @@
+"""Interoperation with other ecosystems' formats: Hugging Face (``meshlm.interop.hf``)."""

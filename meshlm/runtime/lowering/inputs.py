@@ -1,0 +1,106 @@
+"""The sharded root's inputs: which logical axes each input leaf has, each rank's slice
+of a global batch (``shard_batch``), and that slice wrapped as the global DTensor."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from meshlm.core import tree
+from meshlm.core.axes import Axes
+from meshlm.core.errors import AnnotationError
+from meshlm.layout.mesh import mesh_spec
+from meshlm.layout.rules import INPUT_MESH_AXES, Layout, load_layout, resolve
+from meshlm.runtime.lowering.params import local_slice, placements
+
+
+def input_axes(model: nn.Module, path: str, ndim: int) -> Axes:
+    """The logical axes of the input leaf at ``path``: the model's ``input_axes[path]``
+    (an instance attribute or a class attribute), else ``("batch", "seq", None, ...)``."""
+    declared = getattr(model, "input_axes", None) or {}
+    if path in declared:
+        axes = tuple(declared[path])
+        if len(axes) != ndim:
+            raise AnnotationError(
+                f"{type(model).__name__}.input_axes[{path!r}] = {axes} names {len(axes)} axes "
+                f"for an input of {ndim} dims: give one logical axis (or None) per dim"
+            )
+        return axes
+    base: tuple = ("batch", "seq")
+    return (base + (None,) * ndim)[:ndim]
+
+
+def arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """The forward's arguments by name (the items of ``**kwargs`` under their own names)."""
+    out: dict[str, Any] = {}
+    params = bound.signature.parameters
+    for name, val in bound.arguments.items():
+        if name == "self":
+            continue
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(val)
+        else:
+            out[name] = val
+    return out
+
+
+def set_arguments(bound: inspect.BoundArguments, args: dict[str, Any]) -> None:
+    params = bound.signature.parameters
+    for name in list(bound.arguments):
+        if name == "self":
+            continue
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            bound.arguments[name] = {k: args[k] for k in bound.arguments[name]}
+        else:
+            bound.arguments[name] = args[name]
+
+
+def wrap_input(st, local: Tensor, axes: Axes) -> DTensor:
+    """Each rank's slice of a global input -> the global DTensor (placed by the input rules)."""
+    mesh = st.mesh
+    pl = st.input_placements(axes)
+    gshape = list(local.shape)
+    for i, p in enumerate(pl):
+        if isinstance(p, Shard):
+            gshape[p.dim] *= mesh.size(i)
+    return DTensor.from_local(
+        local.to(mesh.device_type).contiguous(),
+        mesh,
+        pl,
+        run_check=False,
+        shape=torch.Size(gshape),
+        stride=torch.empty(gshape, device="meta").stride(),
+    )
+
+
+def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axes | dict | None" = None) -> Any:
+    """This rank's slice of a global input batch, as the sharded model expects it: split
+    over the layout's ``batch`` (and, with context parallel, ``seq``) rules; ranks that
+    differ only in tp/pp/ep get the same.  ``batch`` is a tensor (token ids of shape
+    (batch, seq) by default) or any container of tensors (``meshlm.core.tree``); ``axes`` is
+    the logical axes of every leaf, or a dict from leaf path (relative to ``batch``) to
+    axes, with ``("batch", "seq", None, ...)`` for the leaves it does not name."""
+    layout = load_layout(layout)
+    sizes = mesh_spec(mesh).as_dict()
+
+    def one(path: str, t: Tensor) -> Tensor:
+        ax = axes.get(path) if isinstance(axes, dict) else axes
+        ax = tuple(ax) if ax is not None else (("batch", "seq") + (None,) * t.ndim)[: t.ndim]
+        where = f"input `{path}` " if path else "input "
+        plan = resolve(
+            ax,
+            layout.compute,
+            sizes,
+            shape=tuple(t.shape),
+            what=f"{where}{ax} of shape {tuple(t.shape)}",
+            layout=layout,
+            allow_mesh=INPUT_MESH_AXES,
+        )
+        return local_slice(t, mesh, placements(plan, mesh)).contiguous()
+
+    return tree.map_tensors(batch, one)

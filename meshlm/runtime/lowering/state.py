@@ -1,0 +1,115 @@
+"""The per-model state of a sharded model: ``ShardState``, the one object ``shard`` attaches
+to the root module (``model._meshlm_state``).  Everything a sharded model needs at run time
+that is not a parameter lives here and dies with the model."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from meshlm.core import annotate, rng
+from meshlm.core.axes import Axes
+from meshlm.core.errors import MeshlmError
+from meshlm.layout.mesh import mesh_spec
+from meshlm.layout.rules import INPUT_MESH_AXES, DimPlan, Layout, resolve
+from meshlm.runtime.bucket import Prefetch
+from meshlm.runtime.lowering.params import ParamPlan, placements
+
+
+@dataclass
+class ShardState:
+    """What ``shard`` attaches to the root module (``model._meshlm_state``)."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    plans: dict[str, ParamPlan]
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    grad_dtype: Optional[torch.dtype] = None  # NOTE [main grads] in main_grad.py
+    # Plain copies of the mesh's names and sizes: traced code must not read attributes off
+    # the DeviceMesh (an opaque object to torch.compile).
+    sizes: dict[str, int] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+    overlap: bool = False  # NOTE [overlapped reduction] in meshlm/runtime/bucket/op.py
+    root: Optional[object] = None  # local_root.RootSpec (NOTE [local root] in lowering/root.py); None: under DTensor
+    coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
+    handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
+    vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)
+    # the blocks' order and gathers in flight (NOTE [prefetch] in meshlm/runtime/bucket/prefetch.py)
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    # root forwards run on local tensors / under DTensor (NOTE [local root] in lowering/root.py)
+    roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
+    local_now: bool = False  # the root forward running now runs on local tensors (a pipeline stage reads it)
+    # parameters gathered in this pipeline step, kept for its next micro-batches (NOTE
+    # [gathered once per step] in meshlm/runtime/pipeline/pipe.py); None: gather at every use
+    gathered: Optional[dict] = None
+    has_buffers: bool = False  # the model has buffers (NOTE [buffers] in lowering/buffers.py)
+    local_block_modules: set = field(default_factory=set)  # ids of the modules of blocks run on local tensors
+
+    def __post_init__(self) -> None:
+        self.sizes = mesh_spec(self.mesh).as_dict()
+        self.names = tuple(self.mesh.mesh_dim_names or ())
+        self.coord = tuple(self.mesh.get_coordinate() or (0,) * len(self.names))
+        self.handler = rng.Handler(self.constrain, self.coord, tuple(self.sizes[n] for n in self.names))
+
+    def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
+        return placements(plan, self.names)
+
+    def activation_placements(
+        self, axes: Axes, shape: Sequence[int], layout: Optional[Layout] = None
+    ) -> tuple[Placement, ...]:
+        """Placements of an activation under ``layout``'s compute rules (default: the top
+        level's; a scope's inside it, NOTE [scoped layouts] in meshlm/core/scopes.py)."""
+        layout = layout or self.layout
+        plan = resolve(
+            tuple(axes),
+            layout.compute,
+            self.sizes,
+            shape=tuple(shape),
+            what=f"activation {tuple(axes)} of shape {tuple(shape)}",
+            layout=layout,
+            known=self.vocab,
+        )
+        return placements(plan, self.names)
+
+    def scope_handler(self, layout: Layout) -> rng.Handler:
+        """The constraint handler inside a scope whose rules are ``layout``."""
+        return rng.Handler(functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes)
+
+    def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
+        """Placements of an input given as each rank's local slice (any local size works:
+        the global size is the local one times the mesh axes splitting it)."""
+        plan = resolve(
+            tuple(axes),
+            self.layout.compute,
+            self.sizes,
+            what=f"input {tuple(axes)}",
+            layout=self.layout,
+            allow_mesh=INPUT_MESH_AXES,
+            known=self.vocab,
+        )
+        return placements(plan, self.names)
+
+    def constrain(self, x: Tensor, axes: Axes, layout: Optional[Layout] = None) -> Tensor:
+        if not isinstance(x, DTensor):
+            return x
+        annotate.check_axes_count(x, axes)
+        pl = self.activation_placements(axes, x.shape, layout)
+        # Always through redistribute, even when the placements already agree: its backward
+        # puts the gradient at the same placements, so a Partial gradient is reduced here
+        # (Megatron's "f" operator at the input of a tensor-parallel block) rather than
+        # carried through the residual stream and reduced later per weight.
+        return x.redistribute(x.device_mesh, pl)
+
+
+def shard_state(model: nn.Module) -> ShardState:
+    st = getattr(model, "_meshlm_state", None)
+    if st is None:
+        raise MeshlmError("this module was not lowered: call meshlm.shard(model, layout, mesh) first")
+    return st

@@ -1,0 +1,260 @@
+"""One pipeline stage's forward: the model's own forward, its stage's blocks run for real,
+everything else on ``Absent`` tensors.
+
+NOTE [stage forward]
+    A ``StageModule`` is what torch's ``PipelineStage`` runs.  Its forward calls the
+    sharded model's own forward on the micro-batch's inputs (every rank of a stage holds
+    them: pp ranks read the same examples) with a ``StageRun`` in effect, and every outer
+    block of the model is called through ``block_call`` (``wrap_module_call``: outside any
+    compiled region):
+
+    - a block of this stage runs for real; on stages after the first, the stage's first
+      block takes the tensor received from the previous stage as its first argument, in
+      place of the ``Absent`` the forward computed there (NOTE [absent values]);
+    - where the forward reaches the next stage's first block, that block's first argument
+      is what this stage sends (so the code between two stages' blocks runs on the earlier
+      stage, NOTE [pipeline cut]);
+    - any other block returns an ``Absent``: without running, where the probe saw it draw
+      no dropout key and return a tensor shaped like its first argument, else run on its
+      shadow twin (the probe's model, all ``Absent``), so that it draws its keys; and where
+      nothing from the next stage's first block on draws a key, the forward stops there.
+
+    A block of this stage given an ``Absent`` argument, a boundary tensor that is
+    ``Absent`` and an ``Absent`` loss on the last stage are errors that name what depends on
+    another stage.  At a boundary, a DTensor hidden state is redistributed to the layout's
+    placements of the model's ``pipeline_axes`` (default ``("batch", "seq", "embed")``)
+    and its local tensor sent; the receiving stage wraps it back with the same placements
+    (torch 2.11 sends no DTensor between stages).  On a local root (NOTE [local root])
+    the plain rows are sent as they are.
+
+    Randomness: every stage runs micro-batch ``m``'s forward from the same CPU generator
+    state, so that every stage draws the one-device keys for its micro-batches whatever
+    order the schedule runs them in (NOTE [dropout keys] in meshlm/core/rng.py): the state the
+    caller gives for ``m`` (``MicroBatches.starts``: ``meshlm train`` seeds it from
+    (train.seed, step, m), the parity harness reseeds likewise), or else each stage's own
+    chain from the step's start state, one full forward per micro-batch.  After the step
+    the generator is at the state after the last micro-batch's forward, as on one device.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from meshlm import _torch_compat as compat
+from meshlm.core import weighting
+from meshlm.core.axes import Axes
+from meshlm.core.errors import ConfigError, MeshlmError
+from meshlm.runtime.absent import absent_like, has_absent, is_absent
+
+
+@dataclass
+class StageRun:
+    """One forward of one stage (NOTE [stage forward])."""
+
+    stage: int
+    blocks: frozenset  # this stage's block FQNs
+    first: str  # its first block
+    boundary: Optional[str]  # the next stage's first block (None: the last stage)
+    received: Optional[Tensor]  # from the previous stage (None: the first)
+    state: Any  # the model's ShardState
+    axes: Axes  # logical axes of a hidden state at a boundary
+    output: Optional[Tensor] = None  # what this stage sends
+
+
+_RUN: ContextVar[Optional[StageRun]] = ContextVar("meshlm_stage_run", default=None)
+
+
+def _absent_args(args, kwargs) -> list[str]:
+    out = [f"argument {i}" for i, a in enumerate(args) if has_absent(a)]
+    return out + [f"argument {k!r}" for k, v in kwargs.items() if has_absent(v)]
+
+
+class _StageDone(BaseException):
+    """Unwinds a stage's forward at the next stage's first block when nothing after it draws
+    from torch's generator (what follows would only compute shapes).  A BaseException, so
+    that a model's own ``except Exception`` does not catch it."""
+
+
+def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool, stop: bool = False) -> Callable:
+    """The call of outer block ``fqn`` (module ``blk``) under pipeline parallelism (NOTE
+    [stage forward]); ``twin``: its shadow, run in its place where it must draw keys;
+    ``stop``: where it begins a stage, the forward of the stage before may end there (no
+    generator draw from there on)."""
+
+    def call(inner, *args, **kwargs):
+        run = _RUN.get()
+        if run is None:
+            return inner(*args, **kwargs)
+        if fqn == run.boundary:
+            h = args[0] if args else None
+            if not isinstance(h, Tensor) or is_absent(h):
+                raise ConfigError(
+                    f"pipeline parallelism: the first argument of block `{fqn}` (where stage {run.stage + 1} begins) "
+                    f"{'is not a tensor' if not isinstance(h, Tensor) else 'depends on parameters of another stage'}"
+                    f"; stage {run.stage} sends the hidden state a block takes as its first argument"
+                )
+            run.output = h
+            if stop:
+                raise _StageDone
+        if fqn in run.blocks:
+            if fqn == run.first and run.received is not None:
+                if not args or not is_absent(args[0]):
+                    raise ConfigError(
+                        f"pipeline parallelism: block `{fqn}` begins stage {run.stage}, but its first argument does "
+                        "not come from the blocks before it; a stage receives the hidden state a block takes as its "
+                        "first argument"
+                    )
+                args = (receive(run, run.received, args[0]), *args[1:])
+            bad = _absent_args(args, kwargs)
+            if bad:
+                raise ConfigError(
+                    f"pipeline parallelism: block `{fqn}` (stage {run.stage}) takes {', '.join(bad)} computed from "
+                    "parameters of another stage; only its first argument (the hidden state) crosses stages, so "
+                    "compute the others from the model's inputs and buffers, or use a layout without pp"
+                )
+            return inner(*args, **kwargs)
+        if skip:
+            return absent_like(args[0])
+        if twin.training != blk.training:  # dropout draws in training mode only
+            twin.train(blk.training)
+        return twin(*args, **kwargs)
+
+    return call
+
+
+def boundary_placements(run: StageRun, shape) -> tuple:
+    return run.state.activation_placements(run.axes, shape)
+
+
+def receive(run: StageRun, recv: Tensor, like: Tensor) -> Tensor:
+    """The hidden state received from the previous stage, as the forward holds it there: a
+    copy, since torch may receive the next micro-batch into the same buffer while this one's
+    autograd graph still holds it (torch 2.11 does)."""
+    st = run.state
+    recv = recv.clone()  # differentiable: the gradient still reaches the received tensor
+    if st.local_now:
+        return recv
+    pl = boundary_placements(run, like.shape)
+    stride = torch.empty(like.shape, device="meta").stride()
+    return DTensor.from_local(recv, st.mesh, pl, run_check=False, shape=like.shape, stride=stride)
+
+
+def send_value(run: StageRun, h: Tensor) -> Tensor:
+    """What this stage sends for hidden state ``h``: a plain contiguous tensor, and not a
+    view (torch's zero-bubble schedules detach a stage's output in place)."""
+    if isinstance(h, DTensor):
+        h = h.redistribute(h.device_mesh, boundary_placements(run, h.shape)).to_local()
+    h = h.contiguous()
+    return h.clone() if compat.is_view(h) else h
+
+
+@dataclass
+class MicroBatches:
+    """A step's micro-batches as every stage of this rank sees them: the model's inputs,
+    the losses the last stage computed, and the generator state the step started from."""
+
+    inputs: list = field(default_factory=list)  # (args, kwargs) per micro-batch
+    losses: list = field(default_factory=list)  # loss per micro-batch, detached (the last stage's rank)
+    weights: list = field(default_factory=list)  # its weight tensor (NOTE [token weighting]), None: unknown
+    rng: Optional[Tensor] = None
+    # the generator state each micro-batch's forward starts from, where the caller sets one
+    # per micro-batch (meshlm train and the parity harness seed each); None: chained
+    starts: Optional[list] = None
+
+
+class StageModule(nn.Module):
+    """What torch's ``PipelineStage`` runs for stage ``stage`` (NOTE [stage forward]).
+    ``parameters()`` are the stage's own (torch's zero-bubble schedules compute their
+    weight gradients from it); the sharded model is not a submodule, so that several
+    stages of one rank share it."""
+
+    def __init__(self, model, stage: int, cut, calls: dict, twin_blocks, pick_loss: Callable, axes: Axes, mbs):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self.stage, self.cut, self.mbs = stage, cut, mbs
+        self._calls = calls  # block FQN -> its outer call (block_call)
+        self._pick_loss = pick_loss
+        self._axes = axes
+        names = set(cut.params[stage])
+        self._params = [p for n, p in model.named_parameters() if n in names]
+        self._mb = 0
+        self._rng: Optional[Tensor] = None
+        self.last = stage == len(cut.stages) - 1
+
+    def parameters(self, recurse: bool = True):
+        return iter(self._params)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        names = set(self.cut.params[self.stage])
+        return ((n, p) for n, p in self._model.named_parameters() if n in names)
+
+    def begin(self) -> None:
+        """A new step: micro-batch 0, the step's generator state."""
+        self._mb = 0
+        self._rng = self.mbs.rng
+
+    def end_rng(self) -> Optional[Tensor]:
+        return self._rng
+
+    def forward(self, *received):
+        m = self._mb
+        if m >= len(self.mbs.inputs):
+            raise MeshlmError(f"pipeline stage {self.stage}: forward of micro-batch {m} of {len(self.mbs.inputs)}")
+        self._mb += 1
+        args, kwargs = self.mbs.inputs[m]
+        if self.stage == 0 and received and received[0] is not args[0] and not torch.equal(received[0], args[0]):
+            raise MeshlmError(f"pipeline stage 0: the schedule's micro-batch {m} is not the step's micro-batch {m}")
+        stages = self.cut.stages
+        run = StageRun(
+            self.stage,
+            frozenset(stages[self.stage]),
+            stages[self.stage][0],
+            None if self.last else stages[self.stage + 1][0],
+            received[0] if self.stage > 0 else None,
+            self._model._meshlm_state,
+            self._axes,
+        )
+        self._install()
+        with compat.outside_fake():  # generator states are real tensors, also in the planner's fake step
+            state = torch.get_rng_state()
+            torch.set_rng_state(self._rng if self.mbs.starts is None else self.mbs.starts[m])
+        token = _RUN.set(run)
+        out = None
+        try:
+            out = self._model(*args, **kwargs)
+        except _StageDone:
+            pass  # this stage's output is captured; nothing after it draws a key
+        finally:
+            _RUN.reset(token)
+            with compat.outside_fake():
+                self._rng = torch.get_rng_state()
+                torch.set_rng_state(state)
+        if not self.last:
+            if run.output is None:
+                raise ConfigError(
+                    f"pipeline parallelism: the forward never reached block `{run.boundary}`, where stage "
+                    f"{self.stage + 1} begins"
+                )
+            return send_value(run, run.output)
+        loss = self._pick_loss(out)
+        if is_absent(loss):
+            raise ConfigError(
+                "pipeline parallelism: the loss depends on parameters of another stage (a head tied to the "
+                "embedding, or a skip connection around the blocks); the last stage computes the loss from the "
+                "hidden state it receives and its own parameters"
+            )
+        self.mbs.losses[m] = loss.detach()  # read after the step (a planner's fake step has no values)
+        self.mbs.weights[m] = weighting.weight_tensor(loss)  # NOTE [token weighting] in meshlm/core/weighting.py
+        return loss.reshape(1)  # torch's schedules concatenate the last stage's outputs
+
+    def _install(self) -> None:
+        """Every outer block's call goes through block_call (again, after an in-place compile)."""
+        for fqn, (blk, outer) in self._calls.items():
+            if not compat.outer_call_wrapped(blk, outer):
+                compat.wrap_module_call(blk, outer)
