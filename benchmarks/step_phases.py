@@ -16,7 +16,7 @@ The knobs (one of them may be `both`, which compares its two values):
                                 (NOTE [compiled body] in meshlm/runtime/compile.py)
   --opt-bucket {block,25}       ShardedOptimizer(bucket_mb=None or 25): the ZeRO-1/2 optimizer's
                                 flat collectives one per block, or merged up to 25 MiB
-                                (NOTE [optimizer chunks] in meshlm/runtime/optim/sharded.py)
+                                (NOTE [optimizer chunks] in meshlm/runtime/optim/chunks.py)
   --regather {free,recompute}   meshlm.runtime.lowering.blocks.EAGER_REGATHER: how an eager ZeRO-3 block (fsdp,
                                 hsdp, fsdp_tp, fsdp_tp_sp) re-gathers its parameters in
                                 backward: "free" frees them after forward and gathers them

@@ -2,7 +2,7 @@
 
 The names below load on first use (PEP 562): ``import meshlm`` alone imports neither torch
 nor DTensor, so the ``meshlm`` command can start a run's worker processes while it is still
-importing them itself (NOTE [start-up] in docs/train.md, "Start-up time").
+importing them itself (docs/train.md, "Start-up time").
 """
 
 import importlib

@@ -76,7 +76,7 @@ def _train_task(dc) -> None:
     try:
         raw = OmegaConf.to_container(dc, resolve=True)
         if isinstance(raw.get("mesh"), dict):
-            prestart(raw["mesh"])  # the workers' imports overlap this process's (NOTE [start-up])
+            prestart(raw["mesh"])  # the workers' imports overlap this process's (docs/train.md, "Start-up time")
         cfg = resolve_auto(from_dict(raw))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
         if main_rank:

@@ -124,7 +124,7 @@ def _root_cause(err: Any) -> str:
 
 
 def _start_method() -> str:
-    """How workers start (NOTE [start-up] in docs/train.md, "Start-up time"): ``forkserver``
+    """How workers start (docs/train.md, "Start-up time"): ``forkserver``
     with ``meshlm.app.train`` preloaded, so torch and meshlm are imported once per job rather
     than once per worker; ``MESHLM_START_METHOD=spawn`` starts each worker from scratch."""
     import multiprocessing as mp
@@ -216,7 +216,7 @@ def check_local(n: int, label: str = "the mesh", key: str = "mesh") -> None:
 def prestart(mesh: Mapping[str, Any]) -> None:
     """Start the forkserver of a job of ``mesh`` (the composed ``mesh`` section) now, so that
     it imports torch and meshlm while this process checks the config, which imports them
-    too (NOTE [start-up]); ``launch`` then finds it running.  Nothing for a one-device mesh,
+    too (docs/train.md, "Start-up time"); ``launch`` then finds it running.  Nothing for a one-device mesh,
     a mesh with a ``-1`` axis (its size is the world's, known under torchrun only), under
     torchrun, or with another start method.  Idempotent: a sweep's jobs share the server."""
     import multiprocessing.forkserver

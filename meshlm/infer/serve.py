@@ -14,7 +14,7 @@ NOTE [serving loop]
     serves HTTP and, before each batch, broadcasts it (prompts and options) to the other
     ranks, which wait in :func:`follow` and decode along; an empty broadcast stops them.
 
-    Stopping (NOTE [stopping a server] in serve_cli.py): :meth:`Engine.stop` ends the batch
+    Stopping (NOTE [stopping a server] in meshlm/app/serve.py): :meth:`Engine.stop` ends the batch
     being decoded at its next token on one process, failing its requests, and every waiting
     request (a layout over several processes decodes in lockstep with rank 0, so there the
     batch runs to its end unless the other ranks are gone, which fails it at once).  Tokens

@@ -191,7 +191,7 @@ def check_args(cfg: ModelConfig) -> None:
             and n != "device"
         ):
             raise ConfigError(f"model.{n} is required by {cfg.target}: set model.{n}=VALUE")
-    # NOTE [argument types]: each value against what the target declares for it
+    # NOTE [argument types] in meshlm/core/arg_types.py: each value against what the target declares for it
     declared = parameter_types(fn, sig)
     for k, v in cfg.args.items():
         if k in declared:

@@ -98,7 +98,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
         # In a bucket, gradients that go through the same reductions share them (meshlm/runtime/bucket).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
         # the optimizer's collectives are flat per block, and per chunk of the parameters
-        # outside blocks (NOTE [optimizer chunks] in optim_chunks.py)
+        # outside blocks (NOTE [optimizer chunks] in meshlm/runtime/optim/chunks.py)
         root_member = local_root and not prm.in_block and not gathers
         chunk = "optimizer" if prm.in_block else ("optimizer", outside[id(prm)])
         rb = route if member and phase == "backward" else (chunk if phase == "optimizer" else None)

@@ -22,7 +22,7 @@ class Hardware:
     node_size: int  # devices per node
     memory: float  # bytes per device
     #: bytes/s each way between a device and host memory (offload.*=host; NOTE [planned
-    #: offload] in offload.py), and to and from the node's disks per device (offload.*=disk)
+    #: offload] in meshlm/plan/offload.py), and to and from the node's disks per device (offload.*=disk)
     host_bw: float = 50e9
     disk_bw: float = 2e9
 

@@ -1,4 +1,4 @@
-"""Optimizers that need each parameter whole (NOTE [whole-tensor step] in meshlm/runtime/optim/sharded.py):
+"""Optimizers that need each parameter whole (NOTE [whole-tensor step] in meshlm/runtime/optim/chunks.py):
 torch's Adafactor and a matrix optimizer written here (an update normalised by the whole
 gradient's norm, wrong on any shard of it) step the same parameters as on one device,
 bit for bit, under layouts that shard storage (fsdp, tp), optimizer state (zero1, zero2)

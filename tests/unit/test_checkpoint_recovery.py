@@ -1,5 +1,5 @@
 """Checkpoints when something is wrong: a damaged newest checkpoint under
-``checkpoint.resume=auto`` (NOTE [damaged checkpoints] in meshlm/train/checkpoint/__init__.py), a save that
+``checkpoint.resume=auto`` (NOTE [damaged checkpoints] in meshlm/train/checkpoint/save.py), a save that
 runs out of disk (NOTE [failed save]), a ``checkpoint.dir`` that cannot hold checkpoints and
 a resume path that does not exist: each one line that says what and how to go on, nothing
 damaged loaded, nothing complete lost.  One process, a plain module: the rules are rank 0's

@@ -1,4 +1,4 @@
-"""The ``meshlm`` command's start-up (NOTE [start-up] in docs/train.md, "Start-up time"):
+"""The ``meshlm`` command's start-up (docs/train.md, "Start-up time"):
 the launcher imports neither torch nor DTensor before it has composed the config, so the
 forkserver ``launch.prestart`` starts imports them while the launcher checks the config;
 ``meshlm``'s public names still load on first use.  Each check runs in a fresh interpreter,

@@ -18,7 +18,7 @@
    redistribute activations, plain tensors made inside forward are treated as replicated,
    and a scalar loss comes back as a plain tensor.  Under a pure data-parallel layout the
    root runs on local tensors instead and its outputs are lifted back (``local_root``,
-   NOTE [local root]).  Buffers stay whole on every rank (NOTE [buffers] in buffers.py).
+   NOTE [local root] in local_root.py).  Buffers stay whole on every rank (NOTE [buffers] in buffers.py).
 
 All per-model state lives in one ``ShardState`` (``state``) attached to the root module
 (``model._meshlm_state``); what a module needs at run time is on that module.  The only

@@ -106,7 +106,7 @@ class UseSpec:
     local_key: Optional[int] = None  # NOTE [local root]: its one-member bucket, gathered at use
 
 
-LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors (NOTE [local root] in lowering/root.py)
+LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors (NOTE [local root] in meshlm/runtime/lowering/local_root.py)
 
 
 def make_getter(name: str):

@@ -10,7 +10,7 @@ NOTE [buffers]
       module's own buffers as it fills its own parameters (``annotate.init_module`` hands
       it CPU stand-ins for both).  A meta buffer that no ``init_weights`` fills is an
       AnnotationError naming it; ``meshlm train`` avoids it by building such a model on CPU
-      (NOTE [model build] in meshlm/app/model_build.py), where ``__init__`` computes the table.
+      (NOTE [model build] in meshlm/app/model_plain.py), where ``__init__`` computes the table.
     - Used under DTensor (the DTensor root), a buffer outside local blocks is seen as a
       replicated DTensor over the buffer's own storage (``replicated``), so ``buf + x``
       and an in-place update ``buf.mul_(m).add_(stat)`` work, the statistic reduced over

@@ -2,7 +2,7 @@
 lifted back to what the DTensor root would return.
 
 NOTE [local root]
-    When every block runs on plain local tensors (NOTE [local blocks] in bucket.py), what
+    When every block runs on plain local tensors (NOTE [local blocks] in meshlm/runtime/bucket/__init__.py), what
     is left of DTensor's per-op dispatch is the root: the embedding, the final norm, the
     head and the loss.  Under a pure data-parallel layout the root runs on local tensors
     too, as DDP and FSDP2 run a model:

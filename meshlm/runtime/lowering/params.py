@@ -101,7 +101,7 @@ def mesh_sizes(mesh: "Mapping[str, int] | MeshSpec | DeviceMesh") -> dict[str, i
 def placements(plan: DimPlan, mesh: "DeviceMesh | tuple[str, ...]") -> tuple[Placement, ...]:
     """DTensor placements (one per mesh dim) for a per-tensor-dim plan.
 
-    NOTE [shard order]: several mesh axes on one dim are listed outer -> inner in mesh
+    NOTE [shard order] in meshlm/layout/rules.py: several mesh axes on one dim are listed outer -> inner in mesh
     order, which is DTensor's default order for repeated Shard(d), so no strided shards."""
     names = mesh if isinstance(mesh, tuple) else tuple(mesh.mesh_dim_names or ())
     out: list[Placement] = []

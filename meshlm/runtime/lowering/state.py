@@ -37,13 +37,15 @@ class ShardState:
     sizes: dict[str, int] = field(default_factory=dict)
     names: tuple[str, ...] = ()
     overlap: bool = False  # NOTE [overlapped reduction] in meshlm/runtime/bucket/op.py
-    root: Optional[object] = None  # local_root.RootSpec (NOTE [local root] in lowering/root.py); None: under DTensor
+    root: Optional[object] = (
+        None  # local_root.RootSpec (NOTE [local root] in meshlm/runtime/lowering/local_root.py); None: under DTensor
+    )
     coord: tuple[int, ...] = ()  # this rank's coordinate on the mesh
     handler: rng.Handler | None = None  # what annotate calls under the DTensor root: constrain, dropout
     vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)
     # the blocks' order and gathers in flight (NOTE [prefetch] in meshlm/runtime/bucket/prefetch.py)
     prefetch: Prefetch = field(default_factory=Prefetch)
-    # root forwards run on local tensors / under DTensor (NOTE [local root] in lowering/root.py)
+    # root forwards run on local tensors / under DTensor (NOTE [local root] in meshlm/runtime/lowering/local_root.py)
     roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
     local_now: bool = False  # the root forward running now runs on local tensors (a pipeline stage reads it)
     # parameters gathered in this pipeline step, kept for its next micro-batches (NOTE

@@ -8,8 +8,8 @@ NOTE [offload tiers]
     them and the run's ``offload.*`` settings override it (meshlm/layout/offload.py).  On a
     CPU-only machine the device is host memory, so ``host`` moves nothing there and only
     ``disk`` frees memory.  What moves and how: NOTE [swapped storage] (store.py),
-    NOTE [offloaded step] (optimizer.py), NOTE [offloaded gradients] (grads.py),
-    NOTE [offloaded parameters] (params.py), NOTE [offloaded activations] (activations.py).
+    NOTE [offloaded step] in optimizer.py, NOTE [offloaded gradients] in grads.py,
+    NOTE [offloaded parameters] in params.py, NOTE [offloaded activations] in activations.py.
 """
 
 # Only the torch-free spec here: layouts and configs read it in the launcher, which imports

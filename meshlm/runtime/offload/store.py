@@ -21,7 +21,7 @@ NOTE [swapped storage]
 
     Only a tensor that owns its storage whole (contiguous, offset 0, storage exactly its
     bytes) is swapped; a view of a parameter (a same-dtype ZeRO-1/2 master, NOTE [optimizer
-    chunks] in meshlm/runtime/optim/sharded.py) holds no memory of its own and stays.
+    chunks] in meshlm/runtime/optim/chunks.py) holds no memory of its own and stays.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class ShardedOptimizer:
 
     def reduce_early(self, micro: int) -> None:
         """Start each chunk's gradient reduction in the backward pass that makes its last
-        gradient, the ``micro``-th of a step (NOTE [early reduction] in optim_early.py)."""
+        gradient, the ``micro``-th of a step (NOTE [early reduction] in meshlm/runtime/optim/early.py)."""
         from meshlm.runtime.optim.early import EarlyReduction
 
         if self.early is not None:

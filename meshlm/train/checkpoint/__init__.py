@@ -15,7 +15,7 @@ What is saved (flat keys, so nothing depends on parameter order or rank count):
 * ``master/<fqn>``: the optimizer's master copy when its dtype differs from the
   parameter's (bf16 ZeRO-1/2 under ``meshlm train``: the fp32 weights, which the bf16
   parameter rounds); a load takes the weights from it where saved (NOTE [checkpoint
-  weights] in _ckpt_weights.py); same-dtype masters (fp32 ZeRO-1/2) are rebuilt from the
+  weights] in weights.py); same-dtype masters (fp32 ZeRO-1/2) are rebuilt from the
   parameter on load;
 * ``optim/<fqn>/<key>``: each tensor of the torch optimizer's per-parameter state, keyed
   by parameter FQN, never by index (so it reshards and survives a reordering);
@@ -34,9 +34,9 @@ writes ``meta.json``, then the ``COMMIT`` marker, fsyncs, and renames the direct
 either a complete checkpoint or one that is ignored (and deleted by the next save).  Of
 those it takes the newest whose files check out (NOTE [damaged checkpoints]); a save that
 cannot write (a full disk) removes its partial directory and stops (NOTE [failed save]).
-Reading a checkpoint runs no code from it (NOTE [trusted checkpoint files] in _ckpt_load.py).
+Reading a checkpoint runs no code from it (NOTE [trusted checkpoint files] in load.py).
 
-NOTE [one writer per checkpoint directory] (_ckpt_lock.py): a Checkpointer holds
+NOTE [one writer per checkpoint directory] in lock.py: a Checkpointer holds
 ``<dir>/LOCK`` from ``resume()`` (or its first save) to ``close()``; a second run into the
 directory stops with a CheckpointError naming the holder.
 

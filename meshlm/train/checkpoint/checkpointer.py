@@ -27,7 +27,7 @@ from meshlm.train.checkpoint.save import _stderr, save_checkpoint
 def lock_dir(root: str, run_dir: Optional[str] = None) -> Optional[_ckpt_lock.DirLock]:
     """Take ``root``'s lock on rank 0 (collective: every rank calls it, and every rank raises
     the same CheckpointError when another run holds it); rank 0's lock, None elsewhere
-    (NOTE [one writer per checkpoint directory] in _ckpt_lock.py)."""
+    (NOTE [one writer per checkpoint directory] in meshlm/train/checkpoint/lock.py)."""
     lock, err = None, None
     if _rank() == 0:
         try:

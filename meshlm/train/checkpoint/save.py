@@ -104,7 +104,7 @@ def save_checkpoint(
     calls it) and return its directory.  See NOTE [commit protocol].  ``run_id`` goes into
     meta.json; ``keep`` > 0 deletes the oldest checkpoints of that run only, and a complete
     ``step_<N>`` that exists already is never replaced (NOTE [one run per checkpoint
-    directory] in _ckpt_runs.py)."""
+    directory] in meshlm/train/checkpoint/runs.py)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
