@@ -61,6 +61,14 @@ def test_site_builds_without_a_warning(site):
     assert (site / "index.html").is_file() and (site / "api" / "meshlm" / "index.html").is_file()
 
 
+def test_the_site_loads_nothing_from_the_network(site):
+    """No page pulls a script, stylesheet, font or image from another host (Material's web
+    fonts are off in mkdocs.yml): the site builds and reads offline."""
+    remote = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=\"(?:https?:)?//", re.I)
+    pages = [p for p in site.rglob("*.html") if remote.search(p.read_text())]
+    assert not pages, f"pages that load from the network: {[str(p.relative_to(site)) for p in pages][:5]}"
+
+
 def test_every_page_is_in_the_nav():
     config = _config()
     excluded = set(config.get("exclude_docs", "").split())
