@@ -25,7 +25,7 @@ Per variant it also measures, in separate untimed steps:
 - under compile: the collectives inside the compiled block graphs (counted in the AOT
   forward and backward FX graphs, times the number of blocks), against the eager count.
 
-The analytic budget is meshlm.plan.plan(...).comm (the formulas in README's shipped-layouts table).  Gloo
+The analytic budget is meshlm.plan.plan(...).comm (the formulas in docs/layouts.md's shipped-layouts table).  Gloo
 emulates reduce-scatter with an all-reduce: its time is not the ring algorithm's, so
 compare bytes, not communication time.
 
@@ -345,7 +345,7 @@ def render(results: dict, meta: dict) -> str:
         "activations + communication buffers that torch allocates; not gloo internals or the Python heap).",
         "Collectives and MB are per rank per step, eager, counted by meshlm.runtime.comm.CommCounter; MB = logical bytes "
         "(NOTE [logical bytes] in meshlm/runtime/comm.py; ring bytes are not compared because CommCounter cannot size the "
-        "groups of c10d ops that DDP and FSDP2 issue); budget = meshlm.plan (the formulas in README's shipped-layouts table).",
+        "groups of c10d ops that DDP and FSDP2 issue); budget = meshlm.plan (the formulas in docs/layouts.md's shipped-layouts table).",
         "",
         "| layout | impl | eager s | compiled s | tok/s (eager) | peak MB | colls | MB | budget MB "
         "| eager / torch | compiled / titan | mem / torch | MB / titan |",

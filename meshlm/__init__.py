@@ -31,6 +31,7 @@ _HOME = {
     **dict.fromkeys(("full_state_dict", "plan_params", "shard"), "meshlm.runtime.lowering"),
     **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.layout.mesh"),
     "shard_batch": "meshlm.runtime.lowering.inputs",
+    "load_hf": "meshlm.interop.hf.load",
 }
 
 
@@ -46,13 +47,6 @@ def __getattr__(name):
 
 def __dir__():
     return sorted({*globals(), *_HOME})
-
-
-def load_hf(path, layout, mesh, **shard_kwargs):
-    """Import a Hugging Face Llama or GPT-2 directory into a sharded meshlm model (see meshlm.interop.hf)."""
-    from meshlm.interop.hf import load_hf as _load_hf
-
-    return _load_hf(path, layout, mesh, **shard_kwargs)
 
 
 __all__ = [

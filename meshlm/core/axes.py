@@ -28,11 +28,9 @@ from typing import TYPE_CHECKING, Optional, Tuple
 if TYPE_CHECKING:
     from torch import nn
 
-#: One entry per tensor dim: a logical axis name, or ``None`` for "never sharded".
 Axes = Tuple[Optional[str], ...]
+"""One entry per tensor dim: a logical axis name, or ``None`` for "never sharded"."""
 
-#: The standard logical axes (the names the shipped layouts use); a model adds its own
-#: (NOTE [open vocabulary]).
 LOGICAL_AXES: dict[str, str] = {
     "batch": "examples in a global batch",
     "seq": "token positions (queries)",
@@ -48,10 +46,12 @@ LOGICAL_AXES: dict[str, str] = {
     "channels": "image or audio channels",
     "patch": "image patches / audio frames",
 }
+"""The standard logical axes (the names the shipped layouts use), each with what it names; a
+model adds its own (NOTE [open vocabulary])."""
 
-#: Mesh axes in canonical outer -> inner order.  Rank order is row-major in this order,
-#: so the innermost (fastest varying) axis is ``ep``, then ``pp`` ... and ``dp`` outermost.
 MESH_AXES: tuple[str, ...] = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+"""Mesh axes in canonical outer -> inner order.  Rank order is row-major in this order,
+so the innermost (fastest varying) axis is ``ep``, then ``pp`` ... and ``dp`` outermost."""
 
 #: Mesh axes over which the batch is split (ranks that differ only in other axes see the
 #: same examples).

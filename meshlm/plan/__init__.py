@@ -11,7 +11,7 @@ Two planners share the report, the search and the cost model:
 The analytic planner computes everything from the per-parameter plans of
 ``meshlm.runtime.lowering.plan_params`` on a meta-device model (no tracing, no process group), so
 Llama 3 405B on 16,384 ranks plans in seconds.  Each figure sits beside its textbook
-formula (README, shipped layouts): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
+formula (docs/layouts.md, shipped layouts): ZeRO model-state memory, DDP/ZeRO/Megatron communication volume,
 and the activation formula re-derived for our Llama block (docs/plan.md).
 
 NOTE [plan = lowering]

@@ -14,7 +14,7 @@ NOTE [logical bytes]
     reduce-scatter, the input of an all-reduce or all-to-all, the tensor a point-to-point
     send or receive moves (pipeline stages).  ``wire_bytes`` is what a ring algorithm
     sends per rank for it: (N-1)/N of that for all-gather, reduce-scatter and all-to-all,
-    2(N-1)/N for all-reduce (README, shipped layouts), all of it for a send and none for a
+    2(N-1)/N for all-reduce (docs/layouts.md, shipped layouts), all of it for a send and none for a
     receive.  Gloo emulates reduce-scatter
     with an all-reduce, so its real traffic and time differ: count, never time, gloo.
 

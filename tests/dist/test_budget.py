@@ -1,6 +1,6 @@
 """Collective budgets: every collective of one training step (forward, backward,
 ShardedOptimizer.step) per shipped layout on 4 gloo processes, llama_tiny, fp32, counted
-with meshlm.runtime.comm.CommCounter, must equal a budget derived from the formulas in README's shipped-layouts table
+with meshlm.runtime.comm.CommCounter, must equal a budget derived from the formulas in docs/layouts.md's shipped-layouts table
 (count and logical bytes per collective kind, mesh axis and phase).  An extra all-gather,
 all-reduce or reduce-scatter anywhere fails the test.
 
@@ -58,7 +58,7 @@ def _sizes():
 
 
 def budget(layout: str, mesh: dict) -> dict:
-    """The textbook budget (README, shipped layouts) for one step of llama_tiny, per (kind, axes, phase)."""
+    """The textbook budget (docs/layouts.md, shipped layouts) for one step of llama_tiny, per (kind, axes, phase)."""
     c, attn, mlp, norms, emb = _sizes()
     L, h = c.layers, c.embed
     t = mesh.get("tp", 1)

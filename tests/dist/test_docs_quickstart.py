@@ -27,7 +27,9 @@ def shape(line: str) -> str:
 def quoted(doc: Path) -> dict[str, str]:
     """The first `meshlm train:` line and the `done:` line of the doc's quickstart quote."""
     text = doc.read_text()
-    for block in re.findall(r"```\n(.*?)```", text, flags=re.S):
+    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.S | re.M):
+        if lang not in ("", "text"):  # output, not code
+            continue
         lines = block.splitlines()
         first = [x for x in lines if x.startswith("meshlm train: llama_small")]
         done = [x for x in lines if x.startswith("done: ")]

@@ -6,7 +6,7 @@ The layout keeps the language model and the projector tensor parallel over tp an
 parallel over fsdp (parameters replicated over fsdp), and scopes the encoder to ``fsdp``
 (ZeRO-3 of the parameters with an ``embed`` dim, plain data parallelism for the others) or
 to ``ddp``.  The budget is derived here from the model's parameter list and the textbook
-formulas (README, shipped layouts), not from the lowering:
+formulas (docs/layouts.md, shipped layouts), not from the lowering:
 
 encoder under fsdp (Lv blocks; Ψe its parameters with an embed dim, Ψr the others):
     all-gather fsdp forward    one per block + one per parameter outside blocks, 4·Ψe

@@ -4,6 +4,7 @@ planned by formula (fast) print today exactly what the files hold."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -21,10 +22,21 @@ def test_every_regenerated_output_is_quoted_verbatim():
         assert f"```\n{f.read_text().rstrip()}\n```" in page, f"docs/plan.md does not quote {f.name} as it is"
 
 
-def test_readme_quotes_the_start_of_a_regenerated_output():
-    readme = (DOCS.parent / "README.md").read_text()
-    block = readme.split("abridged):\n\n```\n", 1)[1].split("\n```", 1)[0]
-    assert any(f.read_text().startswith(block + "\n") for f in OUTPUTS), block
+def test_every_quote_of_a_regenerated_command_is_its_output():
+    """A `$ meshlm plan` transcript anywhere in README.md or docs/ of a command docs/plan/run.sh
+    runs is that command's output, all of it or its start (abridged)."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    heads = {f.read_text().split("\n", 1)[0]: f for f in OUTPUTS}
+    quotes = [
+        (page.name, block)
+        for page in pages
+        for block in re.findall(r"```[a-z]*\n(\$ meshlm plan .*?)\n```", page.read_text(), re.S)
+        if block.split("\n", 1)[0] in heads
+    ]
+    assert len(quotes) >= len(OUTPUTS)
+    for where, block in quotes:
+        f = heads[block.split("\n", 1)[0]]
+        assert f.read_text().startswith(block + "\n"), f"{where} quotes {f.name}'s command and not its output"
 
 
 @pytest.mark.parametrize("name", [f.stem for f in OUTPUTS if "plan.method=formula" in f.read_text().splitlines()[0]])

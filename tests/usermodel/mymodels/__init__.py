@@ -1,5 +1,5 @@
 """A user's models, in a package of their own outside meshlm (``mymodels``, on PYTHONPATH),
-written with ``meshlm.nn`` as the README's "A model" describes, and trained with
+written with ``meshlm.nn`` as docs/model.md describes, and trained with
 ``meshlm train model._target_=mymodels.TinyLM model.width=32`` with no change to meshlm.
 
 ``TinyLM`` keeps the contract; ``SharedUp`` shares one module between its blocks; the
