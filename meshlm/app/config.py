@@ -19,7 +19,7 @@ from typing import Any, Optional
 from meshlm.core.axes import MESH_AXES
 from meshlm.core.errors import ConfigError
 from meshlm.data.config import FORMATS, DataConfig, check_images
-from meshlm.models.node import ModelConfig, build_model, model_overrides  # noqa: F401 (build_model: API)
+from meshlm.models.node import ModelConfig, model_overrides
 from meshlm.runtime import COMPILE_COMMS  # train.compile_comms
 from meshlm.train.checkpoint.config import CheckpointConfig, check_checkpoint_dir, check_resume  # noqa: F401 (API)
 
