@@ -153,7 +153,7 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.app.config import check_overrides, conf_dir, model_overrides
+    from meshlm.app.config import check_overrides, conf_dir, model_overrides, register_defaults
 
     argv = list(argv)
     check_overrides(argv)
@@ -162,6 +162,7 @@ def train_main(argv: list[str]) -> int:
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         argv.append(f"hydra.run.dir=outputs/torchrun-{rid}")
+    register_defaults()  # every key's default, from the dataclasses (NOTE [config defaults] in meshlm/app/config.py)
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_task)
     _SWEEP.update(dir=None, failed=0, jobs=0)
     saved = sys.argv
