@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.no_app import APP_DISTRIBUTIONS, refused, without_app
+from harness.no_app import APP_DISTRIBUTIONS, APP_MODULES, refused, without_app
 
 REPO = Path(__file__).resolve().parents[2]
 # What a wheel is built from (pyproject.toml reads README.md as the long description).
@@ -225,8 +225,7 @@ def test_installed_wheel_without_the_app_extra(venv, tmp_path):
     env = without_app(tmp_path, _env(venv))
     cwd = tmp_path / "work"
     cwd.mkdir()
-    app = sorted(m for mods in APP_DISTRIBUTIONS.values() for m in mods)
-    out = _run([venv / "bin" / "python", "-c", LIBRARY, json.dumps(app)], timeout=120, cwd=cwd, env=env)
+    out = _run([venv / "bin" / "python", "-c", LIBRARY, json.dumps(APP_MODULES)], timeout=120, cwd=cwd, env=env)
     got = json.loads(out.stdout.splitlines()[-1])
     assert Path(got["meshlm"]).is_relative_to(venv) and got["params"] > 0 and got["app"] == [], got
     assert not [r for r in refused(env) if r[1].startswith("meshlm")], refused(env)

@@ -2,7 +2,8 @@
 extra: Hydra, matplotlib, tqdm, Pillow; docs/architecture.md): in a fresh interpreter where
 those modules are absent (harness.no_app), a tiny Llama is sharded on one process, trained a
 step with ShardedOptimizer, checkpointed and loaded back, written as a Hugging Face
-directory and loaded from it, and generates; nothing tried to import an app module.  The
+directory and loaded from it, and generates, and every library module imports; no library
+module even looks an app module up (a caught ImportError would hide that).  The
 same blocker stops ``meshlm train`` with one line that says to install ``meshlm[app]``,
 which shows that it does block what the command imports."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,8 @@ from harness.no_app import APP_DISTRIBUTIONS, APP_MODULES, refused, without_app
 REPO = Path(__file__).resolve().parents[2]
 HYDRA = ("hydra", "omegaconf")
 
-# One process, world 1 (gloo): every library entry point the README's library section names.
+# One process, world 1 (gloo): the library's workflow (docs/architecture.md), its numbers held
+# against the same Llama unsharded (the loss) and against themselves (checkpoint, HF round trip).
 LIBRARY = """
 import json, sys
 import torch
@@ -95,8 +98,6 @@ def _run(code: str, env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def _env(tmp_path: Path) -> dict:
-    import os
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
