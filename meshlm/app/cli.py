@@ -24,6 +24,10 @@ from meshlm.core.errors import ConfigError, MeshlmError
 
 USAGE = __doc__.split("\n\n", 1)[1].rstrip() + "\n"
 
+#: the top-level modules of pyproject.toml's ``app`` extra (hydra-core, matplotlib, tqdm,
+#: pillow): what the command needs beyond the library (docs/architecture.md)
+APP_MODULES = ("hydra", "omegaconf", "matplotlib", "PIL", "tqdm")
+
 # Filled in by the Hydra task (one process runs every job of a sweep, in turn).
 _SWEEP: dict[str, Any] = {"dir": None, "failed": 0, "jobs": 0}
 
@@ -149,7 +153,7 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.app.config import check_overrides, conf_dir, model_overrides
+    from meshlm.app.config import check_overrides, conf_dir, model_overrides, register_defaults
 
     argv = list(argv)
     check_overrides(argv)
@@ -158,6 +162,7 @@ def train_main(argv: list[str]) -> int:
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         argv.append(f"hydra.run.dir=outputs/torchrun-{rid}")
+    register_defaults()  # every key's default, from the dataclasses (NOTE [config defaults] in meshlm/app/config.py)
     app = hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(_train_task)
     _SWEEP.update(dir=None, failed=0, jobs=0)
     saved = sys.argv
@@ -285,6 +290,30 @@ COMMANDS = {
 }
 
 
+def missing_app_modules() -> list[str]:
+    """The modules of the ``app`` extra that are not installed (a lookup, no import: the
+    launcher's start-up stays as fast, NOTE [start-up] in docs/train.md)."""
+    import importlib.util
+
+    missing = []
+    for name in APP_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _needs_app(missing: "list[str]") -> str:
+    return (
+        f"the meshlm command needs the app dependencies (Hydra, matplotlib, tqdm, Pillow), and "
+        f"{', '.join(repr(m) for m in missing)} cannot be imported; install them with: pip install 'meshlm[app]' "
+        "(the library, import meshlm, needs none of them)"
+    )
+
+
 def main(argv: "list[str] | None" = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -294,11 +323,20 @@ def main(argv: "list[str] | None" = None) -> int:
     if cmd not in COMMANDS:
         sys.stderr.write(f"meshlm: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}\n\n{USAGE}")
         return 2
+    missing = missing_app_modules()
+    if missing:  # before a worker starts: the workers import tqdm, a sweep's end matplotlib
+        print(f"meshlm {cmd}: error: {_needs_app(missing)}", file=sys.stderr)
+        return 1
     try:
         return COMMANDS[cmd](rest)
     except MeshlmError as e:
         _record_error(e)
         print(f"meshlm {cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:  # found above, yet it does not import (a broken install)
+        if (e.name or "").partition(".")[0] not in APP_MODULES:
+            raise
+        print(f"meshlm {cmd}: error: {_needs_app([e.name or ''])}", file=sys.stderr)
         return 1
 
 

@@ -5,6 +5,18 @@ into a :class:`RunConfig` and checks every value, so no DictConfig travels past
 ``meshlm/app/cli.py`` and a bad value fails before any process starts, naming the key and
 the allowed values.  :func:`load_config` composes ``conf/`` with Hydra's compose API for
 tests and other commands (``meshlm plan``); Hydra is imported there lazily.
+
+NOTE [config defaults]
+    Every key's default is written once, in its dataclass (here, and the library's
+    ``DataConfig``, ``CheckpointConfig`` and the model node's ``ModelConfig``).  Before Hydra
+    composes, :func:`register_defaults` stores ``RunConfig().to_dict()`` in Hydra's
+    ConfigStore as ``meshlm_defaults``, the first entry of ``conf/config.yaml``'s defaults
+    list, so every key exists (``train.steps=5`` needs no ``+``) and ``--cfg job`` prints it.
+    The YAML holds only choices: the quickstart's groups (``model``, ``mesh``, ``layout``) and
+    what each group option sets that differs from the defaults (``mesh/dp2.yaml`` is
+    ``dp: 2``).  The node is plain data, not a structured config, so the values are checked
+    here (:func:`from_dict`), with meshlm's messages.  tests/unit/test_config_defaults.py
+    fails on a YAML value that restates a default and on a composed default that differs.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from typing import Any, Optional
 from meshlm.core.axes import MESH_AXES
 from meshlm.core.errors import ConfigError
 from meshlm.data.config import FORMATS, DataConfig, check_images
-from meshlm.models.node import ModelConfig, build_model, model_overrides  # noqa: F401 (build_model: API)
+from meshlm.models.node import ModelConfig, model_overrides
 from meshlm.runtime import COMPILE_COMMS  # train.compile_comms
 from meshlm.train.checkpoint.config import CheckpointConfig, check_checkpoint_dir, check_resume  # noqa: F401 (API)
 
@@ -73,7 +85,7 @@ class MeshConfig:
 
 @dataclass
 class TrainConfig:
-    """``train``: the optimisation loop."""
+    """``train``: the optimisation loop (the defaults: about 1-3 minutes on 2 CPU cores)."""
 
     steps: int = 100
     seed: int = 0
@@ -125,10 +137,12 @@ class PlanConfig:
     profile: str = "auto"  #: hardware profile (meshlm.plan.HARDWARE); auto = h100_nvlink_ib with CUDA, else cpu
     overlap: bool = True  #: cost model: communication overlaps compute (max) or not (sum)
     format: str = "text"  #: text | json
-    png: Optional[str] = None  #: layout=auto: memory plot of the candidates (meshlm plan: outputs/plan/...)
+    #: memory plot of the candidates; None: meshlm plan writes outputs/plan/<date>/<time>/plan.png, meshlm train none
+    png: Optional[str] = None
     top: int = 5  #: how many candidate layouts to show
     headroom: float = 0.1  #: fraction of each device's memory layout=auto keeps free (allocator, runtime)
-    method: str = "measure"  #: measure (a fake step of any model) | formula (analytic, the shipped Llama only)
+    #: measure (one fake training step of any model) | formula (analytic: the shipped Llama only, in milliseconds)
+    method: str = "measure"
 
 
 @dataclass
@@ -477,17 +491,36 @@ def conf_dir() -> Path:
     raise ConfigError(f"no Hydra config directory found next to {here}; set MESHLM_CONF to the conf/ directory")
 
 
-def load_config(overrides: "list[str] | None" = None) -> RunConfig:
-    """Compose ``conf/config.yaml`` with Hydra-style ``overrides`` (``["layout=ddp",
-    "train.steps=5"]``) into a validated RunConfig, without starting a Hydra app."""
-    from hydra import compose, initialize_config_dir
+DEFAULTS = "meshlm_defaults"  #: the ConfigStore entry of the dataclasses' defaults (NOTE [config defaults])
+
+
+def register_defaults() -> None:
+    """Store every config key's default, from the dataclasses, in Hydra's ConfigStore as
+    ``meshlm_defaults`` (NOTE [config defaults]); before Hydra composes ``conf/``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=DEFAULTS, node=RunConfig().to_dict())
+
+
+def compose(overrides: "list[str] | None" = None) -> dict[str, Any]:
+    """``conf/config.yaml`` composed with Hydra-style ``overrides`` (``["layout=ddp",
+    "train.steps=5"]``) into a resolved plain dict, unchecked, without starting a Hydra app."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
     check_overrides(list(overrides or []))
+    register_defaults()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            dc = compose(config_name="config", overrides=model_overrides(list(overrides or [])))
+            dc = hydra_compose(config_name="config", overrides=model_overrides(list(overrides or [])))
     except HydraException as e:  # what check_overrides could not see: its first line, on one line
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
-    return from_dict(OmegaConf.to_container(dc, resolve=True))  # type: ignore[arg-type]
+    return OmegaConf.to_container(dc, resolve=True)  # type: ignore[return-value]
+
+
+def load_config(overrides: "list[str] | None" = None) -> RunConfig:
+    """Compose ``conf/config.yaml`` with Hydra-style ``overrides`` (``["layout=ddp",
+    "train.steps=5"]``) into a validated RunConfig, without starting a Hydra app."""
+    return from_dict(compose(overrides))

@@ -1,4 +1,5 @@
-"""Building the sharded model a run trains, from the model node or from Hugging Face weights.
+"""Building the sharded model a run trains, from the model node (:func:`build_model`, with
+Hydra's ``instantiate``) or from Hugging Face weights.
 
 Its own module because it sits above both: ``meshlm.interop.hf`` imports the checkpoint module,
 which imports the config, which imports ``meshlm.models.node``; building in
@@ -8,12 +9,39 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from meshlm.app import model_plain
-from meshlm.core.errors import AnnotationError
-from meshlm.models.node import ModelConfig, build_model
+from meshlm.core.errors import AnnotationError, ConfigError
+from meshlm.models.node import ModelConfig, check_args, locate, takes_device, target_signature
 from meshlm.runtime.lowering import shard
+
+
+def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.Module:
+    """Instantiate the model node on ``device`` (NOTE [model node] in meshlm/models/node.py) and
+    check that it is an ``nn.Module``.  What ``meshlm train``, ``meshlm plan`` and ``meshlm
+    layout show`` build; for your own tools too."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    check_args(cfg)
+    fn = locate(cfg)
+    node = {"_target_": cfg.target, "_convert_": "all", **cfg.args}
+    kw = {"device": device} if takes_device(target_signature(fn)) else {}
+    try:
+        with torch.device(device):
+            model = instantiate(node, **kw)
+    except InstantiationException as e:
+        if e.__cause__ is not None:  # the target's own error, with its traceback
+            raise e.__cause__ from None
+        raise ConfigError(f"model._target_={cfg.target}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model._target_={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module; "
+            "point _target_ at the model class or at a function that returns the model"
+        )
+    return model
 
 
 def build_sharded(
@@ -68,9 +96,6 @@ def build_pipelined(cfg, mcfg: ModelConfig, layout: Any, device_type: str, *, se
     """The run's model as a pipeline over ``mesh.pp`` (a layout with ``layers: pp``; NOTE
     [pipelined step] in meshlm/runtime/pipeline/pipe.py): this rank's ``Pipeline``, its stages'
     parameters sharded on the mesh without pp, ``train.grad_accum`` micro-batches a step."""
-    import torch
-
-    from meshlm.core.errors import ConfigError
     from meshlm.models.node import loss_of
     from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
 

@@ -25,14 +25,14 @@ METHODS = ("measure", "formula")
 
 def build_model(model_cfg) -> Build:
     """The one place ``meshlm plan`` gets its model from: ``build(device) -> nn.Module``
-    for the ``model`` config section (``meshlm.models.node.build_model``: any
+    for the ``model`` config section (``meshlm.app.model_build.build_model``: any
     ``model._target_``; with ``model.init_from``, the Hugging Face directory's model),
     built on the meta device by the planner."""
     if model_cfg.init_from:
         from meshlm.interop.hf import model_of
 
         return lambda device: model_of(model_cfg.init_from)
-    from meshlm.models.node import build_model as build
+    from meshlm.app.model_build import build_model as build
 
     return lambda device: build(model_cfg, device)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.app.model_build import build_model
 from meshlm.layout.mesh import MeshSpec
 from meshlm.layout.rules import load_layout
-from meshlm.models.node import ModelConfig, build_model
+from meshlm.models.node import ModelConfig
 from meshlm.runtime.lowering import plan_params
 
 

@@ -28,17 +28,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 
 from meshlm.core.errors import ConfigError
 from meshlm.data.config import BYTE_IDS, DataConfig, check_patches
+from meshlm.data.pillow import pillow
 from meshlm.data.text import ByteTokenizer, ShardedLoader, TokenDataset
 from meshlm.models.node import ModelConfig, locate
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 END = "\n"  #: the end of every caption: byte tokenizers have no end-of-text id; meshlm generate --stop '\n'
 IGNORE = -100  #: label of a position without loss (F.cross_entropy's ignore_index)
@@ -118,7 +121,7 @@ class Sample:
 def _to_array(img: Image.Image, size: int) -> np.ndarray:
     img = img.convert("RGB")
     if img.size != (size, size):
-        img = img.resize((size, size), Image.Resampling.BICUBIC)
+        img = img.resize((size, size), pillow().Image.Resampling.BICUBIC)
     return np.asarray(img, dtype=np.uint8)
 
 
@@ -164,7 +167,7 @@ def read_samples(path: "str | os.PathLike", image_size: int) -> list[Sample]:
                     raise ConfigError(
                         f"data.path: {where}: image={ref} is not a row of {root / ARRAYS} (0..{len(arrays) - 1})"
                     )
-                cache[ref] = _to_array(Image.fromarray(arrays[ref]), image_size)
+                cache[ref] = _to_array(pillow().Image.fromarray(arrays[ref]), image_size)
             else:
                 cache[ref] = read_image(root / ref, image_size, f"data.path: {where}")
         out.append(Sample(cache[ref], rec["text"], f"image:{ref!r}", where))
@@ -179,7 +182,7 @@ def read_image(f: Path, image_size: int, where: str) -> np.ndarray:
     if not f.is_file():
         raise ConfigError(f"{where}: image file {f} does not exist")
     try:
-        with Image.open(f) as img:
+        with pillow().Image.open(f) as img:
             return _to_array(img, image_size)
     except OSError as e:
         raise ConfigError(f"{where}: {f} is not an image Pillow can read ({e})") from None

@@ -21,8 +21,12 @@ import random
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image, ImageDraw
+from meshlm.data.pillow import pillow
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (215, 35, 35), "green": (35, 160, 60), "blue": (40, 70, 215), "yellow": (225, 195, 20)}
@@ -34,14 +38,15 @@ SUPERSAMPLE = 4  # drawn at 4x the size and scaled down: smooth edges at 16-32 p
 def render(shape: str, colour: str, place: str, image_size: int, rng: random.Random) -> Image.Image:
     """One ``image_size`` x ``image_size`` RGB image of ``shape`` in ``colour`` at ``place``;
     its size, height, jitter and background shade drawn from ``rng``."""
+    pil = pillow()
     s = image_size * SUPERSAMPLE
     shade = rng.randint(225, 255)
-    img = Image.new("RGB", (s, s), (shade, shade, shade))
+    img = pil.Image.new("RGB", (s, s), (shade, shade, shade))
     r = s * rng.uniform(0.09, 0.15)  # half the shape's width: it stays inside its third
     cx = s * (list(PLACES).index(place) + 0.5) / 3 + rng.uniform(-0.03, 0.03) * s
     cy = rng.uniform(r + 1, s - r - 1)
     box = (cx - r, cy - r, cx + r, cy + r)
-    draw = ImageDraw.Draw(img)
+    draw = pil.ImageDraw.Draw(img)
     fill = COLOURS[colour]
     if shape == "circle":
         draw.ellipse(box, fill=fill)
@@ -49,7 +54,7 @@ def render(shape: str, colour: str, place: str, image_size: int, rng: random.Ran
         draw.rectangle(box, fill=fill)
     else:
         draw.polygon([(cx, cy - r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
-    return img.resize((image_size, image_size), Image.Resampling.LANCZOS)
+    return img.resize((image_size, image_size), pil.Image.Resampling.LANCZOS)
 
 
 def caption(shape: str, colour: str, place: str) -> str:

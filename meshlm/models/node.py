@@ -1,7 +1,9 @@
 """The ``model`` config node: any callable that returns a ``torch.nn.Module``, named by ``_target_``.
 
 NOTE [model node]
-    ``model`` is a Hydra node instantiated by ``_target_`` (``hydra.utils.instantiate``)::
+    ``model`` is a Hydra node instantiated by ``_target_`` (``hydra.utils.instantiate``, in
+    :func:`meshlm.app.model_build.build_model`: the command builds it, and this module, which
+    the library's data loaders read too, imports no Hydra)::
 
         _target_: meshlm.models.llama_model     # any importable callable returning an nn.Module
         name: llama_tiny                        # meshlm's own: the label in logs and summaries
@@ -39,9 +41,8 @@ from meshlm.core.arg_types import check_value, parameter_types
 from meshlm.core.axes import closest
 from meshlm.core.errors import ConfigError
 
-if TYPE_CHECKING:  # torch loads where a model is built (meshlm.app.config imports this module, and stays light)
-    import torch
-    from torch import Tensor, nn
+if TYPE_CHECKING:  # torch loads where a loss is checked (meshlm.app.config imports this module, and stays light)
+    from torch import Tensor
 
 OWN_KEYS = ("_target_", "name", "init_from")  # meshlm's keys of the node, never passed to the target
 LLAMA_TARGET = "meshlm.models.llama_model"
@@ -147,13 +148,15 @@ def _import(path: str) -> Any:
     raise ConfigError(f"model._target_={path} cannot be imported: no module named {parts[0]!r}; {how}")
 
 
-def _takes_device(sig: Optional[inspect.Signature]) -> bool:
+def takes_device(sig: Optional[inspect.Signature]) -> bool:
+    """Whether a target of signature ``sig`` is passed ``device`` (NOTE [model node])."""
     if sig is None:
         return False
     return "device" in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
 
 
-def _signature(fn: Callable) -> Optional[inspect.Signature]:
+def target_signature(fn: Callable) -> Optional[inspect.Signature]:
+    """``fn``'s signature, or None where it has none."""
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C types have none
@@ -171,7 +174,7 @@ def check_args(cfg: ModelConfig) -> None:
             f"model.device={cfg.args['device']!r}: meshlm passes the device itself (meta, then each "
             "rank's shards on train.device); drop model.device"
         )
-    sig = _signature(fn)
+    sig = target_signature(fn)
     if sig is None:
         return
     params = sig.parameters
@@ -201,33 +204,6 @@ def check_args(cfg: ModelConfig) -> None:
 
         module, name = SHIPPED_FIELDS[cfg.target].rsplit(".", 1)
         getattr(importlib.import_module(module), name)(**cfg.args)
-
-
-def build_model(cfg: ModelConfig, device: "str | torch.device" = "meta") -> nn.Module:
-    """Instantiate the model node on ``device`` (NOTE [model node]) and check that it is an
-    ``nn.Module``.  What ``meshlm train``, ``meshlm plan`` and ``meshlm layout show`` build."""
-    import torch
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-    from torch import nn
-
-    check_args(cfg)
-    fn = locate(cfg)
-    node = {"_target_": cfg.target, "_convert_": "all", **cfg.args}
-    kw = {"device": device} if _takes_device(_signature(fn)) else {}
-    try:
-        with torch.device(device):
-            model = instantiate(node, **kw)
-    except InstantiationException as e:
-        if e.__cause__ is not None:  # the target's own error, with its traceback
-            raise e.__cause__ from None
-        raise ConfigError(f"model._target_={cfg.target}: {e}") from None
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"model._target_={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module; "
-            "point _target_ at the model class or at a function that returns the model"
-        )
-    return model
 
 
 def loss_of(out: Any, cfg: ModelConfig) -> Tensor:

@@ -81,6 +81,7 @@ def test_resume_under_another_layout(pool4, pool8, reference, tmp_path, first, s
 
 
 def _param_names() -> list[str]:
-    from meshlm.models.node import ModelConfig, build_model
+    from meshlm.app.model_build import build_model
+    from meshlm.models.node import ModelConfig
 
     return [n for n, _ in build_model(ModelConfig.from_dict(MODEL), "meta").named_parameters()]

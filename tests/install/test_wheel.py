@@ -1,6 +1,8 @@
 """An installed meshlm works away from the repository: a wheel built from it holds every
-module, shipped layout and Hydra config, and, installed into a fresh virtualenv and run
-from an empty directory, loads layouts, shows one and trains (2 CPU processes).
+module, shipped layout and Hydra config and no test harness, and, installed into a fresh
+virtualenv and run from an empty directory, loads layouts, shows one and trains (2 CPU
+processes); with the ``app`` extra's modules absent there (harness.no_app), the library
+still shards a model and the ``meshlm`` command says to install ``meshlm[app]``.
 
 The virtualenv gets only the wheel (``--no-deps``); torch, Hydra and the other
 dependencies come from this environment's site-packages, listed in a ``.pth`` file after
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -22,6 +25,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from harness.no_app import APP_DISTRIBUTIONS, APP_MODULES, refused, without_app
 
 REPO = Path(__file__).resolve().parents[2]
 # What a wheel is built from (pyproject.toml reads README.md as the long description).
@@ -105,6 +110,29 @@ def test_wheel_holds_every_module_layout_and_config(wheel):
     got = {n for n in names if n.endswith((".py", ".yaml"))}
     assert not want - got, f"the wheel lacks {sorted(want - got)}: list their packages in pyproject's [tool.setuptools]"
     assert not got - want, f"the wheel holds files the checkout does not: {sorted(got - want)}"
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "meshlm").rglob("__init__.py")}
+    assert {"meshlm/app", "meshlm/runtime/lowering", "meshlm/interop/hf"} <= packages
+    assert all(f"{p}/__init__.py" in names for p in packages), sorted(
+        p for p in packages if f"{p}/__init__.py" not in names
+    )
+    harness = sorted(n for n in names if n.startswith("meshlm/testing/") or {"harness", "tests"} & set(n.split("/")))
+    assert not harness, f"the wheel holds the test harness: {harness}"
+
+
+def _dist(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_wheel_requires_only_the_library_without_the_app_extra(wheel):
+    """The wheel's metadata: the app's distributions are required only with ``[app]``."""
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    reqs = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+    always = {_dist(r) for r in reqs if ";" not in r}
+    with_app = {_dist(r) for r in reqs if r.replace(" ", "").endswith('extra=="app"')}
+    assert "torch" in always and not always & set(APP_DISTRIBUTIONS), always
+    assert with_app == set(APP_DISTRIBUTIONS), reqs
 
 
 # One interpreter for the library checks (each start imports torch: seconds on a busy machine).
@@ -177,3 +205,39 @@ def test_installed_wheel_runs_from_an_empty_directory(venv, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [row["step"] for row in rows] == [1, 2]
     assert (run_dir / "logs" / "rank1.log").exists(), "the run did not use 2 processes"
+
+
+# The library alone: one process, a 1-device mesh.
+LIBRARY = """
+import json, sys, meshlm
+from meshlm.models import llama_model
+model = meshlm.shard(llama_model(device="meta", vocab=64, embed=32, layers=1, heads=4, kv_heads=2, mlp=64), "fsdp",
+                     meshlm.make_mesh("dp=1"))
+print(json.dumps({"meshlm": meshlm.__file__, "params": len(meshlm.full_state_dict(model)),
+                  "app": sorted(m for m in sys.modules if m.split(".")[0] in json.loads(sys.argv[1]))}))
+"""
+
+
+def test_installed_wheel_without_the_app_extra(venv, tmp_path):
+    """With the app's modules absent from the fresh virtualenv, ``import meshlm;
+    meshlm.shard`` works from the installed wheel, and the ``meshlm`` command stops with one
+    line that names ``meshlm[app]``."""
+    env = without_app(tmp_path, _env(venv))
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    out = _run([venv / "bin" / "python", "-c", LIBRARY, json.dumps(APP_MODULES)], timeout=120, cwd=cwd, env=env)
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert Path(got["meshlm"]).is_relative_to(venv) and got["params"] > 0 and got["app"] == [], got
+    assert not [r for r in refused(env) if r[1].startswith("meshlm")], refused(env)
+
+    r = subprocess.run(
+        [str(venv / "bin" / "meshlm"), "train", "train.steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "pip install 'meshlm[app]'" in lines[0], (r.returncode, r.stderr)
+    assert not list(cwd.iterdir()), "meshlm train wrote files without its dependencies"

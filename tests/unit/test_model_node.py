@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Literal, Optional
 import pytest
 import torch
 
-from meshlm.app.config import ModelConfig, build_model, from_dict, load_config
-from meshlm.app.model_build import model_vocab
+from meshlm.app.config import ModelConfig, from_dict, load_config
+from meshlm.app.model_build import build_model, model_vocab
 from meshlm.core.errors import AnnotationError, ConfigError
 from meshlm.models.node import loss_of
 

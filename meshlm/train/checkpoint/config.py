@@ -15,9 +15,9 @@ from meshlm.core.errors import ConfigError
 class CheckpointConfig:
     """``checkpoint`` (meshlm.train.checkpoint.Checkpointer)."""
 
-    dir: Optional[str] = None
-    every: int = 0
-    keep: int = 3
+    dir: Optional[str] = None  #: save under this directory; None: no checkpoints
+    every: int = 0  #: save every N steps; 0: only the last step (and on SIGTERM/SIGINT)
+    keep: int = 3  #: keep the newest N of this run (another run's checkpoints are never deleted)
     resume: Optional[str] = None  #: null (start fresh), auto (the latest complete one in dir) or a path
 
 
