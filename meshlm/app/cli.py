@@ -292,7 +292,7 @@ COMMANDS = {
 
 def missing_app_modules() -> list[str]:
     """The modules of the ``app`` extra that are not installed (a lookup, no import: the
-    launcher's start-up stays as fast, NOTE [start-up] in docs/train.md)."""
+    launcher's start-up stays as fast: docs/train.md, "Start-up time")."""
     import importlib.util
 
     missing = []
