@@ -32,6 +32,7 @@ _HOME = {
     **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.layout.mesh"),
     "shard_batch": "meshlm.runtime.lowering.inputs",
     "load_hf": "meshlm.interop.hf.load",
+    "ShardedOptimizer": "meshlm.runtime.optim.sharded",
 }
 
 
@@ -69,6 +70,7 @@ __all__ = [
     "MeshSpec",
     "shard",
     "shard_batch",
+    "ShardedOptimizer",
     "plan_params",
     "full_state_dict",
     "MeshlmError",

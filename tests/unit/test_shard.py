@@ -139,6 +139,24 @@ def test_sharding_twice_is_an_error():
         meshlm.shard(model, "fsdp", mesh)
 
 
+def test_a_root_marked_as_a_block_is_an_error():
+    """It used to recurse until Python's limit on the first forward."""
+
+    @meshlm.block
+    class Root(nn.Module):
+        param_axes: ClassVar = {"w": ("embed", "mlp")}
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.raises(meshlm.MeshlmError, match=r"root module \(Root\) is marked @meshlm.block.*remove @meshlm.block"):
+        meshlm.shard(Root(), "fsdp", fake_mesh({"fsdp": 2}))
+
+
 def test_a_layout_axis_missing_from_the_device_mesh_is_an_error():
     """A DeviceMesh made by meshlm for {dp: 2, fsdp: 2} whose dims lost the dp name (a
     sub-mesh, say): the layout's dp must not be silently dropped."""

@@ -79,6 +79,12 @@ def shard(
     layout = load_layout(layout)
     if getattr(model, "_meshlm_state", None) is not None:
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
+    if annotate.is_block(model):
+        raise MeshlmError(
+            f"the model's root module ({type(model).__name__}) is marked @meshlm.block; a block is a layer the "
+            "root calls (its parameters are gathered and reduced together around each call), and the root "
+            "cannot call itself: remove @meshlm.block from the root and mark the layers that repeat inside it"
+        )
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
     materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep, after_block)
