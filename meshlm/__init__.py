@@ -31,6 +31,7 @@ _HOME = {
     **dict.fromkeys(("full_state_dict", "plan_params", "shard"), "meshlm.runtime.lowering"),
     **dict.fromkeys(("MeshSpec", "make_mesh"), "meshlm.layout.mesh"),
     "shard_batch": "meshlm.runtime.lowering.inputs",
+    "unshard": "meshlm.runtime.unshard",  # the plain module back (docs/unshard.md)
 }
 
 
@@ -75,6 +76,7 @@ __all__ = [
     "MeshSpec",
     "shard",
     "shard_batch",
+    "unshard",
     "plan_params",
     "full_state_dict",
     "MeshlmError",
