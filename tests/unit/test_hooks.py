@@ -116,7 +116,9 @@ def test_derived_class_names():
     off = hooks.derived_class(sharded, "Offloaded", {"b": 2})
     again = hooks.derived_class(off, "Sharded", {"c": 3})
     assert off.__name__ == "OffloadedShardedLocal" and again.__name__ == "OffloadedShardedLocal"
-    assert hooks.original_class(again) is hooks.original_class(sharded) is Local and hooks.original_class(Local) is Local
+    assert (
+        hooks.original_class(again) is hooks.original_class(sharded) is Local and hooks.original_class(Local) is Local
+    )
     assert issubclass(again, off) and issubclass(off, sharded) and again.a == 1 and again.c == 3
     m = Local()
     hooks.swap_class(m, "lowering", sharded)
