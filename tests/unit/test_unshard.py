@@ -38,16 +38,22 @@ def _plain_like(model, ref) -> None:
     assert list(model.state_dict()) == list(ref.state_dict())
 
 
-def test_unshard_gives_back_the_plain_model_with_its_weights():
+@pytest.mark.parametrize("ckpt,comms", [("full", None), ("none", "graph"), ("none", "eager")])
+def test_unshard_gives_back_the_plain_model_with_its_weights(ckpt, comms):
+    """Checkpointed blocks (a wrapped forward), blocks compiled in place (their own call) or
+    their bodies only (an attribute), run forward and backward, then unsharded."""
     from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
     from meshlm.runtime.compile import compile_blocks
 
     ref = Llama(CFG, seed=0)
-    model = meshlm.shard(Llama(CFG, device="meta"), "fsdp", fake_mesh({"fsdp": 1}), seed=0)
-    apply_activation_checkpointing(model, "full")
+    model = meshlm.shard(Llama(CFG, device="meta"), "ddp", fake_mesh({"dp": 1}), seed=0)
+    apply_activation_checkpointing(model, ckpt)
+    if comms is not None:
+        compile_blocks(model, "aot_eager", comms=comms)
+        where = {"graph": "_compiled_call_impl", "eager": "_meshlm_body"}[comms]
+        assert all(where in vars(b) for b in model.layers)
     tokens = torch.randint(0, CFG.vocab, (2, 8))
     model(tokens, tokens).backward()
-    compile_blocks(model, "eager")  # in place, not run (a checkpointed local block does not trace)
     assert meshlm.unshard(model) is model
     _plain_like(model, ref)
     for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
