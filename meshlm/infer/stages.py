@@ -6,12 +6,13 @@ NOTE [staged decoding]
     rank.  An outer block's call is replaced (its class becomes ``Staged<its class>``): on
     the rank that owns the block (placement ``owner``) it runs; elsewhere it is skipped and
     hands its input on, a stand-in of the same shape (a block maps the hidden state to one
-    of the same shape; one that does not is an error).  After the last block of each rank's stage the owner broadcasts its output to
-    every rank, which continues from it; so the head runs everywhere on the same hidden state,
-    every rank draws the same token, and a decode step moves one hidden state per stage.  A
-    rank holds only its own blocks' parameters (the others stay on the meta device, never
-    touched) and KV cache (the cache allocates a layer when it is first updated).  The last
-    rank streams its ``streamed`` blocks from the tier (NOTE [inference placement]).
+    of the same shape; one that does not is an error).  After the last block of each rank's
+    stage the owner broadcasts its output to every rank, which continues from it; so the
+    head runs everywhere on the same hidden state, every rank draws the same token, and a
+    decode step moves one hidden state per stage.  A rank holds only its own blocks'
+    parameters (the others stay on the meta device, never touched) and KV cache (the cache
+    allocates a layer when it is first updated).  The last rank streams its ``streamed``
+    blocks from the tier (NOTE [inference placement]).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from meshlm.core.errors import ConfigError
 from meshlm.runtime import hooks
 
 _ATTR = "_meshlm_stage"
-OWNER = "stages"  # NOTE [attachments] in meshlm/runtime/hooks.py
 
 
 class Stages:
@@ -38,8 +38,8 @@ class Stages:
         self.last_of = {d: pl.runs(d)[-1:] for d in range(pl.devices)}
         self.broadcasts = 0
         for i, blk in enumerate(outer_blocks(model)):
-            hooks.set_attrs(blk, OWNER, **{_ATTR: (self, i)})
-            hooks.swap_class(blk, OWNER, hooks.derived_class(type(blk), "Staged", {"__call__": _staged_call}))
+            hooks.set_attrs(blk, hooks.STAGES, **{_ATTR: (self, i)})
+            hooks.swap_class(blk, hooks.STAGES, hooks.derived_class(type(blk), "Staged", {"__call__": _staged_call}))
 
     def call(self, blk: nn.Module, i: int, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else None

@@ -62,6 +62,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
                 return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
 
             # _meshlm_outer_checkpoint: its recompute re-gathers (lowering.blocks.block_forward)
-            hooks.set_attrs(m, "checkpointing", forward=fwd, _meshlm_outer_checkpoint=True)
+            hooks.set_attrs(m, hooks.CHECKPOINTING, forward=fwd, _meshlm_outer_checkpoint=True)
             n += 1
     return n

@@ -48,8 +48,6 @@ from meshlm import _torch_compat as compat
 from meshlm.core.annotate import is_block
 from meshlm.runtime import COMPILE_COMMS, hooks
 
-OWNER = "compile"  # NOTE [attachments] in meshlm/runtime/hooks.py
-
 
 def compile_blocks(
     model: nn.Module,
@@ -85,10 +83,10 @@ def compile_blocks(
                         dynamic=False,
                         **_mode(backend, mode),
                     )
-                hooks.set_attrs(m, OWNER, _meshlm_body=bodies[cls])
+                hooks.set_attrs(m, hooks.COMPILE, _meshlm_body=bodies[cls])
             else:
                 hooks.compile_call(
-                    m, OWNER, backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode)
+                    m, hooks.COMPILE, backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode)
                 )
             n += 1
     if n == 0:

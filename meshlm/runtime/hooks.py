@@ -15,8 +15,7 @@ NOTE [attachments]
       offloaded block's swapper, a ``forward`` wrapped for activation checkpointing.
 
     Every change is journaled on the module it changed (``module.__dict__[JOURNAL]``), with
-    what it replaced and who made it (its owner: "lowering", "scope", "checkpointing",
-    "compile", "pipeline", "probe", "offload", "stages").  ``detach(module)`` undoes them
+    what it replaced and who made it (its owner: ``LOWERING``, ``SCOPE``, ... below).  ``detach(module)`` undoes them
     all, newest first, so that the module is again exactly what it was: its class, its own
     call (or none), its hooks and its attributes; ``detach(module, owner)`` undoes one
     owner's.  A class, a call or an attribute changed again by a later attachment of
@@ -52,6 +51,16 @@ from meshlm.core.errors import MeshlmError
 
 JOURNAL = "_meshlm_journal"  # a module's list of Change, oldest first
 MISSING = object()  # the value of an attribute the module did not have
+
+# The owners: who attaches, and what with
+LOWERING = "lowering"  # meshlm.shard: Sharded<...> classes, each module's lowering state, Absent parameters
+SCOPE = "scope"  # a scoped layout's constraint handler: forward hooks
+CHECKPOINTING = "checkpointing"  # activation checkpointing: a block's forward wrapped
+COMPILE = "compile"  # compile_blocks: a block compiled in place (its call), or its body (an attribute)
+PIPELINE = "pipeline"  # a pipeline stage's block calls; the Pipeline, on the root
+PROBE = "probe"  # the pipeline cut's probe: forward hooks while it runs
+OFFLOAD = "offload"  # offloaded parameters: Offloaded<...> blocks
+STAGES = "stages"  # staged decoding: Staged<...> blocks
 
 
 @dataclass(frozen=True, eq=False)

@@ -80,7 +80,7 @@ def _check(model: nn.Module) -> None:
             f"meshlm.unshard: this {type(model).__name__} is a submodule of a sharded model; unshard the model that "
             "meshlm.shard returned (its root), on every rank"
         )
-    staged = [name or type(m).__name__ for name, m in hooks.attached(model) if "stages" in hooks.owners(m)]
+    staged = [name or type(m).__name__ for name, m in hooks.attached(model) if hooks.STAGES in hooks.owners(m)]
     if staged:
         raise MeshlmError(
             f"meshlm.unshard: block `{staged[0]}` (and {len(staged) - 1} more) is placed over processes for staged "

@@ -191,7 +191,7 @@ def link_blocks(model: nn.Module, st: ShardState) -> None:
         if getattr(blk, "_meshlm_block", None) is not None and blk._meshlm_block.key is not None
     ]
     for n, blk in enumerate(keyed):
-        hooks.set_attrs(blk, "lowering", _meshlm_pos=n)
+        hooks.set_attrs(blk, hooks.LOWERING, _meshlm_pos=n)
     st.prefetch.link([blk._meshlm_block.key for blk in keyed], [_stored_params(blk) for blk in keyed])
 
 

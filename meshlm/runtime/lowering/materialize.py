@@ -117,9 +117,9 @@ def materialize(
         for n, p in list(m._parameters.items()):
             if p is not None and id(p) in dropped:
                 if "_meshlm_param_order" not in m.__dict__:  # where meshlm.unshard puts them back
-                    hooks.set_attrs(m, "lowering", _meshlm_param_order=tuple(m._parameters))
+                    hooks.set_attrs(m, hooks.LOWERING, _meshlm_param_order=tuple(m._parameters))
                 del m._parameters[n]
-                hooks.set_attrs(m, "lowering", **{n: absents.setdefault(id(p), absent_like(p))})
+                hooks.set_attrs(m, hooks.LOWERING, **{n: absents.setdefault(id(p), absent_like(p))})
     for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
         for n, p in m._parameters.items():
             if p is not None and id(p) in first and first[id(p)] != (m, n):

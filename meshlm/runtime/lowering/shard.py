@@ -31,8 +31,6 @@ from meshlm.runtime.lowering.materialize import materialize
 from meshlm.runtime.lowering.params import iter_params, needs_regather, placements, plan_params
 from meshlm.runtime.lowering.state import ShardState
 
-OWNER = "lowering"  # what the lowering's attachments are journaled as (NOTE [attachments] in meshlm/runtime/hooks.py)
-
 
 def shard(
     model: nn.Module,
@@ -107,16 +105,16 @@ def shard(
         tied.setdefault(id(m), {})[name] = (first, first_name)
     for m, uses in by_module.values():  # NOTE [attachments] in meshlm/runtime/hooks.py
         mine = tied.get(id(m), {})
-        hooks.swap_class(m, OWNER, sharded_class(type(m), tuple(uses), False, tuple(mine)))
-        hooks.set_attrs(m, OWNER, _meshlm_tied=mine, _meshlm_use=uses, _meshlm_now={}, _meshlm_state=st)
+        hooks.swap_class(m, hooks.LOWERING, sharded_class(type(m), tuple(uses), False, tuple(mine)))
+        hooks.set_attrs(m, hooks.LOWERING, _meshlm_tied=mine, _meshlm_use=uses, _meshlm_now={}, _meshlm_state=st)
     for m in outer_blocks(model):
         spec = block_spec(m, st, bucket)
         if spec.key is None and not spec.regather:
             continue
         cls = hooks.original_class(type(m))
         cls = sharded_class(cls, tuple(getattr(m, "_meshlm_use", {})), True, tuple(getattr(m, "_meshlm_tied", {})))
-        hooks.swap_class(m, OWNER, cls)
-        hooks.set_attrs(m, OWNER, _meshlm_block=spec, _meshlm_state=st)
+        hooks.swap_class(m, hooks.LOWERING, cls)
+        hooks.set_attrs(m, hooks.LOWERING, _meshlm_block=spec, _meshlm_state=st)
         if spec.regather and spec.key is not None:
             allow_conduit_under_checkpoint()
     for sc in layout.scopes:  # NOTE [scoped layouts] in meshlm/core/scopes.py
@@ -131,9 +129,9 @@ def shard(
     }
     st.root = root_spec(model, st) if bucket else None
     root_cls = type(model)
-    hooks.set_attrs(model, OWNER, _meshlm_orig_forward=root_cls.forward)
-    hooks.swap_class(model, OWNER, hooks.derived_class(root_cls, "Sharded", {"forward": root.root_forward}))
-    hooks.set_attrs(model, OWNER, _meshlm_state=st)
+    hooks.set_attrs(model, hooks.LOWERING, _meshlm_orig_forward=root_cls.forward)
+    hooks.swap_class(model, hooks.LOWERING, hooks.derived_class(root_cls, "Sharded", {"forward": root.root_forward}))
+    hooks.set_attrs(model, hooks.LOWERING, _meshlm_state=st)
     return model
 
 
@@ -154,8 +152,8 @@ def enter_scope(m: nn.Module, outer, inner) -> None:
     """Run ``m``'s forward under the scope's constraint handler ``inner`` when it is called
     under the DTensor root's ``outer`` (a local root's handler is left as it is: there
     ``constrain`` only checks axes).  Hooks, so the module's class and forward stay its own."""
-    hooks.set_attrs(m, "scope", _meshlm_scope=(outer, inner))
-    hooks.add_hooks(m, "scope", pre=_scope_in, post=_scope_out, always_call=True)
+    hooks.set_attrs(m, hooks.SCOPE, _meshlm_scope=(outer, inner))
+    hooks.add_hooks(m, hooks.SCOPE, pre=_scope_in, post=_scope_out, always_call=True)
 
 
 def _scope_in(m: nn.Module, _args) -> None:

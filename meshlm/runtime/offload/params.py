@@ -53,7 +53,6 @@ from meshlm.runtime.memory import local_data
 from meshlm.runtime.offload.store import Swapper, owns_storage
 
 OFFLOAD_ATTR = "_meshlm_param_offload"  # a block's (ParamOffload, index), in its __dict__
-OWNER = "offload"  # NOTE [attachments] in meshlm/runtime/hooks.py
 
 
 class ParamOffload:
@@ -78,8 +77,8 @@ class ParamOffload:
                 raise ConfigError(f"offload.params: block {type(blk).__name__} is offloaded already")
             # a parameter moved out as the model was built (Offload.spill) is on the tier already
             self.groups.append([t for t in map(local_data, blk.parameters()) if owns_storage(t) or swapper.is_out(t)])
-            hooks.set_attrs(blk, OWNER, **{OFFLOAD_ATTR: (self, len(self.groups) - 1)})
-            hooks.swap_class(blk, OWNER, hooks.derived_class(type(blk), "Offloaded", {"__call__": _call}))
+            hooks.set_attrs(blk, hooks.OFFLOAD, **{OFFLOAD_ATTR: (self, len(self.groups) - 1)})
+            hooks.swap_class(blk, hooks.OFFLOAD, hooks.derived_class(type(blk), "Offloaded", {"__call__": _call}))
         self.blocks = blocks
         self._managed = {id(t) for g in self.groups for t in g}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshlm-prefetch") if prefetch else None
@@ -109,7 +108,7 @@ class ParamOffload:
         self.groups = [[] for _ in self.groups]
         self._managed = set()
         for blk in self.blocks:
-            hooks.detach(blk, OWNER)
+            hooks.detach(blk, hooks.OFFLOAD)
 
     def manages(self, p: Tensor) -> bool:
         return id(local_data(p)) in self._managed

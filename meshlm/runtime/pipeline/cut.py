@@ -119,7 +119,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
         same[fqn] = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and out.shape == first.shape
 
     for b in blocks:
-        hooks.add_hooks(b, "probe", pre=enter, post=leave, with_kwargs=True)
+        hooks.add_hooks(b, hooks.PROBE, pre=enter, post=leave, with_kwargs=True)
     state = torch.get_rng_state()
     absent.ON_USE[0] = on_use
     try:
@@ -133,7 +133,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
         absent.ON_USE[0] = None
         torch.set_rng_state(state)
         for b in blocks:
-            hooks.detach(b, "probe")
+            hooks.detach(b, hooks.PROBE)
     if not order:
         raise ConfigError(
             f"pipeline parallelism: {type(shadow).__name__} calls no @meshlm.block module in its forward; stages are "

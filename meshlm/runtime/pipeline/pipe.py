@@ -69,7 +69,7 @@ from meshlm.layout.rules import Layout, is_pipelined, load_layout  # noqa: F401 
 from meshlm.runtime import hooks
 from meshlm.runtime.pipeline.cut import Cut, Probe, cut, probe
 from meshlm.runtime.pipeline.schedule import make_schedule, schedule_spec
-from meshlm.runtime.pipeline.stage import OWNER, MicroBatches, StageModule, block_call
+from meshlm.runtime.pipeline.stage import MicroBatches, StageModule, block_call
 
 DEFAULT_AXES: Axes = ("batch", "seq", "embed")
 
@@ -407,9 +407,9 @@ def build_pipeline(
         fqn = names[id(blk)]
         skip = not pr.draws[fqn] and pr.same_shape[fqn]
         calls[fqn] = (blk, block_call(fqn, blk, shadow.get_submodule(fqn), skip, not pr.tail_draws[fqn]))
-        hooks.wrap_call(blk, OWNER, calls[fqn][1])
+        hooks.wrap_call(blk, hooks.PIPELINE, calls[fqn][1])
     mbs = MicroBatches()
     stages = [StageModule(model, s, c, calls, None, pick_loss, axes, mbs) for s in mine]
     pipe = Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs, regather)
-    hooks.set_attrs(model, OWNER, _meshlm_pipeline=pipe)  # what meshlm.unshard gathers over pp with
+    hooks.set_attrs(model, hooks.PIPELINE, _meshlm_pipeline=pipe)  # what meshlm.unshard gathers over pp with
     return pipe

@@ -53,8 +53,6 @@ from meshlm.core.errors import ConfigError, MeshlmError
 from meshlm.runtime import hooks
 from meshlm.runtime.absent import absent_like, has_absent, is_absent
 
-OWNER = "pipeline"  # NOTE [attachments] in meshlm/runtime/hooks.py
-
 
 @dataclass
 class StageRun:
@@ -260,4 +258,4 @@ class StageModule(nn.Module):
         """Every outer block's call goes through block_call (again, after an in-place compile)."""
         for fqn, (blk, outer) in self._calls.items():
             if not compat.outer_call_wrapped(blk, outer):
-                hooks.wrap_call(blk, OWNER, outer)
+                hooks.wrap_call(blk, hooks.PIPELINE, outer)
