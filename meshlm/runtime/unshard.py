@@ -64,7 +64,7 @@ def unshard(model: nn.Module, device: Union[torch.device, str] = "cpu") -> nn.Mo
     if st is not None:
         st.prefetch.drain()  # gathers issued ahead (NOTE [prefetch]): waited for, before other collectives
     pipe = model.__dict__.get("_meshlm_pipeline")
-    full = _params(model, pipe)
+    full = _params(model, pipe, device)
     _put_params(model, full, device)
     _put_buffers(model, device, pipe)
     hooks.detach_all(model)
@@ -90,8 +90,8 @@ def _check(model: nn.Module) -> None:
         )
 
 
-def _params(model: nn.Module, pipe) -> dict[str, Tensor]:
-    """FQN -> every parameter whole (``requires_grad`` as the parameter's), on every rank."""
+def _params(model: nn.Module, pipe, device: torch.device) -> dict[str, Tensor]:
+    """FQN -> every parameter whole on ``device`` (``requires_grad`` as the parameter's), on every rank."""
     absent = absent_params(model)
     if absent and pipe is None:  # refused before any collective, alike on every rank
         raise MeshlmError(
@@ -99,13 +99,9 @@ def _params(model: nn.Module, pipe) -> dict[str, Tensor]:
             "pipeline stage (meshlm.shard(keep=...)), and this model was not built by build_pipeline, which says "
             "where each is: unshard the pipeline's model (pipe.model) on every rank, or shard without keep"
         )
-    own = {fqn: t.requires_grad_(p.requires_grad) for (fqn, _m, _n, p), t in _gathered(model)}
-    return own if pipe is None else pipe.from_stages(own, pipe.cut.params)
-
-
-def _gathered(model: nn.Module):
-    full = full_state_dict(model)  # collective: every rank, every parameter, in one order
-    return [((fqn, m, n, p), full[fqn]) for fqn, m, n, p in iter_params(model)]
+    full = full_state_dict(model, device)  # collective: every rank, every parameter, in one order
+    own = {fqn: full[fqn].requires_grad_(p.requires_grad) for fqn, _m, _n, p in iter_params(model)}
+    return own if pipe is None else pipe.from_stages(own, pipe.cut.params, device)
 
 
 def _put_params(model: nn.Module, full: dict[str, Tensor], device: torch.device) -> None:
@@ -144,7 +140,7 @@ def _put_buffers(model: nn.Module, device: torch.device, pipe) -> None:
     own = {name: b.full_tensor() if isinstance(b, DTensor) else b for name, b in model.named_buffers()}
     if pipe is not None:
         stages = [tuple(f"{blk}." for blk in blocks) for blocks in pipe.cut.stages]
-        own.update(pipe.from_stages(own, [[n for n in own if n.startswith(pre)] for pre in stages]))
+        own.update(pipe.from_stages(own, [[n for n in own if n.startswith(pre)] for pre in stages], device))
     plain = {id(b): _plain_buffer(own[name], device) for name, b in model.named_buffers()}
     for m in model.modules():
         for n, b in list(m._buffers.items()):

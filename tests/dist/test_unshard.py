@@ -225,6 +225,7 @@ def _train_and_unshard(layout: str, mesh: str, **kw) -> list:
         if isinstance(build, SeqBuild):
             extra["from_seed"] = False
             kw = {k: v for k, v in kw.items() if k != "activation_checkpointing"}
+        extra.setdefault("grad_accum", 2 if layout in PIPELINED else 1)  # a pipeline's schedule needs 2
         results.append(check_training(layout, mesh, optims=("sgd",), steps=2, after=_after, **extra, **kw))
     return results
 

@@ -168,12 +168,14 @@ class Pipeline:
             st.gathered = None
             st.prefetch.drain()
 
-    def from_stages(self, own: dict[str, torch.Tensor], names: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+    def from_stages(
+        self, own: dict[str, torch.Tensor], names: Sequence[Sequence[str]], device: torch.device
+    ) -> dict[str, torch.Tensor]:
         """Every stage's tensors on every rank (what ``meshlm.unshard`` gathers a pipelined
         model with): ``names[s]``, the names of stage ``s``'s tensors, are broadcast over pp
         from the rank that holds stage ``s``, where ``own`` (name -> tensor) has them whole
         (their shapes, dtypes and ``requires_grad`` first).  Collective over the pp group; the
-        tensors come back on the mesh's device."""
+        tensors come back on ``device``."""
         out: dict[str, torch.Tensor] = {}
         for s, ns in enumerate(names):
             ns = sorted(ns)
@@ -184,7 +186,7 @@ class Pipeline:
             for n, (shape, dtype, grad) in zip(ns, meta[0]):
                 t = own[n].detach().to(self.device) if mine else torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(t, src=src, group=self.group)
-                out[n] = t.requires_grad_(grad)
+                out[n] = t.to(device).requires_grad_(grad)
         return out
 
     # ------------------------------------------------------------------ shapes
