@@ -33,6 +33,7 @@ _HOME = {
     "shard_batch": "meshlm.runtime.lowering.inputs",
     "load_hf": "meshlm.interop.hf.load",
     "ShardedOptimizer": "meshlm.runtime.optim.sharded",
+    "unshard": "meshlm.runtime.unshard",  # the plain module back (docs/unshard.md)
 }
 
 
@@ -71,6 +72,7 @@ __all__ = [
     "shard",
     "shard_batch",
     "ShardedOptimizer",
+    "unshard",
     "plan_params",
     "full_state_dict",
     "MeshlmError",

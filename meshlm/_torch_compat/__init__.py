@@ -277,6 +277,20 @@ def outer_call_wrapped(m, outer: Callable) -> bool:
     return getattr(m._compiled_call_impl, "meshlm_outer", None) is outer
 
 
+def own_call(m) -> Optional[Callable]:
+    """What ``m(...)`` calls in place of ``Module._call_impl`` (``m``'s own
+    ``_compiled_call_impl``), or None."""
+    return m.__dict__.get("_compiled_call_impl")
+
+
+def set_own_call(m, call: Optional[Callable]) -> None:
+    """Make ``call`` what ``m(...)`` calls (``own_call``); None: ``Module._call_impl`` again."""
+    if call is None:
+        m.__dict__.pop("_compiled_call_impl", None)
+    else:
+        m._compiled_call_impl = call
+
+
 def is_view(t: Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``)."""
     return t._is_view()

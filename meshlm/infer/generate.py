@@ -24,6 +24,7 @@ from meshlm.core.errors import ConfigError
 from meshlm.infer.cache import KVCache
 from meshlm.infer.compiled import decode_step
 from meshlm.infer.sample import Sampling, choose, generators
+from meshlm.runtime.hooks import original_class
 
 
 def context_of(model: nn.Module) -> Optional[int]:
@@ -71,7 +72,7 @@ def _check(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: i
     _check_layout(model)
     if not supports_cache(model):
         raise ConfigError(
-            f"generate: {type(model).__name__}.forward takes no `cache` argument, so it cannot decode "
+            f"generate: {original_class(type(model)).__name__}.forward takes no `cache` argument, so it cannot decode "
             "incrementally: see NOTE [KV cache] in meshlm/infer/cache.py for the contract"
         )
     if not prompts or any(len(p) == 0 for p in prompts):

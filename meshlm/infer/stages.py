@@ -3,15 +3,16 @@
 NOTE [staged decoding]
     Every rank runs the model's whole forward (so any model that meets the KV cache contract
     works, whatever it does around its blocks); the parameters outside blocks are on every
-    rank.  An outer block's call is replaced: on the rank that owns the block (placement
-    ``owner``) it runs; elsewhere it is skipped and hands its input on, a stand-in of the same
-    shape (a block maps the hidden state to one of the same shape; one that does not is an
-    error).  After the last block of each rank's stage the owner broadcasts its output to
-    every rank, which continues from it; so the head runs everywhere on the same hidden state,
-    every rank draws the same token, and a decode step moves one hidden state per stage.  A
-    rank holds only its own blocks' parameters (the others stay on the meta device, never
-    touched) and KV cache (the cache allocates a layer when it is first updated).  The last
-    rank streams its ``streamed`` blocks from the tier (NOTE [inference placement]).
+    rank.  An outer block's call is replaced (its class becomes ``Staged<its class>``): on
+    the rank that owns the block (placement ``owner``) it runs; elsewhere it is skipped and
+    hands its input on, a stand-in of the same shape (a block maps the hidden state to one
+    of the same shape; one that does not is an error).  After the last block of each rank's
+    stage the owner broadcasts its output to every rank, which continues from it; so the
+    head runs everywhere on the same hidden state, every rank draws the same token, and a
+    decode step moves one hidden state per stage.  A rank holds only its own blocks'
+    parameters (the others stay on the meta device, never touched) and KV cache (the cache
+    allocates a layer when it is first updated).  The last rank streams its ``streamed``
+    blocks from the tier (NOTE [inference placement]).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.errors import ConfigError
-from meshlm.runtime.lowering.shard import variant_class
+from meshlm.runtime import hooks
 
 _ATTR = "_meshlm_stage"
 
@@ -37,8 +38,8 @@ class Stages:
         self.last_of = {d: pl.runs(d)[-1:] for d in range(pl.devices)}
         self.broadcasts = 0
         for i, blk in enumerate(outer_blocks(model)):
-            blk.__dict__[_ATTR] = (self, i)
-            blk.__class__ = variant_class(type(blk), __call__=_staged_call)
+            hooks.set_attrs(blk, hooks.STAGES, **{_ATTR: (self, i)})
+            hooks.swap_class(blk, hooks.STAGES, hooks.derived_class(type(blk), "Staged", {"__call__": _staged_call}))
 
     def call(self, blk: nn.Module, i: int, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else None

@@ -43,6 +43,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from meshlm.core.annotate import is_block
+    from meshlm.runtime import hooks
     from meshlm.runtime.lowering import keep_constraints
 
     if mode == "none":
@@ -60,7 +61,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
                 # forward; without it constrain() would be the identity there.
                 return checkpoint(keep_constraints(_inner), *args, **kw, **kwargs)
 
-            m.forward = fwd
-            m._meshlm_outer_checkpoint = True  # its recompute re-gathers (lowering.blocks.block_forward)
+            # _meshlm_outer_checkpoint: its recompute re-gathers (lowering.blocks.block_forward)
+            hooks.set_attrs(m, hooks.CHECKPOINTING, forward=fwd, _meshlm_outer_checkpoint=True)
             n += 1
     return n

@@ -46,7 +46,7 @@ from torch import nn
 
 from meshlm import _torch_compat as compat
 from meshlm.core.annotate import is_block
-from meshlm.runtime import COMPILE_COMMS
+from meshlm.runtime import COMPILE_COMMS, hooks
 
 
 def compile_blocks(
@@ -77,15 +77,17 @@ def compile_blocks(
                 cls = type(m)
                 if cls not in bodies:
                     bodies[cls] = torch.compile(
-                        cls.__mro__[1].forward,
+                        hooks.original_class(cls).forward,
                         backend=backend,
                         fullgraph=fullgraph,
                         dynamic=False,
                         **_mode(backend, mode),
                     )
-                m.__dict__["_meshlm_body"] = bodies[cls]
+                hooks.set_attrs(m, hooks.COMPILE, _meshlm_body=bodies[cls])
             else:
-                m.compile(backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode))
+                hooks.compile_call(
+                    m, hooks.COMPILE, backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode)
+                )
             n += 1
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no @meshlm.block modules to compile")

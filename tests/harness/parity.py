@@ -47,7 +47,7 @@ Llama on token batches is the default (``LlamaBuild``, ``TokenBatches``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,6 +130,7 @@ def check_training(
     precision: str = "fp32",
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    after: Callable[..., Any] | None = None,
 ) -> dict:
     """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
     side by side and check them (module docstring).
@@ -147,7 +148,11 @@ def check_training(
     it, against the same recipe in plain torch (``harness.parity_mp``).  A layout
     with ``layers: pp`` on a mesh with ``pp`` > 1 runs as a pipeline (``schedule``,
     ``stages_per_rank``: ``meshlm.runtime.pipeline``; ``harness.parity_pp``), its
-    ``grad_accum`` micro-batches through the schedule.
+    ``grad_accum`` micro-batches through the schedule.  ``after(model, ref, bounds, job)``
+    is called once each optimizer's steps are done and checked, with the sharded model, the
+    reference, each parameter's bound on |sharded - reference| by FQN (every parameter,
+    gathered over pipeline stages) and the job (its ``batches``, ``build``, ``_shard``,
+    ``runner``); what it returns is reported under ``after``, by optimizer.
 
     Returns per optimizer the worst error/tolerance ratio of each checked quantity
     (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
@@ -179,7 +184,7 @@ def check_training(
     )
     dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
     roots = {"local": 0, "dtensor": 0}
-    worst, losses = {}, {}
+    worst, losses, extra = {}, {}, {}
     for name in optims:
         cls, hp = OPTIMS[name]
         hp = {**hp, **(hparams or {}).get(name, {})}
@@ -212,7 +217,9 @@ def check_training(
         worst[name], losses[name] = job.train(name, cls, hp, model, ref, seed, steps)
         for k, v in shard_state(model).roots.items():
             roots[k] += v
-    return {"worst": worst, "loss": losses, "root": roots}
+        if after is not None:
+            extra[name] = after(model, ref, job.runner.everywhere(job.param_bounds), job)
+    return {"worst": worst, "loss": losses, "root": roots, "after": extra}
 
 
 def assert_parity(results: list) -> None:
@@ -257,6 +264,7 @@ class _Job:
     strict: bool
     recipe: FP32
     runner: Any = None  # how a step's micro-batches run: _OneByOne, or parity_pp.Piped (pipeline layouts)
+    param_bounds: dict = field(default_factory=dict)  # after train: FQN -> bound on |param - reference| (held here)
     grad_factor: float = 1.0  # what the step's micro-batch weights rescale the gradients by (one_by_one)
 
     def plain(self, weights: dict[str, Tensor], seed: int, slot: dict, key: str) -> nn.Module:
@@ -406,6 +414,8 @@ class _Job:
             self._check_buffers(name, k, model, ref, worst)
             ref_opt.zero_grad()
             opt.zero_grad()
+        held = dict(model.named_parameters())
+        self.param_bounds = {n: bounds[n].bound.get("param", torch.zeros_like(p)) for n, p in refp.items() if n in held}
         return worst, losses
 
     def _check_buffers(self, name: str, k: int, model: nn.Module, ref: nn.Module, worst: dict) -> None:

@@ -6,7 +6,8 @@ checked: every module holding parameters gets its class swapped for one sharded 
 (class, parameter names), shared across layers and models, with the user's class as its
 base; each parameter's use (compute and gradient placements, re-gathering) is what the
 layout says; a tie reads through its first slot; blocks run the block runtime only where
-they have something to gather; the root keeps its name and the user's forward; the mixed
+they have something to gather; the root keeps the user's forward; every swapped class is
+named ``Sharded<the user's class>`` and refuses to be pickled; the mixed
 precision defaults (the reduction dtype) and overlap; ``keep``; and the errors for a model
 sharded twice and a layout naming a mesh axis the DeviceMesh lacks.  The numbers these
 lead to are tests/unit/test_blocks.py's, test_local_root.py's and tests/dist/'s.
@@ -15,6 +16,7 @@ lead to are tests/unit/test_blocks.py's, test_local_root.py's and tests/dist/'s.
 from __future__ import annotations
 
 import importlib
+import pickle
 from typing import ClassVar
 
 import pytest
@@ -213,7 +215,7 @@ def test_every_parameter_holding_module_is_swapped(layout, compute, grads, regat
         assert set(m._meshlm_use) == set(names)
         assert m._meshlm_now == {} and m._meshlm_state is st
     assert type(b0.norm) is type(b1.norm) is type(model.final)  # one sharded class per (class, names)
-    assert type(b0.norm).__mro__[1] is Norm and type(b0.norm).__name__ == "Norm"
+    assert type(b0.norm).__mro__[1] is Norm and type(b0.norm).__name__ == "ShardedNorm"
     up = b0._meshlm_use["up"]  # ("mlp", "embed"): embed is its dim 1
     assert up.compute == compute and up.grads == grads and up.regather is regather
     assert b0._meshlm_use["up"].key == b1._meshlm_use["up"].key  # one at-use op for like parameters
@@ -240,10 +242,13 @@ def test_blocks_and_the_root():
     assert type(b0) is type(b1)
     assert type(b0).__mro__[1] is Mlp  # one subclass of the user's class, not two
     assert type(b0).forward is blocks.block_forward
-    assert type(b0).__name__ == "Mlp" and type(b0).__qualname__ == Mlp.__qualname__
+    assert type(b0).__name__ == "ShardedMlp" and type(b0).__qualname__ == "ShardedMlp"
     assert type(b0).__module__ == Mlp.__module__
     assert b0._meshlm_state is shard_state(model)
-    assert type(model).__name__ == "Lm" and type(model).__module__ == Lm.__module__
+    assert type(model).__name__ == "ShardedLm" and type(model).__module__ == Lm.__module__
+    assert repr(model).startswith("ShardedLm(") and "(blocks): ModuleList(\n    (0-1): 2 x ShardedMlp(" in repr(model)
+    with pytest.raises(meshlm.MeshlmError, match="meshlm.unshard"):
+        pickle.dumps(model.final)
     assert type(model).__mro__[1] is not Lm and Lm in type(model).__mro__
     assert type(model).forward is root.root_forward
     assert model._meshlm_orig_forward is type(model).__mro__[1].forward
@@ -320,7 +325,8 @@ def test_sharded_class_of_a_nested_class():
         pass
 
     a = sharded_class(Local, (), False)
-    assert a.__qualname__ == Local.__qualname__ and a.__qualname__.endswith("<locals>.Local")
+    assert a.__name__ == "ShardedLocal" and a.__qualname__.endswith("<locals>.ShardedLocal")
+    assert a.__qualname__.removesuffix("ShardedLocal") == Local.__qualname__.removesuffix("Local")
 
 
 def test_without_buckets_the_root_runs_under_dtensor():
@@ -335,7 +341,7 @@ def test_sharded_class_is_cached_and_keeps_the_names():
     assert sharded_class(Norm, ("gain",), False) is a
     assert sharded_class(Norm, ("gain",), True) is not a
     assert sharded_class(Norm, ("gain",), False, ("x",)) is not a
-    assert a.__name__ == "Norm" and a.__qualname__ == Norm.__qualname__ and a.__module__ == Norm.__module__
+    assert a.__name__ == a.__qualname__ == "ShardedNorm" and a.__module__ == Norm.__module__
     assert isinstance(a.__dict__["gain"], property) or callable(getattr(a.__dict__["gain"], "__get__", None))
     assert "forward" not in a.__dict__
     assert sharded_class(Norm, ("gain",), True).__dict__["forward"] is blocks.block_forward

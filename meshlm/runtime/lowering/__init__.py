@@ -7,8 +7,9 @@
 2. materialises each rank's shard only (``materialize``: from a seed by replaying the
    canonical init order one module at a time, or sliced from real weights that every rank
    holds);
-3. swaps each module's class for a subclass whose parameter attributes redistribute the
-   stored DTensor to its compute placements at use (SimpleFSDP's gather-at-use), through
+3. swaps each module's class for a subclass, ``Sharded<its class>`` (NOTE [sharded class
+   names] and NOTE [attachments] in meshlm/runtime/hooks.py: ``meshlm.unshard`` undoes it),
+   whose parameter attributes redistribute the stored DTensor to its compute placements at use (SimpleFSDP's gather-at-use), through
    ``atuse.AtUse``, whose backward reduces the gradient to the layout's ``grads``
    placements, so the all-gather and the reduce-scatter are ordinary autograd-traced ops;
 4. gives each block one bucket (``blocks``; NOTE [block buckets] in meshlm/runtime/bucket/) and a

@@ -20,7 +20,7 @@ from meshlm import _torch_compat as compat
 from meshlm.core import rng
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.axes import DATA_AXES
-from meshlm.runtime import bucket
+from meshlm.runtime import bucket, hooks
 from meshlm.runtime.lowering import atuse
 from meshlm.runtime.lowering.params import pure_data_parallel
 from meshlm.runtime.lowering.policies import keep_constraints, regather_context, regather_context_local
@@ -136,7 +136,7 @@ def _run_local_rows(self, spec: BlockSpec, outer: bool, frees: bool, *args, **kw
 
 def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs):
     spec: BlockSpec = self._meshlm_block
-    base = type(self).__mro__[1].forward
+    base = type(self).__meshlm_user__.forward  # the user's forward (NOTE [sharded class names] in runtime/hooks.py)
     if spec.key is None:
         return base(self, *args, **kwargs)
     mods = [submodule(self, path) for path, _n in spec.entries]
@@ -191,7 +191,7 @@ def link_blocks(model: nn.Module, st: ShardState) -> None:
         if getattr(blk, "_meshlm_block", None) is not None and blk._meshlm_block.key is not None
     ]
     for n, blk in enumerate(keyed):
-        blk._meshlm_pos = n
+        hooks.set_attrs(blk, hooks.LOWERING, _meshlm_pos=n)
     st.prefetch.link([blk._meshlm_block.key for blk in keyed], [_stored_params(blk) for blk in keyed])
 
 

@@ -16,6 +16,7 @@ from meshlm.core.axes import Axes
 from meshlm.core.errors import AnnotationError
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import INPUT_MESH_AXES, Layout, load_layout, resolve
+from meshlm.runtime.hooks import original_class
 from meshlm.runtime.lowering.params import local_slice, placements
 
 
@@ -27,7 +28,7 @@ def input_axes(model: nn.Module, path: str, ndim: int) -> Axes:
         axes = tuple(declared[path])
         if len(axes) != ndim:
             raise AnnotationError(
-                f"{type(model).__name__}.input_axes[{path!r}] = {axes} names {len(axes)} axes "
+                f"{original_class(type(model)).__name__}.input_axes[{path!r}] = {axes} names {len(axes)} axes "
                 f"for an input of {ndim} dims: give one logical axis (or None) per dim"
             )
         return axes

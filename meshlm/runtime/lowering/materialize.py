@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from meshlm.core import annotate
 from meshlm.core.errors import AnnotationError, MeshlmError
 from meshlm.layout.mesh import mesh_spec
-from meshlm.runtime import main_grad
+from meshlm.runtime import hooks, main_grad
 from meshlm.runtime.absent import absent_like
 from meshlm.runtime.lowering.params import ParamPlan, iter_params, local_slice, placements
 
@@ -112,11 +112,14 @@ def materialize(
         _place_buffers(m, mname, fulls, dev, seed, placed)
         if id(m) in ends:
             after_block(ends[id(m)])
+    absents: dict[int, torch.Tensor] = {}  # one Absent per parameter, in all its slots (as one Parameter was)
     for m in model.modules(remove_duplicate=False):  # NOTE [absent values] in meshlm/runtime/absent.py
         for n, p in list(m._parameters.items()):
             if p is not None and id(p) in dropped:
+                if "_meshlm_param_order" not in m.__dict__:  # where meshlm.unshard puts them back
+                    hooks.set_attrs(m, hooks.LOWERING, _meshlm_param_order=tuple(m._parameters))
                 del m._parameters[n]
-                setattr(m, n, absent_like(p))
+                hooks.set_attrs(m, hooks.LOWERING, **{n: absents.setdefault(id(p), absent_like(p))})
     for m in model.modules():  # a tied parameter's other slots hold the one sharded Parameter
         for n, p in m._parameters.items():
             if p is not None and id(p) in first and first[id(p)] != (m, n):

@@ -176,6 +176,11 @@ def needs_regather(pp: ParamPlan) -> bool:
     return False
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter gathered to a full plain tensor (every rank gets all; small models)."""
-    return {fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for fqn, _m, _n, p in iter_params(model)}
+def full_state_dict(model: nn.Module, device: Optional[torch.device] = None) -> dict[str, Tensor]:
+    """Every parameter gathered to a full plain tensor (every rank gets all; small models),
+    each moved to ``device`` as soon as it is gathered (None: left where it is)."""
+    out = {}
+    for fqn, _m, _n, p in iter_params(model):
+        t = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        out[fqn] = t if device is None else t.to(device)
+    return out

@@ -16,6 +16,7 @@ from meshlm.core.errors import LayoutError, MeshlmError
 from meshlm.layout import precision
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import Layout, load_layout
+from meshlm.runtime import hooks
 from meshlm.runtime.lowering import root
 from meshlm.runtime.lowering.atuse import UseSpec, at_use_key, make_getter, tied_getter
 from meshlm.runtime.lowering.blocks import (
@@ -108,23 +109,18 @@ def shard(
     for m, name, first, first_name in ties.aliases(model):
         by_module.setdefault(id(m), (m, {}))
         tied.setdefault(id(m), {})[name] = (first, first_name)
-    for m, uses in by_module.values():
-        m._meshlm_tied = tied.get(id(m), {})
-        m.__class__ = sharded_class(type(m), tuple(uses), False, tuple(m._meshlm_tied))
-        m._meshlm_use = uses
-        m._meshlm_now = {}
-        m._meshlm_state = st
+    for m, uses in by_module.values():  # NOTE [attachments] in meshlm/runtime/hooks.py
+        mine = tied.get(id(m), {})
+        hooks.swap_class(m, hooks.LOWERING, sharded_class(type(m), tuple(uses), False, tuple(mine)))
+        hooks.set_attrs(m, hooks.LOWERING, _meshlm_tied=mine, _meshlm_use=uses, _meshlm_now={}, _meshlm_state=st)
     for m in outer_blocks(model):
         spec = block_spec(m, st, bucket)
         if spec.key is None and not spec.regather:
             continue
-        cls = type(m)
-        base = cls.__mro__[1] if cls in _CLASSES.values() else cls
-        m.__class__ = sharded_class(
-            base, tuple(getattr(m, "_meshlm_use", {})), True, tuple(getattr(m, "_meshlm_tied", {}))
-        )
-        m._meshlm_block = spec
-        m._meshlm_state = st
+        cls = hooks.original_class(type(m))
+        cls = sharded_class(cls, tuple(getattr(m, "_meshlm_use", {})), True, tuple(getattr(m, "_meshlm_tied", {})))
+        hooks.swap_class(m, hooks.LOWERING, cls)
+        hooks.set_attrs(m, hooks.LOWERING, _meshlm_block=spec, _meshlm_state=st)
         if spec.regather and spec.key is not None:
             allow_conduit_under_checkpoint()
     for sc in layout.scopes:  # NOTE [scoped layouts] in meshlm/core/scopes.py
@@ -139,59 +135,31 @@ def shard(
     }
     st.root = root_spec(model, st) if bucket else None
     root_cls = type(model)
-    model._meshlm_orig_forward = root_cls.forward
-    model.__class__ = type(
-        root_cls.__name__, (root_cls,), {"forward": root.root_forward, "__module__": root_cls.__module__}
-    )
-    model._meshlm_state = st
+    hooks.set_attrs(model, hooks.LOWERING, _meshlm_orig_forward=root_cls.forward)
+    hooks.swap_class(model, hooks.LOWERING, hooks.derived_class(root_cls, "Sharded", {"forward": root.root_forward}))
+    hooks.set_attrs(model, hooks.LOWERING, _meshlm_state=st)
     return model
 
 
-# Sharded classes by (class, parameter names, block, tied names): classes are immutable
-# per-class things, shared by every instance and every model, so this is not per-model state.
-_CLASSES: dict[tuple[type, tuple[str, ...], bool, tuple[str, ...]], type] = {}
-
-
 def sharded_class(cls: type, names: tuple[str, ...], block: bool, tied: tuple[str, ...] = ()) -> type:
-    """One subclass per (class, parameter names), shared by every instance, so that
-    torch.compile sees the same type for every layer and compiles a block once.  ``tied``:
-    attributes that read through another module's (NOTE [ties] in ties.py)."""
-    key = (cls, names, block, tied)
-    if key not in _CLASSES:
-        attrs = {n: make_getter(n) for n in names}
-        attrs.update({n: tied_getter(n) for n in tied})
-        if block:
-            attrs["forward"] = block_forward
-        attrs["__module__"] = cls.__module__
-        attrs["__qualname__"] = cls.__qualname__
-        _CLASSES[key] = type(cls.__name__, (cls,), attrs)
-    return _CLASSES[key]
-
-
-def variant_class(cls: type, **attrs) -> type:
-    """``cls`` (a module's class after lowering) with ``attrs`` added, made as a sibling of a
-    sharded class rather than a subclass, so that the user's class stays at ``__mro__[1]``
-    (where block_forward and compile_blocks find its forward); one class per (cls, attrs)."""
-    key = (cls, tuple(sorted(attrs.items())))
-    if key not in _VARIANTS:
-        sharded = cls in _CLASSES.values()
-        base = cls.__mro__[1] if sharded else cls
-        own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")} if sharded else {}
-        own.update(__module__=cls.__module__, __qualname__=cls.__qualname__, **attrs)
-        _VARIANTS[key] = type(cls.__name__, (base,), own)
-    return _VARIANTS[key]
-
-
-_VARIANTS: dict[tuple, type] = {}  # (class, added attributes) -> variant_class's class
+    """``Sharded<cls>``: ``cls`` whose parameter attributes ``names`` are gathered at use,
+    with the block runtime's forward if ``block``; one class per (class, names, block,
+    tied), shared by every instance, so that torch.compile sees the same type for every
+    layer and compiles a block once.  ``tied``: attributes that read through another
+    module's (NOTE [ties] in ties.py).  NOTE [sharded class names] in meshlm/runtime/hooks.py."""
+    attrs = {n: make_getter(n) for n in names}
+    attrs.update({n: tied_getter(n) for n in tied})
+    if block:
+        attrs["forward"] = block_forward
+    return hooks.derived_class(cls, "Sharded", attrs, key=(names, block, tied))
 
 
 def enter_scope(m: nn.Module, outer, inner) -> None:
     """Run ``m``'s forward under the scope's constraint handler ``inner`` when it is called
     under the DTensor root's ``outer`` (a local root's handler is left as it is: there
     ``constrain`` only checks axes).  Hooks, so the module's class and forward stay its own."""
-    m._meshlm_scope = (outer, inner)
-    m.register_forward_pre_hook(_scope_in)
-    m.register_forward_hook(_scope_out, always_call=True)
+    hooks.set_attrs(m, hooks.SCOPE, _meshlm_scope=(outer, inner))
+    hooks.add_hooks(m, hooks.SCOPE, pre=_scope_in, post=_scope_out, always_call=True)
 
 
 def _scope_in(m: nn.Module, _args) -> None:

@@ -5,8 +5,9 @@ NOTE [offloaded parameters]
     shards, as the layout's ``params`` section keeps them) of every outer ``@meshlm.block``
     live on the tier except while the block runs: its forward, its backward, and its chunk
     of the optimizer step (NOTE [offloaded step] in optimizer.py).  Around each call of a
-    block (outside any compiled graph: the block's class gets a ``__call__`` that wraps
-    ``nn.Module.__call__``):
+    block (outside any compiled graph: the block's class becomes ``Offloaded<its class>``,
+    whose ``__call__`` wraps ``nn.Module.__call__``; NOTE [attachments] in
+    meshlm/runtime/hooks.py):
 
     - before its forward: its parameters are swapped in (NOTE [swapped storage] in
       store.py), and the next block's are prefetched (read in a background thread while
@@ -47,7 +48,7 @@ from meshlm import _torch_compat as compat
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.errors import ConfigError
 from meshlm.core.tree import map_tensors
-from meshlm.runtime.lowering.shard import variant_class
+from meshlm.runtime import hooks
 from meshlm.runtime.memory import local_data
 from meshlm.runtime.offload.store import Swapper, owns_storage
 
@@ -76,8 +77,9 @@ class ParamOffload:
                 raise ConfigError(f"offload.params: block {type(blk).__name__} is offloaded already")
             # a parameter moved out as the model was built (Offload.spill) is on the tier already
             self.groups.append([t for t in map(local_data, blk.parameters()) if owns_storage(t) or swapper.is_out(t)])
-            blk.__dict__[OFFLOAD_ATTR] = (self, len(self.groups) - 1)
-            blk.__class__ = variant_class(type(blk), __call__=_call)
+            hooks.set_attrs(blk, hooks.OFFLOAD, **{OFFLOAD_ATTR: (self, len(self.groups) - 1)})
+            hooks.swap_class(blk, hooks.OFFLOAD, hooks.derived_class(type(blk), "Offloaded", {"__call__": _call}))
+        self.blocks = blocks
         self._managed = {id(t) for g in self.groups for t in g}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="meshlm-prefetch") if prefetch else None
         self.prefetched = 0  # blocks whose parameters were read ahead of use
@@ -93,6 +95,20 @@ class ParamOffload:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def release(self) -> None:
+        """Every block's parameters in memory for good, forgotten by the tier (their files
+        removed), and the blocks detached: they are called as they were before (what
+        ``meshlm.unshard`` does first)."""
+        self.close()
+        for i, group in enumerate(self.groups):
+            self.swap_in(i)
+            for t in group:
+                self.swapper.forget(t)
+        self.groups = [[] for _ in self.groups]
+        self._managed = set()
+        for blk in self.blocks:
+            hooks.detach(blk, hooks.OFFLOAD)
 
     def manages(self, p: Tensor) -> bool:
         return id(local_data(p)) in self._managed

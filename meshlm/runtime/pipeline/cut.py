@@ -34,7 +34,7 @@ from torch import nn
 
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.errors import ConfigError
-from meshlm.runtime import absent
+from meshlm.runtime import absent, hooks
 
 PRE = -1  # the segment before the first block
 
@@ -111,16 +111,15 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
         at_entry[fqn] = torch.get_rng_state()
         if args and isinstance(args[0], torch.Tensor):
             shapes[fqn], dtypes[fqn] = tuple(args[0].shape), args[0].dtype
-        blk._meshlm_probe_rng = torch.get_rng_state()
 
     def leave(blk, args, kwargs, out):
         fqn = names[id(blk)]
-        draws[fqn] = not torch.equal(blk.__dict__.pop("_meshlm_probe_rng"), torch.get_rng_state())
+        draws[fqn] = not torch.equal(at_entry[fqn], torch.get_rng_state())
         first = args[0] if args else None
         same[fqn] = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and out.shape == first.shape
 
-    hooks = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
-    hooks += [b.register_forward_hook(leave, with_kwargs=True) for b in blocks]
+    for b in blocks:
+        hooks.add_hooks(b, hooks.PROBE, pre=enter, post=leave, with_kwargs=True)
     state = torch.get_rng_state()
     absent.ON_USE[0] = on_use
     try:
@@ -133,8 +132,8 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
     finally:
         absent.ON_USE[0] = None
         torch.set_rng_state(state)
-        for h in hooks:
-            h.remove()
+        for b in blocks:
+            hooks.detach(b, hooks.PROBE)
     if not order:
         raise ConfigError(
             f"pipeline parallelism: {type(shadow).__name__} calls no @meshlm.block module in its forward; stages are "

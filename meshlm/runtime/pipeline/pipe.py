@@ -66,6 +66,7 @@ from meshlm.core.errors import ConfigError, LayoutError, MeshlmError
 from meshlm.core.rng import seed_forward
 from meshlm.layout.mesh import MeshSpec, init_distributed
 from meshlm.layout.rules import Layout, is_pipelined, load_layout  # noqa: F401 (is_pipelined: meshlm.runtime.pipeline's API)
+from meshlm.runtime import hooks
 from meshlm.runtime.pipeline.cut import Cut, Probe, cut, probe
 from meshlm.runtime.pipeline.schedule import make_schedule, schedule_spec
 from meshlm.runtime.pipeline.stage import MicroBatches, StageModule, block_call
@@ -166,6 +167,27 @@ class Pipeline:
         finally:
             st.gathered = None
             st.prefetch.drain()
+
+    def from_stages(
+        self, own: dict[str, torch.Tensor], names: Sequence[Sequence[str]], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Every stage's tensors on every rank (what ``meshlm.unshard`` gathers a pipelined
+        model with): ``names[s]``, the names of stage ``s``'s tensors, are broadcast over pp
+        from the rank that holds stage ``s``, where ``own`` (name -> tensor) has them whole
+        (their shapes, dtypes and ``requires_grad`` first).  Collective over the pp group; the
+        tensors come back on ``device``."""
+        out: dict[str, torch.Tensor] = {}
+        for s, ns in enumerate(names):
+            ns = sorted(ns)
+            src = dist.get_global_rank(self.group, self.cut.ranks[s])
+            mine = self.cut.ranks[s] == self.pp_rank
+            meta = [[(tuple(own[n].shape), own[n].dtype, own[n].requires_grad) for n in ns] if mine else None]
+            dist.broadcast_object_list(meta, src=src, group=self.group, device=self.device)
+            for n, (shape, dtype, grad) in zip(ns, meta[0]):
+                t = own[n].detach().to(self.device) if mine else torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(t, src=src, group=self.group)
+                out[n] = t.to(device).requires_grad_(grad)
+        return out
 
     # ------------------------------------------------------------------ shapes
     def boundary_shape(self, block: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -387,7 +409,9 @@ def build_pipeline(
         fqn = names[id(blk)]
         skip = not pr.draws[fqn] and pr.same_shape[fqn]
         calls[fqn] = (blk, block_call(fqn, blk, shadow.get_submodule(fqn), skip, not pr.tail_draws[fqn]))
-        compat.wrap_module_call(blk, calls[fqn][1])
+        hooks.wrap_call(blk, hooks.PIPELINE, calls[fqn][1])
     mbs = MicroBatches()
     stages = [StageModule(model, s, c, calls, None, pick_loss, axes, mbs) for s in mine]
-    return Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs, regather)
+    pipe = Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs, regather)
+    hooks.set_attrs(model, hooks.PIPELINE, _meshlm_pipeline=pipe)  # what meshlm.unshard gathers over pp with
+    return pipe

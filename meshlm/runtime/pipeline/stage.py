@@ -5,7 +5,7 @@ NOTE [stage forward]
     A ``StageModule`` is what torch's ``PipelineStage`` runs.  Its forward calls the
     sharded model's own forward on the micro-batch's inputs (every rank of a stage holds
     them: pp ranks read the same examples) with a ``StageRun`` in effect, and every outer
-    block of the model is called through ``block_call`` (``wrap_module_call``: outside any
+    block of the model is called through ``block_call`` (``hooks.wrap_call``: outside any
     compiled region):
 
     - a block of this stage runs for real; on stages after the first, the stage's first
@@ -50,6 +50,7 @@ from meshlm import _torch_compat as compat
 from meshlm.core import weighting
 from meshlm.core.axes import Axes
 from meshlm.core.errors import ConfigError, MeshlmError
+from meshlm.runtime import hooks
 from meshlm.runtime.absent import absent_like, has_absent, is_absent
 
 
@@ -257,4 +258,4 @@ class StageModule(nn.Module):
         """Every outer block's call goes through block_call (again, after an in-place compile)."""
         for fqn, (blk, outer) in self._calls.items():
             if not compat.outer_call_wrapped(blk, outer):
-                compat.wrap_module_call(blk, outer)
+                hooks.wrap_call(blk, hooks.PIPELINE, outer)

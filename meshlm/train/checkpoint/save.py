@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.core.errors import CheckpointError
+from meshlm.runtime.hooks import original_class
 from meshlm.runtime.lowering.buffers import persistent as persistent_buffers
 from meshlm.train.checkpoint import runs as _runs
 from meshlm.train.checkpoint.files import (
@@ -74,9 +75,7 @@ def _tensor_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Tensor], 
 
 
 def _model_info(model: nn.Module) -> dict:
-    info: dict[str, Any] = {
-        "class": type(model).__mro__[1].__name__ if hasattr(model, "_meshlm_state") else type(model).__name__
-    }
+    info: dict[str, Any] = {"class": original_class(type(model)).__name__}  # the user's, not Sharded<...>
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
         info["config"] = cfg.to_dict()
