@@ -34,6 +34,7 @@ from torch import nn
 
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.errors import ConfigError
+from meshlm.core.state import scope
 from meshlm.runtime import absent
 
 PRE = -1  # the segment before the first block
@@ -122,16 +123,14 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
     hooks = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
     hooks += [b.register_forward_hook(leave, with_kwargs=True) for b in blocks]
     state = torch.get_rng_state()
-    absent.ON_USE[0] = on_use
     try:
-        with torch.no_grad():
+        with torch.no_grad(), scope(on_use=on_use):
             shadow(
                 *[absent.absent_like(a) for a in args], **{k: absent.absent_like(v) for k, v in (kwargs or {}).items()}
             )
         end = torch.get_rng_state()
         tail = {b: not torch.equal(s, end) for b, s in at_entry.items()}
     finally:
-        absent.ON_USE[0] = None
         torch.set_rng_state(state)
         for h in hooks:
             h.remove()
