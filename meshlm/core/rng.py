@@ -32,10 +32,10 @@ NOTE [dropout keys]
       the indices of the elements it holds: from its DTensor placements under a DTensor
       root (``_Handler``), or from its rows of the global batch on local tensors (the local
       root and local blocks, NOTE [local root] in meshlm/runtime/lowering/local_root.py, NOTE [local blocks] in
-      meshlm/runtime/bucket/__init__.py; the run state's ``rows``).  So data-parallel ranks, which hold different rows, draw
-      different masks, and the ranks of a tensor-parallel group, which hold the same
-      elements of a replicated activation, draw the same mask (Megatron's and torchtitan's
-      rules), with no per-rank generator state at all.
+      meshlm/runtime/bucket/__init__.py; the run state's ``rows``).  So data-parallel ranks,
+      which hold different rows, draw different masks, and the ranks of a tensor-parallel
+      group, which hold the same elements of a replicated activation, draw the same mask
+      (Megatron's and torchtitan's rules), with no per-rank generator state at all.
     - The hash is integer arithmetic (lowbias32, two rounds) on int64 tensors whose values
       stay below 2^50, so it never overflows and is the same on every device, dtype and
       backend.  The output is ``x * (keep * 1/(1-p))``, an ordinary autograd multiply.
@@ -209,9 +209,9 @@ def dropout_rows(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int, 
 def dropout_plain(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
     """Dropout of a plain tensor: this rank's rows if ``rows`` or a local block (the run
     state's ``rows``) says so, else whole (one device, or a plain tensor made inside a
-    DTensor root, which is replicated).  Also what ``meshlm.dropout`` does without a handler: in the recompute of a
-    local block's checkpoint in backward, outside the root's forward, the run state still
-    holds the block's rows (``on_rows``)."""
+    DTensor root, which is replicated).  Also what ``meshlm.dropout`` does without a
+    handler: in the recompute of a local block's checkpoint in backward, outside the root's
+    forward, the run state still holds the block's rows (``on_rows``)."""
     rows = rows if rows is not None else RUN.rows
     if rows is not None:
         return dropout_rows(x, p, axes, key, rows)
