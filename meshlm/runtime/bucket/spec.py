@@ -57,10 +57,10 @@ _BY_OWNER: dict[int, tuple[weakref.finalize, set[int]]] = {}  # id(owner) -> (it
 
 
 def identity(b: Bucket) -> tuple:
-    """What a bucket is without its mesh object: the mesh's device type, ranks and dim names
-    in its place (the groups' names already name its process groups)."""
-    m = b.mesh
-    mesh = (m.device_type, tuple(m.mesh.flatten().tolist()), tuple(m.mesh.shape), m.mesh_dim_names)
+    """What a bucket is without its mesh object: the mesh's device type and dim names in its
+    place (its process groups, hence its ranks, are named by ``groups``, its sizes by
+    ``sizes``).  No tensor op: the planner registers buckets under a fake tensor mode."""
+    mesh = (b.mesh.device_type, b.mesh.mesh_dim_names)
     return (mesh, *(getattr(b, f.name) for f in fields(b) if f.name != "mesh"))
 
 
