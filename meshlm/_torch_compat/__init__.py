@@ -24,7 +24,6 @@ a private torch API.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Callable, Optional
 
 import torch
@@ -160,27 +159,12 @@ def local_tensor(t) -> Tensor:
     return t._local_tensor
 
 
-# NOTE [fake eager]: a fake tensor mode usually means torch.compile is tracing, but
-# meshlm.plan's measurement (NOTE [fake measurement] in meshlm/plan/measure.py) runs the
-# eager step on fake tensors and must take the eager paths (free and re-gather, prefetch,
-# the local root) exactly as a real run does: it sets this for the step it measures.
-FAKE_IS_EAGER: ContextVar[bool] = ContextVar("meshlm_fake_is_eager", default=False)
-
-
 def local_offset(t) -> tuple[int, ...]:
     """Where the local shard of DTensor ``t`` starts in the global tensor (one offset per
     dim; the same on torch 2.11 to 2.13: ``_utils.compute_local_shape_and_global_offset``)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
-
-
-def eager() -> bool:
-    """Whether this code runs eagerly: not traced by Dynamo, nor by AOTAutograd on fake
-    tensors (fake tensors under FAKE_IS_EAGER run eagerly: NOTE [fake eager])."""
-    if torch.compiler.is_compiling():
-        return False
-    return not fake_mode_active() or FAKE_IS_EAGER.get()
 
 
 def storage_nbytes_if_alive(ref) -> int:

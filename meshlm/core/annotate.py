@@ -17,14 +17,14 @@ is the one-device mask under every layout (NOTE [dropout keys] in meshlm/core/rn
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from meshlm.core import state
 from meshlm.core.axes import Axes
+from meshlm.core.state import RUN
 
 __all__ = [
     "Axes",
@@ -39,52 +39,26 @@ __all__ = [
     "set_axes",
 ]
 
-# The active constraint handler: set by the lowering (``handling``) while a sharded module
-# runs its forward, None otherwise (then ``constrain`` is the identity).  A handler may also
-# have ``dropout(x, p, axes, key)`` and ``reduce_batch(x, op)`` methods (meshlm.core.rng.Handler);
-# without them, ``dropout`` is the one-device dropout and ``reduce_batch`` the identity.
-# A context variable, so that threads and nested forwards each see their own.
-_HANDLER: ContextVar[Optional[Callable[[Tensor, Axes], Tensor]]] = ContextVar("meshlm_handler", default=None)
-# What code traced by torch.compile reads instead: Dynamo cannot trace ContextVar.get (a
-# fullgraph block fails on it, torch 2.11 to 2.13), but it reads a module attribute and
-# guards on it, so a compiled block recompiles for another handler as it must.  ``handling``
-# keeps it equal to the context variable of the thread that sets it.
-_traced_handler: Optional[Callable[[Tensor, Axes], Tensor]] = None
-
 
 def active_handler() -> Optional[Callable[[Tensor, Axes], Tensor]]:
-    """The constraint handler in effect here, or None."""
-    return _traced_handler if torch.compiler.is_compiling() else _HANDLER.get()
-
-
-@contextmanager
-def handling(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> Iterator[None]:
-    """Make ``handler`` the constraint handler inside the block (the lowering's, not model code's)."""
-    global _traced_handler
-    token, prev = _HANDLER.set(handler), _traced_handler
-    _traced_handler = handler
-    try:
-        yield
-    finally:
-        _traced_handler = prev
-        _HANDLER.reset(token)
+    """The constraint handler in effect here, or None: the run state's ``handler`` (set by
+    the lowering while a sharded module runs its forward, ``state.scope(handler=...)``;
+    None otherwise, and then ``constrain`` is the identity).  A handler may also have
+    ``dropout(x, p, axes, key)`` and ``reduce_batch(x, op)`` methods (meshlm.core.rng.Handler);
+    without them, ``dropout`` is the one-device dropout and ``reduce_batch`` the identity.
+    Code that torch.compile traces reads it too, and recompiles for another handler (NOTE
+    [run state] in meshlm/core/state.py)."""
+    return RUN.handler
 
 
 def swap_handler(handler: Optional[Callable[[Tensor, Axes], Tensor]]) -> tuple:
     """Make ``handler`` the constraint handler until :func:`restore_handler` is given what
-    this returns (a scope's module hooks: NOTE [scoped layouts] in meshlm/core/scopes.py).
-    Inside a trace only the traced handler changes (Dynamo cannot set a ContextVar)."""
-    global _traced_handler
-    prev = _traced_handler
-    _traced_handler = handler
-    return prev, (None if torch.compiler.is_compiling() else _HANDLER.set(handler))
+    this returns (a scope's module hooks: NOTE [scoped layouts] in meshlm/core/scopes.py)."""
+    return state.swap(handler=handler)
 
 
 def restore_handler(saved: tuple) -> None:
-    global _traced_handler
-    _traced_handler, token = saved
-    if token is not None:
-        _HANDLER.reset(token)
+    state.restore(saved)
 
 
 def check_axes_count(x: Tensor, axes: Axes) -> None:

@@ -32,10 +32,10 @@ NOTE [dropout keys]
       the indices of the elements it holds: from its DTensor placements under a DTensor
       root (``_Handler``), or from its rows of the global batch on local tensors (the local
       root and local blocks, NOTE [local root] in meshlm/runtime/lowering/local_root.py, NOTE [local blocks] in
-      meshlm/runtime/bucket/__init__.py; ``_ROWS``).  So data-parallel ranks, which hold different rows, draw
-      different masks, and the ranks of a tensor-parallel group, which hold the same
-      elements of a replicated activation, draw the same mask (Megatron's and torchtitan's
-      rules), with no per-rank generator state at all.
+      meshlm/runtime/bucket/__init__.py; the run state's ``rows``).  So data-parallel ranks,
+      which hold different rows, draw different masks, and the ranks of a tensor-parallel
+      group, which hold the same elements of a replicated activation, draw the same mask
+      (Megatron's and torchtitan's rules), with no per-rank generator state at all.
     - The hash is integer arithmetic (lowbias32, two rounds) on int64 tensors whose values
       stay below 2^50, so it never overflows and is the same on every device, dtype and
       backend.  The output is ``x * (keep * 1/(1-p))``, an ordinary autograd multiply.
@@ -72,8 +72,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from meshlm.core import state
 from meshlm.core.axes import Axes
 from meshlm.core.errors import AnnotationError
+from meshlm.core.state import RUN
 
 __all__ = [
     "THRESHOLD_BITS",
@@ -205,12 +207,12 @@ def dropout_rows(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int, 
 
 
 def dropout_plain(x: Tensor, p: float, axes: Axes, key: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
-    """Dropout of a plain tensor: this rank's rows if ``rows`` or a local block (``_ROWS``)
-    says so, else whole (one device, or a plain tensor made inside a DTensor root, which is
-    replicated).  Also what ``meshlm.dropout`` does without a handler: in the recompute of a
-    local block's checkpoint in backward, outside the root's forward, ``_ROWS`` still holds
-    the block's rows (``on_rows``)."""
-    rows = rows if rows is not None else _ROWS[0]
+    """Dropout of a plain tensor: this rank's rows if ``rows`` or a local block (the run
+    state's ``rows``) says so, else whole (one device, or a plain tensor made inside a
+    DTensor root, which is replicated).  Also what ``meshlm.dropout`` does without a
+    handler: in the recompute of a local block's checkpoint in backward, outside the root's
+    forward, the run state still holds the block's rows (``on_rows``)."""
+    rows = rows if rows is not None else RUN.rows
     if rows is not None:
         return dropout_rows(x, p, axes, key, rows)
     _check_axes(x, axes)
@@ -224,23 +226,20 @@ def _check_axes(x: Tensor, axes: Axes) -> None:
         )
 
 
-# This rank's (index, count) among the ranks that split the batch while a local block runs
-# (set by lowering.blocks.run_local), else None: under a DTensor root, a plain tensor is then this
-# rank's rows, not a replicated tensor (NOTE [dropout keys]).
-_ROWS: list = [None]
-
-
 def on_rows(rows: tuple[int, int] | None, fn: Callable) -> Callable:
-    """``fn`` run with ``_ROWS`` set to ``rows``, also when torch.utils.checkpoint runs it
-    again in backward (outside the block's forward)."""
+    """``fn`` run with the run state's ``rows`` set to ``rows`` (this rank's (index, count)
+    among the ranks that split the batch while a local block runs; under a DTensor root a
+    plain tensor is then this rank's rows, not a replicated tensor: NOTE [dropout keys]),
+    also when torch.utils.checkpoint runs it again in backward (outside the block's
+    forward).  A swap and restore, not ``state.scope``: torch.compile traces this inside a
+    checkpointed block on every torch meshlm supports."""
 
     def run(*args, **kwargs):
-        prev = _ROWS[0]
-        _ROWS[0] = rows
+        saved = state.swap(rows=rows)
         try:
             return fn(*args, **kwargs)
         finally:
-            _ROWS[0] = prev
+            state.restore(saved)
 
     return run
 

@@ -139,7 +139,7 @@ def measure(
     (NOTE [planned offload] in meshlm/plan/offload.py)."""
     import torch.distributed as dist
 
-    from meshlm._torch_compat import FAKE_IS_EAGER
+    from meshlm.core import state as run_state
     from meshlm.layout.mesh import make_mesh
 
     own = not dist.is_initialized()
@@ -149,7 +149,7 @@ def measure(
             f"{dist.get_backend()} one: plan before the process group starts (layout=auto is "
             "resolved before launch), or use plan.method=formula"
         )
-    token = FAKE_IS_EAGER.set(True)  # NOTE [fake eager] in meshlm/_torch_compat
+    saved = run_state.swap(fake_eager=True)  # NOTE [fake eager] in meshlm/core/state.py
     # DTensor warns, per redistribution, about sequential all-reduces over two mesh axes
     # (a gradient Partial over dp and tp): a fact of the layout, not news to a planner's user
     log = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -178,7 +178,7 @@ def measure(
             "(meshlm train measures memory as it runs)"
         ) from None
     finally:
-        FAKE_IS_EAGER.reset(token)
+        run_state.restore(saved)
         log.setLevel(level)
         if own and dist.is_initialized():
             dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)

@@ -129,7 +129,7 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
     import torch.distributed as dist
     from torch.utils.flop_counter import FlopCounterMode
 
-    from meshlm._torch_compat import FAKE_IS_EAGER
+    from meshlm.core import state as run_state
     from meshlm.layout.mesh import init_fake
     from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
     from meshlm.runtime.comm import CommCounter
@@ -139,7 +139,7 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
 
     world = math.prod(sizes.values())
     init_fake(world, rank=r)  # pp is the innermost mesh axis: rank r has pp coordinate r, the others 0
-    token = FAKE_IS_EAGER.set(True)
+    saved = run_state.swap(fake_eager=True)  # NOTE [fake eager] in meshlm/core/state.py
     try:
         mesh, sub = pipeline_mesh(sizes)
         with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
@@ -197,7 +197,7 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
             p2p = _p2p(pipe, m)
             return memory, cc, int(flops.get_total_flops()), [sm.stage for sm in pipe.stage_modules], p2p, pipe
     finally:
-        FAKE_IS_EAGER.reset(token)
+        run_state.restore(saved)
         if dist.is_initialized():
             dist.destroy_process_group()
         compat.clear_dtensor_caches()

@@ -28,12 +28,9 @@ import torch
 from torch import Tensor
 
 from meshlm import _torch_compat as compat
+from meshlm.core.state import RUN
 
 __all__ = ["Absent", "absent_like", "has_absent", "is_absent"]
-
-# Set only while meshlm.runtime.pipeline.cut.probe runs: called with the leaves of every torch
-# function call that has an Absent argument (which parameters each segment uses).
-ON_USE: list = [None]
 
 
 class Absent(Tensor):
@@ -41,8 +38,11 @@ class Absent(Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if ON_USE[0] is not None:
-            ON_USE[0](compat.tree_leaves((args, kwargs or {})))
+        # the run state's ``on_use``, set only while meshlm.runtime.pipeline.cut.probe runs: it
+        # sees the leaves of every torch call with an Absent argument (which parameters each segment uses)
+        on_use = RUN.on_use
+        if on_use is not None:
+            on_use(compat.tree_leaves((args, kwargs or {})))
         # shapes on the meta device, outside the planner's FakeTensorMode if one is active
         with compat.outside_fake():
             a, k = compat.tree_map(_to_meta, (args, kwargs or {}))

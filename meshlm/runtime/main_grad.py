@@ -45,11 +45,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
+from meshlm.runtime import in_flight
 
 ATTR = "main_grad"
 SINK = "_meshlm_grad_sink"  # where a parameter's main gradients go instead (NOTE [offloaded gradients])
 INIT_MASTER = "_meshlm_init_master"  # the initial weights in the master's dtype and placements
-_PENDING: list = []  # (parameter, reduced gradient still in flight)
 
 
 def get(p: Tensor) -> Optional[Tensor]:
@@ -75,10 +75,9 @@ def release(p: Tensor) -> None:
 def accumulate(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
     """Add the reduced gradient ``g`` (a DTensor in the layout's ``grads`` placements) into
     ``p.main_grad`` in ``dtype`` (NOTE [main grads])."""
-    if compat.in_flight(compat.local_tensor(g)):
-        if not _PENDING:
-            compat.queue_backward_callback(_settle)
-        _PENDING.append((p, g, dtype))
+    if compat.in_flight(compat.local_tensor(g)):  # added when the backward pass ends (its model's InFlight)
+        box = in_flight.of(p)
+        box.later(box.mains, (p, g, dtype), _settle)
         return
     _add(p, g, dtype)
 
@@ -103,8 +102,8 @@ def _add(p: Tensor, g: DTensor, dtype: torch.dtype) -> None:
     compat.local_tensor(cur).add_(compat.local_tensor(g))
 
 
-def _settle() -> None:
-    pending, _PENDING[:] = list(_PENDING), []
+def _settle(box: in_flight.InFlight) -> None:
+    pending, box.mains = box.mains, []
     from meshlm._torch_compat import dtensor_ops
 
     for p, g, dtype in pending:

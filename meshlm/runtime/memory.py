@@ -29,7 +29,7 @@ def local_data(t):
 
 def where(t) -> tuple[int, int]:
     """Where ``t``'s data starts: its storage (the object, not its address: a fake tensor's
-    storage has no address, NOTE [fake eager] in meshlm/_torch_compat/__init__.py) and its offset in it.  Equal for
+    storage has no address, NOTE [fake eager] in meshlm/core/state.py) and its offset in it.  Equal for
     two tensors exactly when their data pointers are."""
     return compat.storage_key(t.untyped_storage()), t.storage_offset()
 

@@ -217,7 +217,7 @@ def _patch(monkeypatch, all_gather, reduce_scatter, all_reduce, all_reduce_inpla
 
 def data_bucket(mesh, specs, *, overlap: bool = False, seed: int = 0):
     """A local block bucket on ``mesh`` whose every dim is a data axis, of float32 members
-    ``specs`` ((storage, compute, grads, global shape) each), registered; and this rank's
+    ``specs`` ((storage, compute, grads, global shape) each), registered while ``mesh`` lives; and this rank's
     stored shards of them, random (seeded), each its global shape divided by the mesh dims
     that shard it.  Returns (key, bucket, shards)."""
     from meshlm.runtime import bucket
@@ -244,7 +244,7 @@ def data_bucket(mesh, specs, *, overlap: bool = False, seed: int = 0):
             if isinstance(pl, Shard):
                 local[pl.dim] //= sizes[i]
         shards.append(torch.randn(local, generator=gen))
-    return bucket.register(b), b, shards
+    return bucket.register(b, mesh), b, shards
 
 
 def make_periodic(model, plans, sizes) -> None:

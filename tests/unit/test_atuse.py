@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import meshlm
-from meshlm.runtime import bucket
+from meshlm.core.state import RUN
 from meshlm.runtime.comm import CommCounter
 from meshlm.runtime.lowering.atuse import _AT_USE, AtUse, at_use_key
 
@@ -72,7 +72,7 @@ def test_hsdp_gathers_over_fsdp_and_reduce_scatters_before_the_all_reduce(mesh):
     # The reduce-scatter over fsdp first, then the all-reduce over dp of the half it left.
     assert bwd == [("reduce_scatter", ("fsdp",), FULL * 4, f32), ("all_reduce", ("dp",), FULL * 4 // 2, f32)]
     assert tuple(p.grad.placements) == (R, S0) and p.grad.dtype == f32
-    assert bucket.GATHERING[0] == 0
+    assert RUN.gathering == 0
 
 
 def test_compute_in_bf16_reduce_in_float32(mesh):

@@ -36,7 +36,7 @@ import meshlm
 from harness import tolerances as tol
 from harness.simworld import Gain, fake_mesh, make_periodic, patch_replicas
 from meshlm import _torch_compat as compat
-from meshlm.core import rng
+from meshlm.core.state import RUN
 from meshlm.runtime import bucket
 from meshlm.runtime.lowering import blocks, plan_params, shard_state
 from meshlm.runtime.lowering.blocks import BlockSpec, block_spec, kept_gathers, submodule, whole_in_compute
@@ -245,9 +245,9 @@ def test_frees_only_when_eager_recording_and_not_recomputing(monkeypatch):
     monkeypatch.setattr(blocks, "EAGER_REGATHER", "recompute")
     assert not blocks._frees(_spec())
     monkeypatch.setattr(blocks, "EAGER_REGATHER", "free")
-    monkeypatch.setattr(compat, "eager", lambda: False)
+    monkeypatch.setattr(blocks, "eager", lambda: False)
     assert not blocks._frees(_spec())
-    monkeypatch.setattr(compat, "eager", lambda: True)
+    monkeypatch.setattr(blocks, "eager", lambda: True)
     monkeypatch.setattr(compat, "in_backward", lambda: True)
     assert not blocks._frees(_spec())
 
@@ -260,7 +260,7 @@ def test_kept_gathers(monkeypatch):
     assert kept_gathers(m) is None
     st.gathered = {}
     assert kept_gathers(m) is st.gathered
-    monkeypatch.setattr(compat, "eager", lambda: False)
+    monkeypatch.setattr(blocks, "eager", lambda: False)
     assert kept_gathers(m) is None  # traced code gathers at every use
 
 
@@ -448,7 +448,7 @@ def test_block_dropout_rows_in_the_local_root(monkeypatch):
     """Under the local root each rank's dropout is drawn for its rows of the global batch:
     rank 1's outputs are one device's second half."""
     ref, model, mesh = _pair(monkeypatch, "ddp", {"dp": 2}, rank=1, p=0.3)
-    seen = _spy(monkeypatch, lambda x, k: rng._ROWS[0])
+    seen = _spy(monkeypatch, lambda x, k: RUN.rows)
     torch.manual_seed(3)
     model(**_inputs())
     assert seen == [(1, 2), (1, 2)]
@@ -546,7 +546,7 @@ def test_recompute_keeps_the_rows_for_dropout(monkeypatch):
     rank's rows (NOTE [dropout keys]): checked on rank 1, in forward and in backward."""
     monkeypatch.setattr(blocks, "EAGER_REGATHER", "recompute")
     ref, model, mesh = _pair(monkeypatch, "fsdp", {"fsdp": 2}, rank=1, p=0.3)
-    seen = _spy(monkeypatch, lambda x, k: (rng._ROWS[0], compat.in_backward()))
+    seen = _spy(monkeypatch, lambda x, k: (RUN.rows, compat.in_backward()))
     torch.manual_seed(3)
     model(**_inputs()).backward()
     assert seen == [((1, 2), False)] * 2 + [((1, 2), True)] * 2

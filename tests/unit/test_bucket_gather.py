@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from harness.simworld import SimWorld, fake_mesh, locals_of, shares_storage
 from meshlm._torch_compat import torch_at_least
+from meshlm.core.state import RUN, counting
 from meshlm.runtime import bucket
 from meshlm.runtime.bucket.flat import is_sum_partial
 
@@ -69,7 +70,7 @@ def _bucket(mesh, sizes, data_dims, specs, local, compute_dtype=None, reduce_dty
         local=local,
         grad_dtype=grad_dtype,
     )
-    return bucket.register(b), b
+    return bucket.register(b, mesh), b  # held while the mesh lives
 
 
 # Data-parallel blocks (every mesh dim a data axis): FSDP, HSDP, DDP, ZeRO-1 and 2-D FSDP members.
@@ -150,7 +151,7 @@ TP_SPECS = [
 def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
     """A DTensor block's forward: each parameter a DTensor on the bucket's mesh in its compute
     placements, global shape and stride, holding its compute block; a parameter that does not
-    move is a fresh alias of its stored tensor, not that tensor.  ``GATHERING`` counts this
+    move is a fresh alias of its stored tensor, not that tensor.  The run state's ``gathering`` counts this
     gather while it runs (the re-gathering checkpoint policy reads it), on top of any other
     already running, and is back where it was after."""
     sizes = (2, 2)
@@ -164,7 +165,7 @@ def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
     world.patch(monkeypatch)
     seen = []
     real = bucket.op.gather_locals
-    monkeypatch.setattr(bucket.op, "gather_locals", lambda *a, **k: seen.append(bucket.GATHERING[0]) or real(*a, **k))
+    monkeypatch.setattr(bucket.op, "gather_locals", lambda *a, **k: seen.append(RUN.gathering) or real(*a, **k))
 
     def rank(_r, c):
         params = [
@@ -173,12 +174,9 @@ def test_gather_a_dtensor_block_to_its_compute_placements(monkeypatch):
         ]
         return params, bucket.Gather.forward(_Ctx(), key, False, *params)
 
-    bucket.GATHERING[0] += 2  # as if two other gathers were running (the ranks' threads share it)
-    try:
+    with counting("gathering", 2):  # as if two other gathers were running (the ranks' threads share it)
         results = world.run(rank)
-    finally:
-        after = bucket.GATHERING[0]
-        bucket.GATHERING[0] -= 2
+        after = RUN.gathering
     for r, (params, ys) in enumerate(results):
         c = world.coords[r]
         for j, (m, p, y) in enumerate(zip(b.members, params, ys)):

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from meshlm.core.errors import MeshlmError
 from meshlm.runtime import bucket
+from meshlm.runtime.in_flight import InFlight, own
 
 
 @pytest.fixture
@@ -66,9 +68,10 @@ def test_gather_flat_on_one_rank(group):
 @pytest.mark.parametrize("others", [True, False])
 def test_gradients_left_in_flight_are_settled_when_backward_ends(group, others):
     """NOTE [overlapped reduction]: a gradient whose reduction is still in flight when its
-    block's backward returns is queued (``op._settle_later``); when the backward pass ends
-    it is waited for and stored as a DTensor of a plain tensor, placed and shaped as it
-    was.  The others, and parameters without a gradient, are left as they are."""
+    block's backward returns is queued (``op._settle_later``) on its model's InFlight; when
+    the backward pass ends it is waited for and stored as a DTensor of a plain tensor, placed
+    and shaped as it was.  The others, and parameters without a gradient, are left as they
+    are, and another model's InFlight is never touched."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -80,6 +83,8 @@ def test_gradients_left_in_flight_are_settled_when_backward_ends(group, others):
         return torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 2), mesh, (Shard(0),), run_check=False))
 
     pending, done, none = param(), param(), param()
+    box, other = InFlight(), InFlight()
+    own((pending, done, none), box)
     values = torch.arange(8.0).view(4, 2)
     settled = dtensor_ops.wrap(values + 1, mesh, (Shard(0),), (4, 2), (2, 1))
 
@@ -97,12 +102,18 @@ def test_gradients_left_in_flight_are_settled_when_backward_ends(group, others):
             queued = (pending, done, none) if others else (pending,)
             for p in queued:
                 bucket.op._settle_later(p)
-            assert len(bucket.op._PENDING) == len(queued)  # settled at the end, not now
+            assert len(box.grads) == len(queued) and len(other) == 0  # settled at the end, not now
             return g
 
     Block.apply(torch.ones(2, requires_grad=True)).sum().backward()
-    assert bucket.op._PENDING == []
+    assert len(box) == 0 and len(other) == 0
     g = pending.grad
     assert isinstance(g, DTensor) and not _pending(g._local_tensor) and torch.equal(g._local_tensor, values)
     assert g.device_mesh is mesh and tuple(g.placements) == (Shard(0),) and g.shape == (4, 2) and g.stride() == (2, 1)
     assert done.grad is settled and none.grad is None
+
+
+def test_a_gradient_in_flight_of_a_parameter_of_no_model_is_an_error():
+    """Only a sharded model's parameters know where their gradients in flight wait."""
+    with pytest.raises(MeshlmError, match=r"shape \(4, 2\).*belongs to no sharded model"):
+        bucket.op._settle_later(torch.nn.Parameter(torch.zeros(4, 2)))

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from harness.simworld import data_bucket, fake_mesh, patch_replicas, shares_storage
 from meshlm import _torch_compat as compat
+from meshlm.core.state import RUN, counting, scope
 from meshlm.runtime import bucket
 from meshlm.runtime.bucket.prefetch import Prefetch
 
@@ -45,12 +46,12 @@ def calls(monkeypatch):
     gather = compat.all_gather_single
 
     def logged(t, dim, group):
-        log.append((bucket.GATHERING[0], compat.in_backward()))
+        log.append((RUN.gathering, compat.in_backward()))
         return gather(t, dim, group)
 
     monkeypatch.setattr(compat, "all_gather_single", logged)
     yield mesh, log
-    bucket.GATHERING[0] = 0
+    RUN.gathering = 0
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -76,7 +77,7 @@ def _math(ys, x, rows: bool):
 def _forward(key, params, x, rows, *, free, wrap="tuple", site=None):
     """One block's forward as the lowering runs it; its outputs, its gathered tensors and
     their Freed (None without freeing)."""
-    with bucket.at_site(site):
+    with scope(site=site):
         ys = bucket.gather(key, True, *params)
     freed = None
     if free:
@@ -143,7 +144,7 @@ def test_freed_after_forward_regathered_for_backward_freed_again(calls, specs, w
     got = _grads(params, x)
     assert all(torch.equal(g, r) for g, r in zip(got, ref)), [(g - r).abs().max() for g, r in zip(got, ref)]
     assert sizes() == [12, 0, 0]
-    assert bucket.GATHERING[0] == 0
+    assert RUN.gathering == 0
 
 
 def test_a_regather_restores_the_values_only_once_freed(calls):
@@ -161,10 +162,9 @@ def test_a_regather_restores_the_values_only_once_freed(calls):
     assert [y.untyped_storage().nbytes() for y in ys] == [12, 0, 0]
     assert torch.equal(ys[0], before[0]) and torch.equal(compat.local_tensor(params[0]), before[0])
     # A counter, not a flag: inside another gather it counts one more and gives it back.
-    bucket.GATHERING[0] = 1
-    freed.regather()
-    assert log == [(2, False)] and bucket.GATHERING[0] == 1
-    bucket.GATHERING[0] = 0
+    with counting("gathering"):
+        freed.regather()
+        assert log == [(2, False)] and RUN.gathering == 1
     assert all(torch.equal(y, b) for y, b in zip(ys, before))
     # Written in place without a version bump: autograd's saved views stay valid.
     assert [y._version for y in ys] == versions

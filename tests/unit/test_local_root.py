@@ -231,7 +231,7 @@ def test_dict_outputs_are_lifted_to_the_global_batch(monkeypatch, mesh_shape):
 def test_micro_batches_accumulate_and_leave_no_state_behind(monkeypatch):
     """Two forward/backward passes (gradient accumulation) sum their gradients, as on one
     device; between and after them no gathered parameter and no local-root flag is left set."""
-    from meshlm.runtime.lowering import atuse
+    from meshlm.core.state import RUN
 
     model, world = _sharded(monkeypatch, "weighted", {"dp": 2, "fsdp": 2})
     ref = _reference("weighted")
@@ -239,7 +239,7 @@ def test_micro_batches_accumulate_and_leave_no_state_behind(monkeypatch):
     for b in batches:
         ref(**_global(b, world)).backward()
         model(**b).backward()
-        assert atuse.LOCAL_ROOT[0] == 0
+        assert RUN.local_root == 0
         assert all(not getattr(m, "_meshlm_now", {}) for m in model.modules())
     refs = dict(ref.named_parameters())
     for n, p in model.named_parameters():

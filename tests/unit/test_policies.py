@@ -4,7 +4,7 @@
 A policy says, op by op, what a re-gathering block saves for backward: the matmuls and
 attention of DTensor code (not the plain-tensor kernels DTensor runs inside them), the
 activation collectives, the random draws; everything else, and anything run while a
-parameter is being gathered (``bucket.GATHERING``), is recomputed.  The local policy (plain
+parameter is being gathered (the run state's ``gathering``), is recomputed.  The local policy (plain
 tensors, one dispatch level) saves the matmuls themselves.  Then both policies run under
 ``torch.utils.checkpoint``: the gradients equal the block's without checkpointing."""
 
@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from harness.simworld import fake_mesh
 from meshlm import _torch_compat as compat
 from meshlm.core import annotate
-from meshlm.runtime import bucket
+from meshlm.core.state import RUN, counting, scope
 from meshlm.runtime.lowering import policies
 
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
@@ -31,7 +31,7 @@ def dt():
     """A DTensor argument (on a fake one-dim mesh) and a plain one."""
     mesh = fake_mesh((2,))
     yield DTensor.from_local(torch.ones(2, 2), mesh, (Replicate(),), run_check=False), torch.ones(2, 2)
-    bucket.GATHERING[0] = 0
+    RUN.gathering = 0
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -53,9 +53,9 @@ def test_the_dtensor_policy_saves_matmuls_collectives_and_draws(dt):
     ]
     for op, args, want in cases:
         assert policies.regather_policy(None, op, *args) == want, op
-    bucket.GATHERING[0] = 1  # inside a parameter's gather: everything re-runs (it is the re-gather)
-    for op, args, _want in cases:
-        assert policies.regather_policy(None, op, *args) == RECOMPUTE, op
+    with counting("gathering"):  # inside a parameter's gather: everything re-runs (it is the re-gather)
+        for op, args, _want in cases:
+            assert policies.regather_policy(None, op, *args) == RECOMPUTE, op
 
 
 def test_the_local_policy_saves_plain_matmuls_and_draws(dt):
@@ -70,9 +70,9 @@ def test_the_local_policy_saves_plain_matmuls_and_draws(dt):
     ]
     for op, args, want in cases:
         assert policies.regather_policy_local(None, op, *args) == want, op
-    bucket.GATHERING[0] = 2
-    for op, args, _want in cases:
-        assert policies.regather_policy_local(None, op, *args) == RECOMPUTE, op
+    with counting("gathering", 2):
+        for op, args, _want in cases:
+            assert policies.regather_policy_local(None, op, *args) == RECOMPUTE, op
 
 
 def test_attention_is_saved_where_torch_has_it():
@@ -111,11 +111,11 @@ def test_keep_constraints_runs_the_function_under_the_handler_it_was_made_under(
     def other(x, axes):
         return x
 
-    with annotate.handling(outer):
+    with scope(handler=outer):
         run = policies.keep_constraints(fn)
         assert run(1, b=2) == 3  # the same handler: called as it is
     assert run(3, b=4) == 7  # a recompute in backward, outside the root forward
-    with annotate.handling(other):
+    with scope(handler=other):
         assert run(5, b=6) == 11
         assert annotate.active_handler() is other  # restored after
     assert seen == [(outer, 1, 2), (outer, 3, 4), (outer, 5, 6)]

@@ -9,6 +9,7 @@ The package, each file one idea; imports flow down this list, never up:
     local.py     blocks on local rows: inputs that qualify, outputs wrapped back
     flat.py      flat collectives (many tensors, one collective per mesh dim and kind)
     spec.py      what a bucket is (Member, Bucket), the process-wide table of buckets
+                 (NOTE [process-wide tables] in meshlm/runtime/state.py)
 
 Below them only meshlm's DTensor helpers and ``meshlm._torch_compat``.  The lowering
 (``meshlm.runtime.lowering``) builds buckets and calls ``gather``; the optimizer calls
@@ -48,19 +49,17 @@ from meshlm.runtime.bucket import flat, local, op, prefetch, regather, spec
 from meshlm.runtime.bucket.flat import redistribute_flat, waited
 from meshlm.runtime.bucket.local import batch_sharded, wrap_local
 from meshlm.runtime.bucket.op import Gather, gather, settle
-from meshlm.runtime.bucket.prefetch import Prefetch, at_site
+from meshlm.runtime.bucket.prefetch import Prefetch
 from meshlm.runtime.bucket.regather import Freed, free_after, free_after_backward
-from meshlm.runtime.bucket.spec import BUCKETS, GATHERING, Bucket, Member, member, register
+from meshlm.runtime.bucket.spec import BUCKETS, Bucket, Member, member, register
 
 __all__ = [
     "BUCKETS",
-    "GATHERING",
     "Bucket",
     "Freed",
     "Gather",
     "Member",
     "Prefetch",
-    "at_site",
     "batch_sharded",
     "flat",
     "free_after",

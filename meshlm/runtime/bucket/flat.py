@@ -10,7 +10,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from meshlm import _torch_compat as compat
-from meshlm._torch_compat import dtensor_ops, eager
+from meshlm._torch_compat import dtensor_ops
+from meshlm.core.state import eager
 
 
 # --------------------------------------------------------------------------- flat collectives

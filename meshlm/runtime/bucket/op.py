@@ -8,10 +8,11 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import dtensor_ops
-from meshlm.runtime import main_grad, unused
+from meshlm.core.state import RUN, counting, eager
+from meshlm.runtime import in_flight, main_grad, unused
 from meshlm.runtime.bucket.flat import flat_moves, is_sum_partial
-from meshlm.runtime.bucket.prefetch import current_site, gather_locals
-from meshlm.runtime.bucket.spec import BUCKETS, GATHERING, grad_target
+from meshlm.runtime.bucket.prefetch import gather_locals
+from meshlm.runtime.bucket.spec import BUCKETS, grad_target
 
 
 class Gather(torch.autograd.Function):
@@ -24,12 +25,11 @@ class Gather(torch.autograd.Function):
         ctx.key, ctx.local, ctx.params = key, local, params
         # NOTE [unused parameters] in meshlm/runtime/unused.py: an output nothing used gets None, not zeros
         ctx.set_materialize_grads(False)
-        GATHERING[0] += 1
-        try:
+        with counting("gathering"):
             # A gather issued ahead for this block is taken whatever the block (a pipeline step
             # issues its stages' at its start: NOTE [stage gathers ahead] in pipeline/pipe.py);
             # the next block's is issued here only under overlap, for local blocks (NOTE [prefetch]).
-            site = current_site() if compat.eager() else None
+            site = RUN.site if eager() else None
             xs = gather_locals(b, params, site, neighbour=b.overlap and local)
             out = []
             for x, p, m in zip(xs, params, b.members):
@@ -40,8 +40,6 @@ class Gather(torch.autograd.Function):
             # with zeros of its local shape (every rank packs the same flat collective)
             ctx.fill = [(tuple(x.shape), x.dtype, x.device) for x in xs] if local and max(b.sizes) > 1 else None
             return tuple(out)
-        finally:
-            GATHERING[0] -= 1
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -119,20 +117,16 @@ class Gather(torch.autograd.Function):
 #     same cores, and measured on a 2-core machine with 4 ranks (llama_small, seq 128) overlap
 #     made the backward slower (ddp 0.430 s against 0.399 s; benchmarks/step_phases.py
 #     --overlap both, docs/benchmarks.md).
-# The parameters whose gradient is still in flight in this backward pass: drained by the
-# engine callback at its end, so it holds nothing between passes (a dynamic scope, not
-# per-model state).
-_PENDING: list = []
-
-
+# The parameters whose gradient is still in flight wait on their model's InFlight
+# (meshlm/runtime/in_flight.py), which the backward pass's end drains.
 def _settle_later(param) -> None:
-    if not _PENDING:
-        compat.queue_backward_callback(settle)
-    _PENDING.append(param)
+    box = in_flight.of(param)
+    box.later(box.grads, param, settle)
 
 
-def settle() -> None:
-    pending, _PENDING[:] = list(_PENDING), []
+def settle(box: in_flight.InFlight) -> None:
+    """Wait for the gradients ``box`` holds and store them as plain-tensor DTensors."""
+    pending, box.grads = box.grads, []
     for p in pending:
         g = p.grad
         if isinstance(g, DTensor) and compat.in_flight(compat.local_tensor(g)):

@@ -14,14 +14,13 @@ NOTE [prefetch]
     the next block's; recompute: the previous one's) would shift it.
     The blocks' order and the gathers in flight are the model's (``Prefetch``, owned by its
     ShardState), named by the block's position in forward order; the lowering says which
-    model and block a gather belongs to with ``at_site`` (eager code only).
+    model and block a gather belongs to with the run state's ``site`` (``scope(site=...)``,
+    NOTE [run state] in meshlm/core/state.py; eager code only).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -89,25 +88,8 @@ class Prefetch:
         self.inflight.clear()
 
 
-Site = Optional[tuple[Prefetch, int]]  # (the model's Prefetch, the block's position), None: no prefetch
-
-# The site of the gather about to run (set in eager code only: Dynamo does not trace
-# context variables, and traced code never prefetches).
-_SITE: ContextVar[Site] = ContextVar("meshlm_prefetch_site", default=None)
-
-
-@contextmanager
-def at_site(site: Site) -> Iterator[None]:
-    """Gathers issued inside belong to block ``site`` (NOTE [prefetch])."""
-    token = _SITE.set(site)
-    try:
-        yield
-    finally:
-        _SITE.reset(token)
-
-
-def current_site() -> Site:
-    return _SITE.get()
+# (the model's Prefetch, the block's position), None: no prefetch; the run state's ``site``
+Site = Optional[tuple[Prefetch, int]]
 
 
 def _stamp(params) -> tuple:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from meshlm import _torch_compat as compat
+from meshlm.core.state import counting, eager
 from meshlm.runtime.bucket.prefetch import Site, gather_locals
-from meshlm.runtime.bucket.spec import BUCKETS, GATHERING
+from meshlm.runtime.bucket.spec import BUCKETS
 
 
 # NOTE [free and re-gather]
@@ -52,18 +54,14 @@ class Freed:
             return
         self.freed = False
         b = BUCKETS[self.key]
-        GATHERING[0] += 1
-        try:
-            with torch.no_grad():
-                site = self.site if b.overlap and self.local and compat.eager() else None
-                ys = gather_locals(b, self.params, site)
-                for st, n, xs in self.slots.values():
-                    st.resize_(n)
-                    for j, x in xs:
-                        with compat.unsafe_preserve_version_counter(x):
-                            x.copy_(ys[j])
-        finally:
-            GATHERING[0] -= 1
+        with counting("gathering"), torch.no_grad():
+            site = self.site if b.overlap and self.local and eager() else None
+            ys = gather_locals(b, self.params, site)
+            for st, n, xs in self.slots.values():
+                st.resize_(n)
+                for j, x in xs:
+                    with compat.unsafe_preserve_version_counter(x):
+                        x.copy_(ys[j])
 
 
 class _Regather(torch.autograd.Function):
@@ -89,7 +87,19 @@ def free_after_backward(freed: Freed, gathered) -> None:
     benchmarks/memory_floor.py on 4 blocks)."""
     node = getattr(gathered[0], "grad_fn", None) if len(gathered) else None
     if node is not None and freed.slots:
-        node.register_hook(lambda _grad_inputs, _grad_outputs: freed.free())
+        # Weakly: ``freed`` holds the gathered tensors, whose grad_fn is this node, so a
+        # strong reference from the node's hook would be a cycle through C++ that the
+        # garbage collector cannot see, keeping the block, and through the prefetch site
+        # its whole model, alive after the model is deleted (tests/unit/test_run_state.py).
+        # ``_Regather``'s node holds ``freed`` for as long as this backward can run.
+        ref = weakref.ref(freed)
+
+        def free_again(_grad_inputs, _grad_outputs) -> None:
+            f = ref()
+            if f is not None:
+                f.free()
+
+        node.register_hook(free_again)
 
 
 def free_after(freed: Freed, out):

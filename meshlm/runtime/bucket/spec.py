@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -40,33 +41,76 @@ class Bucket:
     grad_dtype: Optional[torch.dtype] = None  # NOTE [main grads] in main_grad.py: where it differs from a member's
 
 
-# Buckets are referred to by index from traced code (an int is a constant to torch.compile).
-# A process-wide table, not per-model state: a Bucket is an immutable value interned by
-# content (``register``), so that every layer of a block class, and equal models on the same
-# ranks, share one index and one compiled graph.  It holds no tensor and nothing that
-# changes; what changes per model (the blocks' order, prefetches in flight, counters) lives
-# on the model's ShardState (``Prefetch``).
-BUCKETS: list[Bucket] = []
+# Buckets are referred to by index from traced code (an int is a constant to torch.compile):
+# a process-wide table (NOTE [process-wide tables] in meshlm/runtime/state.py), a plain list
+# so that traced code reads it as it reads any global.  A Bucket is an immutable value
+# interned by content (``register``), so that every layer of a block class, and equal models
+# on the same ranks, share one index and one compiled graph; what changes per model (the
+# blocks' order, prefetches in flight, counters) lives on the model's ShardState
+# (``Prefetch``).  A slot holds its bucket while a model that registered it lives, and None
+# after: the bucket's mesh (and its process groups) go with the last such model, while the
+# index stays reserved for an equal bucket, which takes the same slot again.
+BUCKETS: list[Optional[Bucket]] = []
+_OWNERS: list[int] = []  # per slot: how many live models registered it
+_FREE: dict[tuple, list[int]] = {}  # identity (nothing of a model) -> empty slots it may take again
+_BY_OWNER: dict[int, tuple[weakref.finalize, set[int]]] = {}  # id(owner) -> (its finalizer, the slots it holds)
 
 
-def register(bucket: Bucket) -> int:
-    """The index of ``bucket``; equal buckets (every layer of a block class) share one, so
-    that a compiled block graph does not specialise on the layer.  Equal meshes (another
-    model on the same ranks) share one too: DTensor's sharding-propagation cache already
-    hands one model's DTensors the mesh object of another model's equal mesh, and a bucket
-    on a third object would make compiled blocks see two meshes and compile twice."""
-    for k, b in enumerate(BUCKETS):
-        if b == bucket:
-            return k
-    BUCKETS.append(bucket)
-    return len(BUCKETS) - 1
+def identity(b: Bucket) -> tuple:
+    """What a bucket is without its mesh object: the mesh's device type and dim names in its
+    place (its process groups, hence its ranks, are named by ``groups``, its sizes by
+    ``sizes``).  No tensor op: the planner registers buckets under a fake tensor mode."""
+    mesh = (b.mesh.device_type, b.mesh.mesh_dim_names)
+    return (mesh, *(getattr(b, f.name) for f in fields(b) if f.name != "mesh"))
+
+
+def register(bucket: Bucket, owner: object) -> int:
+    """The index of ``bucket``, held while ``owner`` (the model's ShardState) lives; equal
+    buckets (every layer of a block class) share one, so that a compiled block graph does
+    not specialise on the layer.  Equal meshes (another model on the same ranks) share one
+    too: DTensor's sharding-propagation cache already hands one model's DTensors the mesh
+    object of another model's equal mesh, and a bucket on a third object would make
+    compiled blocks see two meshes and compile twice."""
+    k = next((k for k, b in enumerate(BUCKETS) if b is not None and b == bucket), None)
+    if k is None:
+        free = _FREE.get(identity(bucket))
+        if free:
+            k = free.pop()
+            BUCKETS[k] = bucket
+        else:
+            BUCKETS.append(bucket)
+            _OWNERS.append(0)
+            k = len(BUCKETS) - 1
+    held = _BY_OWNER.get(id(owner))
+    if held is None:
+        held = _BY_OWNER[id(owner)] = (weakref.finalize(owner, _release, id(owner)), set())
+    if k not in held[1]:
+        held[1].add(k)
+        _OWNERS[k] += 1
+    return k
+
+
+def _release(owner_id: int) -> None:
+    """``owner`` was collected: empty the slots no live model holds any more."""
+    _fin, slots = _BY_OWNER.pop(owner_id, (None, ()))
+    for k in slots:
+        _OWNERS[k] -= 1
+        b = BUCKETS[k]
+        if _OWNERS[k] == 0 and b is not None:
+            BUCKETS[k] = None
+            _FREE.setdefault(identity(b), []).append(k)
 
 
 def clear_registry() -> None:
     """Forget every bucket.  Only for when no lowered model is alive and nothing compiled
     refers to an index (``torch._dynamo.reset()`` first): the test harness between modules,
     where the buckets' meshes would otherwise keep every process group they made alive."""
+    for fin, _slots in _BY_OWNER.values():
+        fin.detach()
     BUCKETS.clear()
+    _OWNERS.clear()
+    _FREE.clear()
+    _BY_OWNER.clear()
 
 
 def member(
@@ -105,9 +149,3 @@ def grad_target(m: Member, pls: list) -> tuple[Placement, ...]:
     if m.grads is not None:
         return m.grads
     return tuple(pl if pl.is_partial() else sp for pl, sp in zip(pls, m.storage))
-
-
-# > 0 while a bucket or an at-use parameter gathers (the re-gathering checkpoint policy,
-# meshlm/runtime/lowering/policies.py, recomputes the ops run meanwhile).  A dynamic scope, not
-# per-model state: it says what the code running now is doing, whichever model it is.
-GATHERING = [0]

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Placement, Shard
 
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import dtensor_ops
+from meshlm.core.state import RUN, counting, eager
 from meshlm.runtime import bucket, main_grad
 
 
@@ -34,17 +35,13 @@ class AtUse(torch.autograd.Function):
         ctx.reduce_dtype = reduce_dtype
         # NOTE [main grads] in main_grad.py: the reduced gradient goes to p.main_grad
         ctx.main = (p, grad_dtype) if grad_dtype is not None and grad_dtype != p.dtype else None
-        bucket.GATHERING[0] += int(regather)
-        try:
+        with counting("gathering", int(regather)):
             x = p if dtype is None or p.dtype == dtype else p.to(dtype)
             if tuple(x.placements) != tuple(compute):
                 x = x.redistribute(p.device_mesh, compute)
                 if regather:
                     x = dtensor_ops.waited(x)
-            x = x.view_as(x) if x is p else x
-        finally:
-            bucket.GATHERING[0] -= int(regather)
-        return x
+            return x.view_as(x) if x is p else x
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
@@ -73,11 +70,11 @@ class AtUse(torch.autograd.Function):
 # What each at-use parameter does (compute, grads, dtype, reduce_dtype, regather, grad_dtype), by key:
 # ``at_use`` takes the key, not the placements, because torch 2.11's Dynamo cannot pass
 # Placement objects into an allow_in_graph function ("Missing as_proxy()"); an int it can.
+# A process-wide table (NOTE [process-wide tables] in meshlm/runtime/state.py) of immutable
+# tuples of placements and dtypes interned by content: equal parameters of every layer and
+# every model share a key, so compiled blocks do not specialise on them.
 _AT_USE: list[tuple] = []
 _AT_USE_KEYS: dict[tuple, int] = {}
-# A process-wide table of immutable tuples interned by content (equal parameters of every
-# layer and every model share a key, so compiled blocks do not specialise on them), not
-# per-model state.
 
 
 def at_use_key(compute, grads, dtype, reduce_dtype, regather, grad_dtype=None) -> int:
@@ -106,9 +103,6 @@ class UseSpec:
     local_key: Optional[int] = None  # NOTE [local root]: its one-member bucket, gathered at use
 
 
-LOCAL_ROOT = [0]  # > 0 while a root runs on local tensors (NOTE [local root] in meshlm/runtime/lowering/local_root.py)
-
-
 def make_getter(name: str):
     def get(self):
         now = self._meshlm_now
@@ -116,15 +110,16 @@ def make_getter(name: str):
             return now[name]
         p = self._parameters[name]
         use = self._meshlm_use[name]
-        kept = self._meshlm_state.gathered if compat.eager() else None  # NOTE [gathered once per step]
-        if kept is not None and (id(self), name, LOCAL_ROOT[0] > 0) in kept:
-            return kept[(id(self), name, LOCAL_ROOT[0] > 0)]
-        if LOCAL_ROOT[0] and use.local_key is not None:  # NOTE [local root]
+        kept = self._meshlm_state.gathered if eager() else None  # NOTE [gathered once per step]
+        local_root = RUN.local_root > 0  # NOTE [local root]
+        if kept is not None and (id(self), name, local_root) in kept:
+            return kept[(id(self), name, local_root)]
+        if local_root and use.local_key is not None:
             x = bucket.gather(use.local_key, True, p)[0]
         else:
             x = at_use(p, use.key)
         if kept is not None:
-            kept[(id(self), name, LOCAL_ROOT[0] > 0)] = x
+            kept[(id(self), name, local_root)] = x
         return x
 
     return property(get)

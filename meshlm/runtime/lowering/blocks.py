@@ -20,8 +20,8 @@ from meshlm import _torch_compat as compat
 from meshlm.core import rng
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.axes import DATA_AXES
+from meshlm.core.state import RUN, eager, scope
 from meshlm.runtime import bucket, hooks
-from meshlm.runtime.lowering import atuse
 from meshlm.runtime.lowering.params import pure_data_parallel
 from meshlm.runtime.lowering.policies import keep_constraints, regather_context, regather_context_local
 from meshlm.runtime.lowering.state import ShardState
@@ -47,7 +47,7 @@ class BlockSpec:
 def kept_gathers(m: nn.Module) -> Optional[dict]:
     """Where ``m``'s gathered parameters are kept through a pipeline step (NOTE [gathered
     once per step] in meshlm/runtime/pipeline/pipe.py; eager code only), else None."""
-    if not compat.eager():
+    if not eager():
         return None
     st = m.__dict__.get("_meshlm_state")
     return None if st is None else st.gathered
@@ -62,7 +62,7 @@ def _frees(spec: BlockSpec) -> bool:
         and spec.key is not None
         and EAGER_REGATHER == "free"
         and torch.is_grad_enabled()
-        and compat.eager()
+        and eager()
         and not compat.in_backward()
     )
 
@@ -73,16 +73,12 @@ def block_forward(self, *args, **kwargs):
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
     # Plain tensors in (or none, called inside the local root): the root runs on local rows
     # (NOTE [local root]), and so does the block.
-    plain = (
-        spec.local
-        and (len(tensors) > 0 or atuse.LOCAL_ROOT[0] > 0)
-        and not any(isinstance(a, DTensor) for a in tensors)
-    )
+    plain = spec.local and (len(tensors) > 0 or RUN.local_root > 0) and not any(isinstance(a, DTensor) for a in tensors)
     local = plain or (spec.local and len(tensors) > 0 and all(bucket.batch_sharded(a, b.sizes) for a in tensors))
     # Under train's activation checkpointing (eager), that checkpoint already recomputes
     # the block, its gathers included, in backward: the block neither frees nor nests a
     # checkpoint of its own.
-    outer = getattr(self, "_meshlm_outer_checkpoint", False) and compat.eager()
+    outer = getattr(self, "_meshlm_outer_checkpoint", False) and eager()
     # Parameters kept gathered through a pipeline step (NOTE [gathered once per step] in
     # meshlm/runtime/pipeline/pipe.py): no freeing and no re-gathering checkpoint either.
     outer = outer or kept_gathers(self) is not None
@@ -146,10 +142,10 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     gathered = None if kept is None else kept.get(id(self))
     if gathered is not None:
         pass  # NOTE [gathered once per step] in meshlm/runtime/pipeline/pipe.py: an earlier micro-batch's
-    elif compat.eager():  # NOTE [prefetch]: which model's block this is (eager code only)
+    elif eager():  # NOTE [prefetch]: which model's block this is (eager code only)
         pos = self.__dict__.get("_meshlm_pos")
         site = None if pos is None else (self._meshlm_state.prefetch, pos)
-        with bucket.at_site(site):
+        with scope(site=site):
             gathered = bucket.gather(spec.key, local, *params)
     else:
         gathered = bucket.gather(spec.key, local, *params)
@@ -167,7 +163,7 @@ def _run_block(self, local: bool, *args, _keep: Optional[list] = None, **kwargs)
     # the reduction in its backward stay eager.
     body = self.__dict__.get("_meshlm_body") if local else None
     try:
-        if body is not None and compat.eager():
+        if body is not None and eager():
             return body(self, *args, **kwargs)
         return base(self, *args, **kwargs)
     finally:
@@ -210,8 +206,8 @@ def submodule(m: nn.Module, path: str) -> nn.Module:
 
 
 # One BlockSpec object per distinct content, shared by every layer of a block class, so the
-# compiled graph of a block does not specialise on which layer it runs.
-# An interning table of immutable values, process-wide like the buckets (meshlm/runtime/bucket/spec.py).
+# compiled graph of a block does not specialise on which layer it runs.  A process-wide
+# interning table of immutable values (NOTE [process-wide tables] in meshlm/runtime/state.py).
 _SPECS: dict[BlockSpec, BlockSpec] = {}
 
 
@@ -259,7 +255,8 @@ def register_bucket(st: ShardState, members: Sequence[bucket.Member], local: boo
             local,
             st.overlap,
             st.grad_dtype,
-        )
+        ),
+        st,  # the bucket's slot holds it while this model lives
     )
 
 

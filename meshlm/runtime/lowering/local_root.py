@@ -51,9 +51,9 @@ from meshlm import _torch_compat as compat
 from meshlm.core import annotate, rng, tree, weighting
 from meshlm.core.axes import DATA_AXES, Axes
 from meshlm.core.errors import AnnotationError
+from meshlm.core.state import counting, eager, scope
 from meshlm.runtime import bucket
 from meshlm.runtime.absent import Absent
-from meshlm.runtime.lowering import atuse
 from meshlm.runtime.lowering.blocks import outer_blocks, register_bucket, submodule, whole_in_compute
 from meshlm.runtime.lowering.inputs import input_axes, set_arguments
 from meshlm.runtime.lowering.params import pure_data_parallel
@@ -174,12 +174,11 @@ def local_root_forward(self, st, orig, bound, inputs, rows_and_pl):
     set_arguments(bound, tree.map_tensors(inputs, lambda _p, t: t if t.device.type == dev else t.to(dev)))
     mods = [submodule(self, path) for path, _n in spec.entries]
     handler = spec.constrain
-    atuse.LOCAL_ROOT[0] += 1
     try:
-        with annotate.handling(handler):
+        with counting("local_root"), scope(handler=handler):
             if spec.key is not None:
                 params = [m._parameters[n] for m, (_p, n) in zip(mods, spec.entries)]
-                kept = st.gathered if compat.eager() else None  # NOTE [gathered once per step]
+                kept = st.gathered if eager() else None  # NOTE [gathered once per step]
                 ts = kept.get("root") if kept is not None else None
                 if ts is None:
                     ts = bucket.gather(spec.key, True, *params)
@@ -195,7 +194,6 @@ def local_root_forward(self, st, orig, bound, inputs, rows_and_pl):
     finally:
         for m, (_p, n) in zip(mods, spec.entries):
             m._meshlm_now.pop(n, None)
-        atuse.LOCAL_ROOT[0] -= 1
         handler.seen.clear()
 
 

@@ -8,8 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshlm import _torch_compat as compat
-from meshlm.core import annotate
-from meshlm.runtime import bucket
+from meshlm.core.state import RUN, scope
 
 
 # NOTE [re-gather in backward]
@@ -17,7 +16,7 @@ from meshlm.runtime import bucket
 #     backward.  Autograd would instead keep the gathered tensor alive (F.linear saves its
 #     weight), which is ZeRO-2's memory.  So each block whose parameters are gathered over a
 #     data axis runs under selective activation checkpointing: every op's output is saved as
-#     usual except the ops of those gathers (counted in ``bucket.GATHERING`` while ``AtUse``
+#     usual except the ops of those gathers (counted in the run state's ``gathering`` while ``AtUse``
 #     gathers), which are recomputed, i.e. re-gathered, in backward.  It works the same in
 #     eager mode and under torch.compile (SimpleFSDP's approach).  A block whose parameters
 #     are bucketed (NOTE [block buckets] in meshlm/runtime/bucket/__init__.py) gathers them all in one op at its
@@ -30,9 +29,7 @@ from meshlm.runtime import bucket
 #     block under train's activation checkpointing is re-gathered by that checkpoint's
 #     recompute alone.
 def regather_policy(ctx, op, *args, **kwargs):
-    if not bucket.GATHERING[0] and (
-        (op in SAVED_OPS and _has_dtensor(args)) or op in SAVED_COLLECTIVES or is_random(op)
-    ):
+    if not RUN.gathering and ((op in SAVED_OPS and _has_dtensor(args)) or op in SAVED_COLLECTIVES or is_random(op)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -68,7 +65,7 @@ for _name in (
 # same bytes as without checkpointing (torchtitan's selective policy also keeps its
 # reduce-scatters).  These are plain-tensor ops that run nothing inside, so saving them
 # cannot shift the recompute's op counts (above).  The parameter gathers are not saved
-# (``bucket.GATHERING``): re-running them is the point.
+# (the run state's ``gathering``): re-running them is the point.
 SAVED_COLLECTIVES = {
     getattr(compat.c10d_functional, _name).default
     for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "wait_tensor")
@@ -89,7 +86,7 @@ def regather_policy_local(ctx, op, *args, **kwargs):
     """The selective policy of a compiled local block (NOTE [local blocks] in meshlm/runtime/bucket/__init__.py):
     plain tensors only, one dispatch level, so matmul and attention outputs are saved as
     they are."""
-    if not bucket.GATHERING[0] and (op in SAVED_OPS or is_random(op)):
+    if not RUN.gathering and (op in SAVED_OPS or is_random(op)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -108,12 +105,12 @@ def keep_constraints(fn):
     Without it, the recompute sees ``constrain`` as the identity: a Partial attention
     output stays Partial into the MLP, so the saved inputs differ from forward's and the
     weight gradients come out Partial over tp at full size (extra reduce-scatters)."""
-    handler = annotate.active_handler()
+    handler = RUN.handler
 
     def run(*args, **kwargs):
-        if annotate.active_handler() is handler:
+        if RUN.handler is handler:
             return fn(*args, **kwargs)
-        with annotate.handling(handler):
+        with scope(handler=handler):
             return fn(*args, **kwargs)
 
     return run

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from meshlm import _torch_compat as compat
 from meshlm._torch_compat import dtensor_ops
-from meshlm.core import annotate, tree, weighting
+from meshlm.core import tree, weighting
+from meshlm.core.state import eager, scope
 from meshlm.runtime.lowering import buffers
 from meshlm.runtime.lowering.inputs import arguments, input_axes, set_arguments, wrap_input
 from meshlm.runtime.lowering.local_root import local_root_forward, local_rows
@@ -43,7 +43,7 @@ def _root_forward(self, st, *args, **kwargs):
     bound = inspect.signature(orig).bind(self, *args, **kwargs)
     inputs = arguments(bound)
     leaves = tree.tensor_leaves(inputs)  # raises for tensors meshlm cannot see
-    if st.root is not None and torch.is_grad_enabled() and compat.eager():
+    if st.root is not None and torch.is_grad_enabled() and eager():
         rows = local_rows(self, st, leaves)
         if rows is not None:
             st.local_now = True
@@ -59,7 +59,7 @@ def _root_forward(self, st, *args, **kwargs):
     dtensor_ops.ensure_installed()
     dtensor_ops.allow_implicit_replication()
     local_mods = st.local_block_modules if st.has_buffers else set()
-    with annotate.handling(st.handler), buffers.replicated(self, st.mesh, local_mods):  # NOTE [buffers]
+    with scope(handler=st.handler), buffers.replicated(self, st.mesh, local_mods):  # NOTE [buffers]
         out = orig(*bound.args, **bound.kwargs)
     # a 0-d DTensor (a loss) is whole: hand it back as a plain tensor, wherever it is, with
     # its weight (NOTE [token weighting] in meshlm/core/weighting.py)

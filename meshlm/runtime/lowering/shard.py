@@ -16,7 +16,7 @@ from meshlm.core.errors import LayoutError, MeshlmError
 from meshlm.layout import precision
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import Layout, load_layout
-from meshlm.runtime import hooks
+from meshlm.runtime import hooks, in_flight
 from meshlm.runtime.lowering import root
 from meshlm.runtime.lowering.atuse import UseSpec, at_use_key, make_getter, tied_getter
 from meshlm.runtime.lowering.blocks import (
@@ -95,6 +95,7 @@ def shard(
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype, vocab=frozenset(vocabulary(model)))
     st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
+    in_flight.own(model.parameters(), st.in_flight)
     by_module: dict[int, tuple[nn.Module, dict[str, UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):
         pp = plans[fqn]

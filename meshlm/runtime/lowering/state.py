@@ -19,6 +19,7 @@ from meshlm.core.errors import MeshlmError
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import INPUT_MESH_AXES, DimPlan, Layout, resolve
 from meshlm.runtime.bucket import Prefetch
+from meshlm.runtime.in_flight import InFlight
 from meshlm.runtime.lowering.params import ParamPlan, placements
 
 
@@ -45,6 +46,8 @@ class ShardState:
     vocab: frozenset = frozenset()  # the model's logical axes (NOTE [open vocabulary] in axes.py)
     # the blocks' order and gathers in flight (NOTE [prefetch] in meshlm/runtime/bucket/prefetch.py)
     prefetch: Prefetch = field(default_factory=Prefetch)
+    # gradient reductions left in flight in the backward pass running now (NOTE [overlapped reduction])
+    in_flight: InFlight = field(default_factory=InFlight)
     # root forwards run on local tensors / under DTensor (NOTE [local root] in meshlm/runtime/lowering/local_root.py)
     roots: dict[str, int] = field(default_factory=lambda: {"local": 0, "dtensor": 0})
     local_now: bool = False  # the root forward running now runs on local tensors (a pipeline stage reads it)

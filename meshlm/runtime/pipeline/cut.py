@@ -34,6 +34,7 @@ from torch import nn
 
 from meshlm.core.annotate import outer_blocks
 from meshlm.core.errors import ConfigError
+from meshlm.core.state import scope
 from meshlm.runtime import absent, hooks
 
 PRE = -1  # the segment before the first block
@@ -121,16 +122,14 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
     for b in blocks:
         hooks.add_hooks(b, hooks.PROBE, pre=enter, post=leave, with_kwargs=True)
     state = torch.get_rng_state()
-    absent.ON_USE[0] = on_use
     try:
-        with torch.no_grad():
+        with torch.no_grad(), scope(on_use=on_use):
             shadow(
                 *[absent.absent_like(a) for a in args], **{k: absent.absent_like(v) for k, v in (kwargs or {}).items()}
             )
         end = torch.get_rng_state()
         tail = {b: not torch.equal(s, end) for b, s in at_entry.items()}
     finally:
-        absent.ON_USE[0] = None
         torch.set_rng_state(state)
         for b in blocks:
             hooks.detach(b, hooks.PROBE)

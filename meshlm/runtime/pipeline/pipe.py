@@ -64,6 +64,7 @@ from meshlm.core.annotate import outer_blocks
 from meshlm.core.axes import MESH_AXES, Axes
 from meshlm.core.errors import ConfigError, LayoutError, MeshlmError
 from meshlm.core.rng import seed_forward
+from meshlm.core.state import eager
 from meshlm.layout.mesh import MeshSpec, init_distributed
 from meshlm.layout.rules import Layout, is_pipelined, load_layout  # noqa: F401 (is_pipelined: meshlm.runtime.pipeline's API)
 from meshlm.runtime import hooks
@@ -159,7 +160,7 @@ class Pipeline:
         block's gather issued on entry (NOTE [stage gathers ahead])."""
         st = self.model._meshlm_state
         st.gathered = {} if self.keep_gathered else None
-        if self.keep_gathered and compat.eager():
+        if self.keep_gathered and eager():
             for pos in range(len(st.prefetch.order)):
                 st.prefetch.issue(pos)
         try:

@@ -38,7 +38,6 @@ NOTE [stage forward]
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -50,6 +49,7 @@ from meshlm import _torch_compat as compat
 from meshlm.core import weighting
 from meshlm.core.axes import Axes
 from meshlm.core.errors import ConfigError, MeshlmError
+from meshlm.core.state import RUN, scope
 from meshlm.runtime import hooks
 from meshlm.runtime.absent import absent_like, has_absent, is_absent
 
@@ -66,9 +66,6 @@ class StageRun:
     state: Any  # the model's ShardState
     axes: Axes  # logical axes of a hidden state at a boundary
     output: Optional[Tensor] = None  # what this stage sends
-
-
-_RUN: ContextVar[Optional[StageRun]] = ContextVar("meshlm_stage_run", default=None)
 
 
 def _absent_args(args, kwargs) -> list[str]:
@@ -89,7 +86,7 @@ def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool, stop: bool
     generator draw from there on)."""
 
     def call(inner, *args, **kwargs):
-        run = _RUN.get()
+        run = RUN.stage  # the stage forward running now (StageModule.forward), None: none
         if run is None:
             return inner(*args, **kwargs)
         if fqn == run.boundary:
@@ -225,14 +222,13 @@ class StageModule(nn.Module):
         with compat.outside_fake():  # generator states are real tensors, also in the planner's fake step
             state = torch.get_rng_state()
             torch.set_rng_state(self._rng if self.mbs.starts is None else self.mbs.starts[m])
-        token = _RUN.set(run)
         out = None
         try:
-            out = self._model(*args, **kwargs)
+            with scope(stage=run):
+                out = self._model(*args, **kwargs)
         except _StageDone:
             pass  # this stage's output is captured; nothing after it draws a key
         finally:
-            _RUN.reset(token)
             with compat.outside_fake():
                 self._rng = torch.get_rng_state()
                 torch.set_rng_state(state)
