@@ -1,0 +1,230 @@
+"""``meshlm diff`` (meshlm/app/diff.py, meshlm/train/diff/): one training step of llama_tiny
+under two configurations, compared tensor by tensor.
+
+The sides run on this module's gloo pools (``diff(..., run_side=...)``: a side of N devices on
+the pool of N workers), which is how the tests inject a bug into one side only: each bug is
+a patch of the runtime (or of the model) made inside the workers of that side for the length
+of its step (``_injected``), a copy of the runtime for those processes.  Each bug must be
+named where it first shows: the right kind of tensor, module and tensor.  Unmodified, every
+shipped layout that runs without a pipeline agrees with ``single`` on one device, and so do
+sides that differ in compilation, precision (bf16, with its measured tolerance) and
+accumulation.  Tolerances: NOTE [diff tolerances] in meshlm/train/diff/compare.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshlm
+from harness import dist_pool_fixture
+from meshlm.app.diff import diff
+
+pool1 = dist_pool_fixture(1, timeout_s=60)
+pool2 = dist_pool_fixture(2, timeout_s=60)
+pool4 = dist_pool_fixture(4, timeout_s=60)
+
+BASE = ["model=llama_tiny", "train.seq_len=16", "train.batch_size=8"]
+REFERENCE = ["b.layout=single", "b.mesh=cpu1"]
+
+# Every shipped layout that runs without a pipeline, on a mesh where it shards (the pipeline
+# layouts, pp, fsdp_pp and fsdp_tp_pp, are refused: meshlm diff does not record pipelines).
+LAYOUTS = [
+    ("single", "dp2"), ("ddp", "dp2"), ("zero1", "dp2"), ("zero2", "dp2"), ("fsdp", "fsdp2"), ("hsdp", "dp2_fsdp2"),
+    ("tp", "tp2"), ("tp_sp", "tp2"), ("fsdp_tp", "fsdp2_tp2"), ("fsdp_tp_sp", "fsdp2_tp2"),
+    ("vlm_fsdp_tp", "fsdp2_tp2"),
+]
+
+
+@contextlib.contextmanager
+def _injected(bug: str | None):
+    """``bug`` patched into this worker's runtime for the block (the test docstrings say what
+    each is)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from meshlm.models import llama
+    from meshlm.runtime.bucket import op
+    from meshlm.runtime.lowering import atuse, local_root
+
+    saved = atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.rope_tables
+    try:
+        if bug == "norm_grad_not_reduced_over_tp":  # a 1-D weight gradient Partial over tp taken as reduced
+
+            def at_use_backward(ctx, g):
+                if g.ndim == 1 and any(p.is_partial() for p in g.placements):
+                    pl = [Replicate() if p.is_partial() else p for p in g.placements]
+                    g = DTensor.from_local(g.to_local(), g.device_mesh, pl, run_check=False)
+                return saved[0](ctx, g)
+
+            atuse.AtUse.backward = staticmethod(at_use_backward)
+        elif bug == "grads_reduced_over_wrong_axis":  # a block bucket's reduce-scatter over tp, not fsdp
+
+            def flat_moves(xs, pls, tg, sizes, groups, order, **kw):
+                return saved[1](xs, pls, tg, sizes, list(reversed(groups)), order, **kw)
+
+            op.flat_moves = flat_moves
+        elif bug == "loss_drops_grad_accum":  # the local root's loss back-propagates 1, not 1/grad_accum
+
+            def batch_reduce_backward(ctx, g, _total):
+                one = torch.ones_like(g)
+                return (one if ctx.scale is None else one * ctx.scale.to(g.dtype)), None, None, None
+
+            local_root.BatchReduce.backward = staticmethod(batch_reduce_backward)
+        elif bug == "rope_offset_by_rank":  # each rank's RoPE positions start at rank * seq
+
+            def rope_tables(seq, head_dim, theta, device, dtype):
+                r = dist.get_rank()
+                cos, sin = saved[3](seq * (r + 1), head_dim, theta, device, dtype)
+                return cos[r * seq :], sin[r * seq :]
+
+            llama.rope_tables = rope_tables
+        elif bug is not None:
+            raise ValueError(bug)
+        yield
+    finally:
+        atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.rope_tables = saved
+
+
+def _side_job(side, bug):
+    import torch.distributed as dist
+
+    from meshlm.app.diff import side_capture
+
+    with _injected(bug):
+        cap = side_capture(side)
+    return cap.to_state() if dist.get_rank() == 0 else None
+
+
+_REFERENCES: dict = {}  # a reference side's capture by its overrides: the same for every test
+
+
+def _run(pools: dict, bug: str | None = None):
+    """``run_side`` for ``diff``: a side on the pool of its size, ``bug`` in side a only."""
+    from meshlm.train.diff import Capture
+
+    def run(side):
+        key = (side.name, side.overrides)
+        if side.name == "b" and key in _REFERENCES:
+            return _REFERENCES[key]
+        cap = Capture.from_state(pools[side.world].run(_side_job, side, bug if side.name == "a" else None)[0])
+        if side.name == "b":
+            _REFERENCES[key] = cap
+        return cap
+
+    return run
+
+
+@pytest.fixture
+def pools(pool1, pool2, pool4):
+    return {1: pool1, 2: pool2, 4: pool4}
+
+
+def _first(report):
+    f = report.first
+    assert f is not None, "the sides agree: the bug went unseen"
+    return f
+
+
+@pytest.mark.parametrize("layout,mesh", LAYOUTS, ids=[f"{l}-{m}" for l, m in LAYOUTS])
+def test_every_layout_agrees_with_one_device(pools, layout, mesh):
+    r = diff([*BASE, f"a.layout={layout}", f"a.mesh={mesh}", *REFERENCE], run_side=_run(pools))
+    kinds = {row.kind for row in r.rows}
+    assert kinds == {"init", "block", "constrain", "loss", "norm", "grad", "param"}, kinds
+    assert r.agree, [(x.kind, x.label(), x.ratio) for x in r.diverged]
+    assert not r.only_a and not r.only_b, (r.only_a, r.only_b)
+
+
+def test_norm_weight_gradient_missing_its_tp_reduction(pools):
+    """Under sequence parallelism a norm weight's gradient is a sum over the sequence shards
+    (Partial over tp); taken as reduced, each rank keeps its own part.  Named: the gradient of
+    the final norm's weight, the first norm weight backward reaches; nothing before it."""
+    r = diff([*BASE, "a.layout=tp_sp", "a.mesh=tp2", *REFERENCE], run_side=_run(pools, "norm_grad_not_reduced_over_tp"))
+    f = _first(r)
+    assert (f.kind, f.where) == ("grad", "norm.weight"), f
+    assert f.ratio > 1e3, f
+    assert all(x.ok for x in r.rows if x.kind in ("block", "constrain", "loss")), "the forward is not affected"
+
+
+def test_gradient_reduced_over_the_wrong_mesh_axis(pools):
+    """fsdp_tp on fsdp=2,tp=2: a block's gradients reduce-scattered over tp instead of fsdp.
+    Named: the last block's down-projection, the first block gradient backward makes (the
+    root's parameters, reduced one by one, are right)."""
+    r = diff([*BASE, "a.layout=fsdp_tp", "a.mesh=fsdp2_tp2", *REFERENCE], run_side=_run(pools, "grads_reduced_over_wrong_axis"))
+    f = _first(r)
+    assert (f.kind, f.where) == ("grad", "layers.1.mlp.w_down"), f
+    assert f.ratio > 1e3, f
+    assert all(x.ok for x in r.rows if x.kind == "grad" and not x.where.startswith("layers.")), "root grads are right"
+
+
+def test_dropped_division_by_grad_accum(pools):
+    """ddp on dp=2 with two micro-batches: the local root's loss back-propagates 1 where the
+    accumulation weight is 1/2.  Every gradient doubles; named: the head's, which backward
+    makes first; the forward and the loss are right."""
+    over = [*BASE, "train.grad_accum=2", "a.layout=ddp", "a.mesh=dp2", *REFERENCE]
+    r = diff(over, run_side=_run(pools, "loss_drops_grad_accum"))
+    f = _first(r)
+    assert (f.kind, f.where) == ("grad", "lm_head"), f
+    assert abs(f.rel - 1.0) < 1e-3, f  # doubled: |2g - g| / |g|
+    assert all(x.ok for x in r.rows if x.kind in ("block", "constrain", "loss")), "the forward is not affected"
+
+
+def test_wrong_rope_offset_of_a_shard(pools):
+    """tp on tp=2, each rank rotating its heads' queries and keys as if its positions started
+    at rank x seq.  Named: the attention output of the first block (the queries and keys are
+    recorded before RoPE and agree)."""
+    r = diff([*BASE, "a.layout=tp", "a.mesh=tp2", *REFERENCE], run_side=_run(pools, "rope_offset_by_rank"))
+    f = _first(r)
+    assert (f.kind, f.where, f.tensor) == ("constrain", "layers.0.attn", "constrain 4"), f
+    assert f.axes == ("batch", "heads", None, "head_dim"), f
+    assert f.ratio > 1e3, f
+
+
+# --------------------------------------------------------------------------- a user's model
+@meshlm.block
+class _Block(nn.Module):
+    def __init__(self, width: int, index: int):
+        super().__init__()
+        self.index = index
+        self.up = meshlm.set_axes(nn.Linear(width, 2 * width), weight=("mlp", "embed"), bias=("mlp",))
+        self.down = meshlm.set_axes(nn.Linear(2 * width, width), weight=("embed", "mlp"), bias=("embed",))
+
+    def forward(self, x):
+        y = x + self.down(F.gelu(self.up(x)))
+        if self.index == 1 and torch.distributed.is_initialized():  # the bug: this block's output depends on the rank
+            y = y + 0.01 * torch.distributed.get_rank()
+        return y
+
+
+class RankModel(nn.Module):
+    """A plain model of the user's (weights made in ``__init__``), whose second block's
+    output depends on the rank."""
+
+    param_axes: ClassVar[dict] = {}
+
+    def __init__(self, vocab: int = 256, width: int = 32, depth: int = 3):
+        super().__init__()
+        self.emb = meshlm.set_axes(nn.Embedding(vocab, width), weight=("vocab", "embed"))
+        self.blocks = nn.ModuleList(_Block(width, i) for i in range(depth))
+        self.head = meshlm.set_axes(nn.Linear(width, vocab, bias=False), weight=("vocab", "embed"))
+
+    def forward(self, tokens, targets):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(0, 1))
+
+
+def test_user_model_whose_forward_depends_on_the_rank(pools):
+    """Caught at its first affected block: the output of blocks.1 (blocks.0 agrees)."""
+    over = ["model._target_=test_diff.RankModel", "train.seq_len=16", "train.batch_size=8", "a.layout=ddp",
+            "a.mesh=dp2", *REFERENCE]
+    r = diff(over, run_side=_run(pools))
+    f = _first(r)
+    assert (f.kind, f.where, f.tensor) == ("block", "blocks.1", "output"), f
+    assert next(x for x in r.rows if x.where == "blocks.0" and x.kind == "block").ok
