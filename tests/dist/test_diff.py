@@ -35,10 +35,19 @@ REFERENCE = ["b.layout=single", "b.mesh=cpu1"]
 # Every shipped layout that runs without a pipeline, on a mesh where it shards (the pipeline
 # layouts, pp, fsdp_pp and fsdp_tp_pp, are refused: meshlm diff does not record pipelines).
 LAYOUTS = [
-    ("single", "dp2"), ("ddp", "dp2"), ("zero1", "dp2"), ("zero2", "dp2"), ("fsdp", "fsdp2"), ("hsdp", "dp2_fsdp2"),
-    ("tp", "tp2"), ("tp_sp", "tp2"), ("fsdp_tp", "fsdp2_tp2"), ("fsdp_tp_sp", "fsdp2_tp2"),
-    ("vlm_fsdp_tp", "fsdp2_tp2"),
+    ("single", "dp2"),
+    ("ddp", "dp2"),
+    ("zero1", "dp2"),
+    ("zero2", "dp2"),
+    ("fsdp", "fsdp2"),
+    ("hsdp", "dp2_fsdp2"),
+    ("tp", "tp2"),
+    ("tp_sp", "tp2"),
+    ("fsdp_tp", "fsdp2_tp2"),
+    ("fsdp_tp_sp", "fsdp2_tp2"),
 ]
+# vlm_fsdp_tp scopes the VLM's vision tower: its model, fed image-caption pairs (the shapes task)
+VLM = ["model=vlm_tiny", "data.format=images", "data.shapes_samples=64", "train.seq_len=64"]
 
 
 @contextlib.contextmanager
@@ -52,7 +61,7 @@ def _injected(bug: str | None):
     from meshlm.runtime.bucket import op
     from meshlm.runtime.lowering import atuse, local_root
 
-    saved = atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.rope_tables
+    saved = atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.apply_rope
     try:
         if bug == "norm_grad_not_reduced_over_tp":  # a 1-D weight gradient Partial over tp taken as reduced
 
@@ -76,19 +85,22 @@ def _injected(bug: str | None):
                 return (one if ctx.scale is None else one * ctx.scale.to(g.dtype)), None, None, None
 
             local_root.BatchReduce.backward = staticmethod(batch_reduce_backward)
-        elif bug == "rope_offset_by_rank":  # each rank's RoPE positions start at rank * seq
+        elif bug == "query_rope_offset_by_rank":  # rank r's queries rotated as if at positions r * seq on
 
-            def rope_tables(seq, head_dim, theta, device, dtype):
-                r = dist.get_rank()
-                cos, sin = saved[3](seq * (r + 1), head_dim, theta, device, dtype)
-                return cos[r * seq :], sin[r * seq :]
+            def apply_rope(x, cos, sin):
+                r, seq, hd = dist.get_rank(), cos.shape[-2], 2 * cos.shape[-1]
+                if r and x.shape[1] == llama.CONFIGS["llama_tiny"].heads:  # the queries, not the keys
+                    cos, sin = (
+                        t[r * seq :] for t in llama.rope_tables(seq * (r + 1), hd, 10000.0, cos.device, cos.dtype)
+                    )
+                return saved[3](x, cos, sin)
 
-            llama.rope_tables = rope_tables
+            llama.apply_rope = apply_rope
         elif bug is not None:
             raise ValueError(bug)
         yield
     finally:
-        atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.rope_tables = saved
+        atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.apply_rope = saved
 
 
 def _side_job(side, bug):
@@ -140,6 +152,13 @@ def test_every_layout_agrees_with_one_device(pools, layout, mesh):
     assert not r.only_a and not r.only_b, (r.only_a, r.only_b)
 
 
+def test_vlm_layout_agrees_with_one_device(pools):
+    over = [*VLM, "train.batch_size=4", "a.layout=vlm_fsdp_tp", "a.mesh=fsdp2_tp2", *REFERENCE]
+    r = diff(over, run_side=_run(pools))
+    assert r.agree, [(x.kind, x.label(), x.ratio) for x in r.diverged]
+    assert {"block", "constrain", "grad"} <= {row.kind for row in r.rows}
+
+
 def test_norm_weight_gradient_missing_its_tp_reduction(pools):
     """Under sequence parallelism a norm weight's gradient is a sum over the sequence shards
     (Partial over tp); taken as reduced, each rank keeps its own part.  Named: the gradient of
@@ -155,7 +174,10 @@ def test_gradient_reduced_over_the_wrong_mesh_axis(pools):
     """fsdp_tp on fsdp=2,tp=2: a block's gradients reduce-scattered over tp instead of fsdp.
     Named: the last block's down-projection, the first block gradient backward makes (the
     root's parameters, reduced one by one, are right)."""
-    r = diff([*BASE, "a.layout=fsdp_tp", "a.mesh=fsdp2_tp2", *REFERENCE], run_side=_run(pools, "grads_reduced_over_wrong_axis"))
+    r = diff(
+        [*BASE, "a.layout=fsdp_tp", "a.mesh=fsdp2_tp2", *REFERENCE],
+        run_side=_run(pools, "grads_reduced_over_wrong_axis"),
+    )
     f = _first(r)
     assert (f.kind, f.where) == ("grad", "layers.1.mlp.w_down"), f
     assert f.ratio > 1e3, f
@@ -175,10 +197,12 @@ def test_dropped_division_by_grad_accum(pools):
 
 
 def test_wrong_rope_offset_of_a_shard(pools):
-    """tp on tp=2, each rank rotating its heads' queries and keys as if its positions started
-    at rank x seq.  Named: the attention output of the first block (the queries and keys are
-    recorded before RoPE and agree)."""
-    r = diff([*BASE, "a.layout=tp", "a.mesh=tp2", *REFERENCE], run_side=_run(pools, "rope_offset_by_rank"))
+    """tp on tp=2, rank 1 rotating its heads' queries as if their positions started at rank x
+    seq, its keys at 0: a query shard's RoPE offset that does not match its keys' (the bug of
+    a sequence-sharded attention; an offset of both would cancel, RoPE being relative).
+    Named: the attention output of the first block (queries and keys are recorded before
+    RoPE, and agree)."""
+    r = diff([*BASE, "a.layout=tp", "a.mesh=tp2", *REFERENCE], run_side=_run(pools, "query_rope_offset_by_rank"))
     f = _first(r)
     assert (f.kind, f.where, f.tensor) == ("constrain", "layers.0.attn", "constrain 4"), f
     assert f.axes == ("batch", "heads", None, "head_dim"), f
@@ -222,8 +246,14 @@ class RankModel(nn.Module):
 
 def test_user_model_whose_forward_depends_on_the_rank(pools):
     """Caught at its first affected block: the output of blocks.1 (blocks.0 agrees)."""
-    over = ["model._target_=test_diff.RankModel", "train.seq_len=16", "train.batch_size=8", "a.layout=ddp",
-            "a.mesh=dp2", *REFERENCE]
+    over = [
+        "model._target_=test_diff.RankModel",
+        "train.seq_len=16",
+        "train.batch_size=8",
+        "a.layout=ddp",
+        "a.mesh=dp2",
+        *REFERENCE,
+    ]
     r = diff(over, run_side=_run(pools))
     f = _first(r)
     assert (f.kind, f.where, f.tensor) == ("block", "blocks.1", "output"), f
