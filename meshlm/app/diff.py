@@ -18,8 +18,8 @@ mesh with ``meshlm train``'s dtypes, activation checkpointing and compilation, a
 of ``meshlm train``'s optimizer (AdamW at the first step's learning rate, clipping at
 ``train.grad_clip``) on the first global batch of the run's data (``train.batch_size``
 sequences of ``train.seq_len``, split into ``train.grad_accum`` micro-batches and over the
-data-parallel ranks as the training loop splits them), recorded by
-``meshlm.train.diff.capture_step``.  A side of more than one device runs in worker processes
+data-parallel ranks as the training loop splits them; through the pipeline's schedule for a
+layout with ``layers: pp`` on a mesh with pp > 1), recorded by ``meshlm.train.diff.capture_step``.  A side of more than one device runs in worker processes
 started as ``meshlm train`` starts them (``meshlm.app.launch.run_workers``); a one-device
 side, and the transformers side, in this process.  Where a side computes in bfloat16, the
 bf16 rounding of every tensor is measured first on one device (``meshlm.train.diff.calibrate``).
@@ -186,9 +186,11 @@ def side_capture(side: Side):
     docstring); every rank returns the whole capture.  A transformers side runs on its own."""
     if side.hf:
         return _transformers_capture(side)
+    import torch.distributed as dist
+
     import meshlm.runtime.compile as compile_
     from meshlm import _torch_compat as compat
-    from meshlm.app.model_build import build_sharded
+    from meshlm.app.model_build import build_pipelined, build_sharded
     from meshlm.app.train_setup import data_parallel_rank, device_for, init_process_group
     from meshlm.layout.mesh import MeshSpec, make_mesh
     from meshlm.layout.precision import shard_dtypes
@@ -202,21 +204,26 @@ def side_capture(side: Side):
 
     cfg, t = side.cfg, side.cfg.train
     layout = load_layout(cfg.layout.name)
-    if is_pipelined(layout) and cfg.mesh.pp > 1:
-        raise ConfigError(
-            f"side {side.name}: layout {cfg.layout.name} on mesh {cfg.mesh} runs as a pipeline, which meshlm diff "
-            "does not record yet; compare its layout on a mesh without pp (mesh.pp=1) or another layout"
-        )
     compat.dynamo_reset()
     device = device_for(t)
     init_process_group(cfg, device)
-    mesh = make_mesh(cfg.mesh.as_dict(), device_type=device.type)
-    sizes = MeshSpec.parse(cfg.mesh.as_dict(), mesh.size()).as_dict()
-    model = build_sharded(cfg.model, layout, mesh, seed=t.seed, **shard_dtypes(t, layout, sizes), overlap=t.overlap)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sizes = MeshSpec.parse(cfg.mesh.as_dict(), world).as_dict()
+    shard_kw = dict(shard_dtypes(t, layout, sizes), overlap=t.overlap)
+    pipe = None
+    if is_pipelined(layout) and cfg.mesh.pp > 1:  # NOTE [pipelined step] in meshlm/runtime/pipeline/pipe.py
+        pipe = build_pipelined(cfg, cfg.model, layout, device.type, seed=t.seed, **shard_kw)
+        model, mesh = pipe.model, pipe.mesh
+    else:
+        mesh = make_mesh(cfg.mesh.as_dict(), device_type=device.type)
+        model = build_sharded(cfg.model, layout, mesh, seed=t.seed, **shard_kw)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile != "none":
-        compile_.compile_blocks(model, t.compile, comms=t.compile_comms)
+        comms = "eager" if pipe is not None and pipe.keep_gathered else t.compile_comms  # as meshlm train
+        compile_.compile_blocks(model, t.compile, comms=comms)
     opt = ShardedOptimizer(model, torch.optim.AdamW, **_adamw(cfg), **adamw_impl(t, None, device))
+    if pipe is not None:
+        pipe.attach(opt)
     micro = t.batch_size // t.grad_accum
     rank, size = data_parallel_rank(layout, mesh, micro, t.seq_len)
     mbs = micro_batches(cfg, global_batch(cfg), rank, size, device)
@@ -229,6 +236,7 @@ def side_capture(side: Side):
         grad_clip=t.grad_clip,
         loss_of=lambda out: loss_of(out, cfg.model),
         meta=_meta(side),
+        pipeline=pipe,
     )
 
 

@@ -40,18 +40,17 @@ def _run(
     grads: dict[str, Tensor] = {}
     with rec.watching():
         for j, (args, kwargs) in enumerate(micro):
-            with rec.micro_batch(j):
-                seed_forward(seed, step, j)
-                out = model(*args, **kwargs)
-                loss = out if loss_of is None else loss_of(out)
-                (loss * acc.coefficient(loss)).backward()
+            seed_forward(seed, step, j)
+            out = model(*args, **kwargs)
+            loss = out if loss_of is None else loss_of(out)
+            (loss * acc.coefficient(loss)).backward()
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if p.grad is not None:
                         g = p.grad.float()
                         grads[n] = g if n not in grads else grads[n] + g
                         p.grad = None
-    out = {r.key: r.value.float() for r in rec.records()}
+    out = {r.key: r.value.float() for r in rec.records(len(micro))}
     out[("loss", "", "loss")] = torch.tensor(acc.loss(), dtype=torch.float64)
     factor = acc.grad_factor()
     for n, g in grads.items():

@@ -10,24 +10,28 @@ NOTE [diff capture]
       for each tensor of a structured output) in its forward hook; every ``constrain`` is
       seen through ``meshlm.core.annotate.observing`` (the lowering's handler runs first, so
       the recorded tensor is the one the model goes on with) and named ``constrain <i>``, the
-      i-th constrain of that module in this micro-batch.  A block's output that is a
-      constrained tensor takes that constrain's logical axes.
+      i-th constrain of that module's call.  A block's output that is a constrained tensor
+      takes that constrain's logical axes.
     * Nothing changes what runs: the hooks return nothing and the observer returns nothing;
       each recorded tensor is a detached copy.  In a compiled block the hooks and the
       observer are traced with it (Dynamo replays their list appends after the graph runs),
       at the price of one graph per block instance instead of one per block class while
       recording (the hooks differ per module; the recompile limit is raised for it).
     * Only the forward is recorded: a recompute in backward (activation checkpointing, the
-      re-gathering policies) runs the same hooks again and is skipped (``in_backward``).
-    * Gathered at the end of each micro-batch, in the order recorded (the same on every
-      rank, so the collectives line up): a DTensor by ``full_tensor()``; a plain tensor on a
-      mesh of more than one device is this rank's rows of a local root or a local block
-      (NOTE [local root] in meshlm/runtime/lowering/local_root.py), split over the mesh axes
-      the layout splits the batch over, along its ``batch`` dim (dim 0 where no axes were
-      declared), and is gathered by those.
-    * The micro-batches of a step (``train.grad_accum``) are put back together along the
-      batch dim, so that a record is the tensor of the step's whole batch whatever the
-      accumulation; one without a batch dim is kept per micro-batch (``... (micro-batch j)``).
+      re-gathering policies) runs the same hooks again and is skipped (``in_backward``); so
+      is a pipeline stage's stand-in for another stage's tensor (``Absent``).
+    * Gathered once the step's forwards and backwards are done, in the order recorded (the
+      same on every rank of a mesh, so the collectives line up; a pipeline stage's ranks
+      gather among themselves): a DTensor by ``full_tensor()``; a plain tensor on a mesh of
+      more than one device is this rank's rows of a local root or a local block (NOTE [local
+      root] in meshlm/runtime/lowering/local_root.py), split over the mesh axes the layout
+      splits the batch over, along its ``batch`` dim (dim 0 where no axes were declared),
+      and is gathered by those.
+    * The micro-batches of a step (``train.grad_accum``) are put back together: the k-th
+      record of a name is micro-batch k's (in every schedule, a micro-batch's forward runs
+      after the previous one's), and they are concatenated along the batch dim, so that a
+      record is the tensor of the step's whole batch whatever the accumulation; one without
+      a batch dim is kept per micro-batch (``... (micro-batch j)``).
     * The hooks are torch's, every handle removed when recording ends (``_attach``, the one
       place that attaches to the model).
 """
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from meshlm import _torch_compat as compat
 from meshlm.core import annotate, tree
 from meshlm.core.errors import MeshlmError
+from meshlm.runtime.absent import is_absent
 from meshlm.train.diff.record import Record
 
 
@@ -112,30 +117,30 @@ def _live() -> bool:
 
 
 class Recorder:
-    """Records the forward of ``model`` (NOTE [diff capture]); ``watching()`` attaches to it,
-    ``micro_batch(j)`` brackets one micro-batch's forward and backward, ``records()`` then
-    gives them gathered and put together."""
+    """Records the forward of ``model`` (NOTE [diff capture]): ``watching()`` attaches to it
+    for a step's forwards (and backwards), ``records(micro_batches)`` then gives what they
+    recorded, gathered and put together."""
 
     def __init__(self, model: nn.Module, blocks: Optional[set[str]] = None):
         self.model = model
         self.blocks = blocks  # the paths whose outputs to record; None: every @meshlm.block
         self.st = shard_state_or_none(model)
         self.stack: list[str] = []
-        self.counts: dict[str, int] = {}
-        self.taken: list[tuple] = []  # (kind, module, name, axes, tensor) of this micro-batch
+        self.counts: dict[str, int] = {}  # constrains seen in the running call of each module
+        self.taken: list[tuple] = []  # (kind, module, name, axes, tensor), in the order recorded
         self.last: Optional[tuple] = None  # the last constrained tensor and its axes
-        self.micro: list[list[Record]] = []  # gathered, per micro-batch
         self.finished: list[str] = []  # module paths in the order their first call returned
 
     # ------------------------------------------------------------------ recording
     def _pre(self, path: str) -> None:
         self.stack.append(path)
+        self.counts[path] = 0
 
     def _post(self, path: str, block: bool, out: Any) -> None:
         self.stack.pop()
         if not _live():
             return
-        if not self.micro and path not in self.finished:
+        if path not in self.finished:
             self.finished.append(path)
         if not block:
             return
@@ -149,12 +154,13 @@ class Recorder:
             return
         path = self.stack[-1] if self.stack else ""
         n = self.counts.get(path, 0)
-        self.counts[path] = n + 1
+        self.counts[path] = n + 1  # counted on every pipeline stage alike, recorded where it is real
         self.last = (x, tuple(axes))
         self._take("constrain", path, f"constrain {n}", tuple(axes), x)
 
     def _take(self, kind: str, module: str, name: str, axes, t: Tensor) -> None:
-        self.taken.append((kind, module, name, axes, t.detach().clone()))
+        if not is_absent(t):  # a pipeline stage's stand-in for another stage's tensor
+            self.taken.append((kind, module, name, axes, t.detach().clone()))
 
     @contextlib.contextmanager
     def watching(self) -> Iterator["Recorder"]:
@@ -166,28 +172,7 @@ class Recorder:
         finally:
             for h in handles:
                 h.remove()
-
-    @contextlib.contextmanager
-    def micro_batch(self, j: int) -> Iterator[None]:
-        """One micro-batch's forward (and its backward): its records gathered at the end."""
-        self.counts, self.taken, self.last = {}, [], None
-        yield
-        self.micro.append(self._gathered())
-        self.taken, self.last = [], None
-
-    def _gathered(self) -> list[Record]:
-        out = []
-        seen: dict[tuple, int] = {}
-        for kind, module, name, axes, t in self.taken:
-            key = (kind, module, name)
-            if key in seen:  # a module called again in one micro-batch (its own counter) or a block twice
-                seen[key] += 1
-                name = f"{name} (call {seen[key]})"
-            else:
-                seen[key] = 0
-            value, pl = full_value(t, self.st, axes)
-            out.append(Record(kind, module, name, axes, pl, value))
-        return out
+            self.last = None
 
     # ------------------------------------------------------------------ the step's records
     def backward_order(self, fqns: list[str]) -> list[str]:
@@ -200,26 +185,48 @@ class Recorder:
         idx = {f: i for i, f in enumerate(fqns)}
         return sorted(fqns, key=lambda f: (-pos.get(f.rpartition(".")[0], -1), -idx[f]))
 
-    def records(self) -> list[Record]:
-        """The forward records of the whole step, micro-batches put together (NOTE [diff capture])."""
-        if len(self.micro) == 1:
-            return list(self.micro[0])
-        per = [{r.key: r for r in m} for m in self.micro]
-        out = []
-        for r in self.micro[0]:
-            parts = [p.get(r.key) for p in per]
-            shapes_ok = all(
-                p is not None and p.value.ndim == r.value.ndim and p.value.ndim > 0 for p in parts
-            ) and not (r.axes is not None and "batch" not in r.axes)
-            if shapes_ok:
-                d = batch_dim(r.axes)
-                value = torch.cat([p.value for p in parts], dim=d)
-                out.append(Record(r.kind, r.module, r.tensor, r.axes, r.placements, value))
+    def records(self, micro_batches: int) -> list[Record]:
+        """The forward records of a step of ``micro_batches`` micro-batches, gathered (in the
+        order recorded: every rank of the mesh calls this alike) and put together (NOTE
+        [diff capture]): the k-th record of a name belongs to micro-batch k // c when each
+        micro-batch made c of them (the c calls named ``(call i)`` when c > 1), and a
+        micro-batch's records are concatenated along the batch dim."""
+        gathered = []
+        for kind, module, name, axes, t in self.taken:
+            value, pl = full_value(t, self.st, axes)
+            gathered.append(Record(kind, module, name, axes, pl, value))
+        self.taken = []
+        occurrences: dict[tuple, list[int]] = {}  # key -> positions in gathered
+        for i, r in enumerate(gathered):
+            occurrences.setdefault(r.key, []).append(i)
+        out: list[tuple[int, Record]] = []  # (where it first ran, record): the step's order
+        for key, pos in occurrences.items():
+            if len(pos) % micro_batches:  # not the same count in every micro-batch: each on its own
+                out += [(i, _renamed(gathered[i], f"{key[2]} (occurrence {k})")) for k, i in enumerate(pos)]
                 continue
-            for j, p in enumerate(parts):
-                if p is not None:
-                    out.append(Record(p.kind, p.module, f"{p.tensor} (micro-batch {j})", p.axes, p.placements, p.value))
-        return out
+            calls = len(pos) // micro_batches
+            for c in range(calls):
+                parts = [pos[j * calls + c] for j in range(micro_batches)]
+                name = key[2] if calls == 1 else f"{key[2]} (call {c})"
+                out += [(parts[0], r) for r in _together([gathered[i] for i in parts], name)]
+        return [r for _i, r in sorted(out, key=lambda x: x[0])]
+
+
+def _renamed(r: Record, name: str, value: Optional[Tensor] = None) -> Record:
+    return Record(r.kind, r.module, name, r.axes, r.placements, r.value if value is None else value)
+
+
+def _together(parts: list[Record], name: str) -> list[Record]:
+    """One tensor of each micro-batch, as the tensor of the whole batch (concatenated along
+    its batch dim), or each on its own where it has none."""
+    r = parts[0]
+    if len(parts) == 1:
+        return [_renamed(r, name)]
+    if r.value.ndim == 0 or (r.axes is not None and "batch" not in r.axes):
+        return [_renamed(p, f"{name} (micro-batch {j})") for j, p in enumerate(parts)]
+    if any(p.value.ndim != r.value.ndim for p in parts):
+        return [_renamed(p, f"{name} (micro-batch {j})") for j, p in enumerate(parts)]
+    return [_renamed(r, name, torch.cat([p.value for p in parts], dim=batch_dim(r.axes)))]
 
 
 def _attach(model: nn.Module, rec: Recorder) -> list:

@@ -24,12 +24,13 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from meshlm.core.rng import seed_forward
 from meshlm.core.weighting import Accumulation, rescale
 from meshlm.train.diff.capture import Recorder, full_value, shard_state_or_none
-from meshlm.train.diff.record import Capture, Record
+from meshlm.train.diff.record import PHASE, Capture, Record
 
 
 def param_records(kind: str, model: nn.Module) -> list[Record]:
@@ -72,6 +73,7 @@ def capture_step(
     loss_of: Optional[Callable[[Any], Tensor]] = None,
     meta: Optional[dict] = None,
     blocks: Optional[set[str]] = None,
+    pipeline: Any = None,
 ) -> Capture:
     """Run one training step of the sharded ``model`` with its ``ShardedOptimizer`` ``opt``
     and record it (module docstring).  ``micro_batches``: this rank's ``(args, kwargs)`` of
@@ -80,21 +82,19 @@ def capture_step(
     seeded by (``seed``, ``step``, micro-batch), as ``meshlm train`` does; ``grad_clip``: the
     global norm clipped to (0: none); ``blocks``: the module paths whose outputs to record
     (default: every ``@meshlm.block``).  ``opt`` may be a :class:`PlainOptimizer` for a plain
-    model on one process.  Every rank must call it; every rank gets the whole capture
-    (``meta`` added to its own)."""
+    model on one process.  ``pipeline``: the ``meshlm.runtime.pipeline.Pipeline`` whose
+    ``model`` this is (``opt`` attached to it), whose schedule then runs the micro-batches;
+    each stage records its own tensors, and every rank gets every stage's.  Every rank must
+    call it; every rank gets the whole capture (``meta`` added to its own)."""
     rec = Recorder(model, blocks)
     records = param_records("init", model)
-    acc = Accumulation(len(micro_batches))
     with rec.watching():
-        for j, (args, kwargs) in enumerate(micro_batches):
-            with rec.micro_batch(j):
-                seed_forward(seed, step, j)
-                out = model(*args, **kwargs)
-                loss = out if loss_of is None else loss_of(out)
-                (loss * acc.coefficient(loss)).backward()
-    records += rec.records()
-    records.append(Record("loss", "", "loss", (), "whole", torch.tensor(acc.loss(), dtype=torch.float64)))
-    rescale(acc.grad_factor(), opt)
+        if pipeline is None:
+            loss = _one_by_one(model, opt, micro_batches, seed, step, loss_of)
+        else:
+            loss = _through(pipeline, micro_batches, seed, step)
+    records += rec.records(len(micro_batches))
+    records.append(Record("loss", "", "loss", (), "whole", torch.tensor(loss, dtype=torch.float64)))
     opt.reduce_grads()
     norm = opt.grad_norm()
     st = shard_state_or_none(model)
@@ -112,9 +112,11 @@ def capture_step(
     opt.step()
     records += param_records("param", model)
     opt.zero_grad()
-    world = st.mesh.size() if st is not None else 1
+    if pipeline is not None:
+        records = _stages_together(pipeline, records)
     info = {
-        "world": world,
+        "world": st.mesh.size() if st is not None else 1,  # the most ranks a sum is split over
+        "processes": dist.get_world_size() if dist.is_initialized() else 1,
         "grad_accum": len(micro_batches),
         "grad_clip": float(grad_clip),
         "compute_dtype": str(getattr(st, "compute_dtype", None) or _dtype_of(model)).removeprefix("torch."),
@@ -122,6 +124,53 @@ def capture_step(
         **(meta or {}),
     }
     return Capture(records, info)
+
+
+def _one_by_one(model: nn.Module, opt, micro: list, seed: int, step: int, loss_of) -> float:
+    """Each micro-batch's forward and backward in turn, weighted as ``meshlm train`` weighs
+    them (meshlm/train/step.py, ``accumulate``); the step's loss."""
+    acc = Accumulation(len(micro))
+    for j, (args, kwargs) in enumerate(micro):
+        seed_forward(seed, step, j)
+        out = model(*args, **kwargs)
+        loss = out if loss_of is None else loss_of(out)
+        (loss * acc.coefficient(loss)).backward()
+    rescale(acc.grad_factor(), opt)
+    return acc.loss()
+
+
+def _through(pipe, micro: list, seed: int, step: int) -> float:
+    """The micro-batches through the pipeline's schedule, each stage's forward of micro-batch
+    j from the generator state seeded by (``seed``, ``step``, j), as ``meshlm train`` runs a
+    pipelined step (``Pipeline.passes``); the step's loss, the gradients weighted."""
+    starts = []
+    for j in range(len(micro)):
+        seed_forward(seed, step, j)
+        starts.append(torch.get_rng_state())
+    pipe.mbs.starts = starts
+    try:
+        return pipe.step([(tuple(a), kw) for a, kw in micro])
+    finally:
+        pipe.mbs.starts = None
+
+
+def _stages_together(pipe, records: list[Record]) -> list[Record]:
+    """Every stage's records on every rank (one all-gather over the world, each stage's
+    records from its first rank), in the step's order: each phase stage after stage, the
+    gradients from the last stage back (backward's order)."""
+    stages = sorted(sm.stage for sm in pipe.stage_modules)
+    first = all(c == 0 for c in (pipe.sub.get_coordinate() or ()))
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (stages[0], records if first else None))
+    parts = sorted((g for g in got if g[1] is not None), key=lambda g: g[0])
+    out, seen = [], set()
+    for phase in sorted(set(PHASE.values())):
+        for _s, recs in reversed(parts) if phase == PHASE["grad"] else parts:
+            for r in recs:
+                if PHASE[r.kind] == phase and r.key not in seen:
+                    seen.add(r.key)
+                    out.append(r)
+    return out
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:
