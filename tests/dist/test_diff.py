@@ -14,6 +14,11 @@ accumulation.  Tolerances: NOTE [diff tolerances] in meshlm/train/diff/compare.p
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -29,6 +34,7 @@ pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
+REPO = Path(__file__).resolve().parents[2]
 BASE = ["model=llama_tiny", "train.seq_len=16", "train.batch_size=8"]
 REFERENCE = ["b.layout=single", "b.mesh=cpu1"]
 
@@ -56,6 +62,7 @@ def _injected(bug: str | None):
     from meshlm.runtime.lowering import atuse, local_root
 
     saved = atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.apply_rope
+    hf_saved: list = []
     try:
         if bug == "norm_grad_not_reduced_over_tp":  # a 1-D weight gradient Partial over tp taken as reduced
 
@@ -90,11 +97,26 @@ def _injected(bug: str | None):
                 return saved[3](x, cos, sin)
 
             llama.apply_rope = apply_rope
+        elif bug == "hf_second_layer_off":  # transformers' second decoder layer's output off by 0.1%
+            from transformers.models.llama import modeling_llama
+
+            layer = modeling_llama.LlamaDecoderLayer
+            hf_saved.append((layer, layer.forward))
+
+            def forward(self, *args, **kwargs):
+                out = hf_saved[0][1](self, *args, **kwargs)
+                if self.self_attn.layer_idx != 1:
+                    return out
+                return (out[0] * 1.001, *out[1:]) if isinstance(out, tuple) else out * 1.001
+
+            layer.forward = forward
         elif bug is not None:
             raise ValueError(bug)
         yield
     finally:
         atuse.AtUse.backward, op.flat_moves, local_root.BatchReduce.backward, llama.apply_rope = saved
+        for cls, forward in hf_saved:
+            cls.forward = forward
 
 
 def _side_job(side, bug):
@@ -253,3 +275,85 @@ def test_user_model_whose_forward_depends_on_the_rank(pools):
     f = _first(r)
     assert (f.kind, f.where, f.tensor) == ("block", "blocks.1", "output"), f
     assert next(x for x in r.rows if x.where == "blocks.0" and x.kind == "block").ok
+
+
+# --------------------------------------------------------------------------- sides that differ
+def test_sides_compiled_and_eager_agree(pools):
+    """tp on tp=2 with its blocks compiled (aot_eager, the recording traced into the graphs)
+    against eager on one device: every tensor recorded, in agreement."""
+    r = diff([*BASE, "a.layout=tp", "a.mesh=tp2", "a.train.compile=aot_eager", *REFERENCE], run_side=_run(pools))
+    assert r.agree, [(x.kind, x.label(), x.ratio) for x in r.diverged]
+    assert not r.only_a and not r.only_b, (r.only_a, r.only_b)
+    assert sum(x.kind == "constrain" for x in r.rows) >= 20  # the compiled blocks' own constrains too
+
+
+def test_bf16_side_within_its_measured_tolerance(pools):
+    """fsdp on fsdp=2 in bf16 with two micro-batches against float32 on one device with one:
+    within the bf16 tolerance measured on one device (NOTE [diff tolerances]); the float32
+    tolerances alone would call it diverged at the first activation."""
+    from meshlm.app.diff import calibration, sides
+    from meshlm.train.diff import compare
+
+    over = [*BASE, "a.layout=fsdp", "a.mesh=fsdp2", "a.train.param_dtype=bfloat16", "a.train.grad_accum=2",
+            *REFERENCE]  # fmt: skip
+    r = diff(over, run_side=_run(pools))
+    assert r.agree, [(x.kind, x.label(), x.ratio) for x in r.diverged]
+    a, b = sides(over)
+    cal = calibration(a, b)
+    run = _run(pools)
+    fp32_only = compare(run(a), run(b), {k: (0.0, 0.0) for k in cal})
+    f = _first(fp32_only)
+    assert (f.kind, f.where, f.tensor) == ("constrain", "(root)", "constrain 0"), f
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from harness.hf_tiny import tiny_llama
+
+    d = tmp_path_factory.mktemp("hf") / "tiny"
+    tiny_llama().save_pretrained(str(d), safe_serialization=True)
+    return str(d)
+
+
+def test_transformers_side(pools, hf_dir):
+    """The transformers model of a directory against meshlm's loaded from it under tp_sp:
+    forward (block outputs), loss, gradients by parameter name and the step agree; with the
+    second decoder layer's output off by 0.1% in transformers, named: that block's output."""
+    over = [*BASE, f"a=hf:{hf_dir}", "b.layout=tp_sp", "b.mesh=tp2"]
+    r = diff(over, run_side=_run(pools))
+    assert r.agree, [(x.kind, x.label(), x.ratio) for x in r.diverged]
+    assert {x.kind for x in r.rows} == {"init", "block", "loss", "grad", "norm", "param"}
+    assert sum(x.kind == "grad" for x in r.rows) == 21  # every parameter of the 2-layer Llama by name
+    f = _first(diff(over, run_side=_run(pools, "hf_second_layer_off")))
+    assert (f.kind, f.where, f.tensor) == ("block", "layers.1", "output"), f
+
+
+# --------------------------------------------------------------------------- the command
+def _meshlm_diff(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "meshlm.app.cli", "diff", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_command_launches_the_sides_and_exits_1_on_a_divergence(tmp_path):
+    """``meshlm diff`` as a user runs it: side a in 2 worker processes it starts, side b in
+    its own process; sides built from different seeds diverge at the first weight, exit 1,
+    with the table and the JSON report."""
+    out = tmp_path / "report.json"
+    r = _meshlm_diff(
+        *BASE, "a.layout=ddp", "a.mesh=dp2", "a.train.seed=1", *REFERENCE, "--json", str(out), cwd=tmp_path
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "first divergence, in execution order:" in r.stdout and "init      tok_emb" in r.stdout, r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["agree"] is False and rep["first"]["kind"] == "init" and rep["first"]["where"] == "tok_emb"
+    assert rep["a"]["processes"] == 2 and rep["b"]["processes"] == 1
+
+
+def test_command_exits_0_when_the_sides_agree(tmp_path):
+    r = _meshlm_diff(*BASE, "mesh=cpu1", "a.layout=fsdp", "b.layout=single", "--top", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the sides agree" in r.stdout and "top 3 by relative difference" in r.stdout, r.stdout
+    assert list(tmp_path.glob("outputs/diff/*/*/report.json")), "the JSON report under outputs/diff/"
