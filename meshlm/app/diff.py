@@ -27,7 +27,8 @@ bf16 rounding of every tensor is measured first on one device (``meshlm.train.di
 ``diff(overrides)`` is the Python API: it returns the ``Report`` (``run_side`` replaces how a
 side runs, e.g. on a test's process pool).  ``diff_main(argv)`` is the command: it prints the
 report (the first divergence, then the top N tensors by relative difference), writes it as
-JSON, and returns 0 when the sides agree, 1 when they do not.
+JSON, and returns 0 when the sides agree, 1 when they do not, 2 when they could not be
+compared (a config error, a side that failed).
 """
 
 from __future__ import annotations
@@ -349,7 +350,8 @@ def _default_json() -> Path:
 
 
 def diff_main(argv: Sequence[str]) -> int:
-    """``meshlm diff``: print the report, write it as JSON; 0 when the sides agree, 1 when not."""
+    """``meshlm diff``: print the report, write it as JSON; 0 when the sides agree, 1 when not, 2
+    when they could not be compared."""
     p = argparse.ArgumentParser(
         prog="meshlm diff",
         usage=USAGE,
@@ -361,9 +363,14 @@ def diff_main(argv: Sequence[str]) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
+    from meshlm.core.errors import MeshlmError
     from meshlm.train.diff import format_report
 
-    report = diff(overrides)
+    try:
+        report = diff(overrides)
+    except MeshlmError as e:  # not a divergence: the sides could not be compared (exit 2, not 1)
+        print(f"meshlm diff: error: {e}", file=sys.stderr, flush=True)
+        return 2
     print(format_report(report, args.top), flush=True)
     out = Path(args.json) if args.json else _default_json()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -218,7 +218,7 @@ class _Bounds:
             gc = c * g
             sb = tol.StepBounds()
             sb.update(kind, hp, 1, gc, gc, tol.first_step_state(kind, hp, gc), w_old, w_new, one_step=one)
-            # NOTE [first step of AdamW]
+            # NOTE [first step of AdamW] in meshlm/train/tolerances.py
             cap = tol.first_update_cap(kind, hp) + tol.step_rounding(w_old, w_new, torch.full_like(w_old, hp["lr"]))
             bound = torch.minimum(sb.bound["param"], cap)
         return bound + (_unit(ra.value.dtype) + _unit(rb.value.dtype)) * (w_new.abs() + bound)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from meshlm.core.annotate import param_axes_of
 from meshlm.core.rng import seed_forward
 from meshlm.core.weighting import Accumulation, rescale
 from meshlm.train.diff.capture import Recorder, full_value, shard_state_or_none
@@ -39,13 +40,23 @@ def param_records(kind: str, model: nn.Module) -> list[Record]:
     from meshlm.runtime.absent import Absent
 
     st = shard_state_or_none(model)
+    axes = param_axes(model)
     out = []
     for fqn, p in model.named_parameters():
         if isinstance(p, Absent):
             continue
         module, _, name = fqn.rpartition(".")
         value, pl = full_value(p.detach(), st, None)
-        out.append(Record(kind, module, name, None, pl, value))
+        out.append(Record(kind, module, name, axes.get(fqn), pl, value))
+    return out
+
+
+def param_axes(model: nn.Module) -> dict[str, tuple]:
+    """The logical axes each parameter FQN is declared with (``param_axes``, ``set_axes``)."""
+    out = {}
+    for path, m in model.named_modules():
+        for name, ax in param_axes_of(m).items():
+            out[f"{path}.{name}" if path else name] = tuple(ax)
     return out
 
 
@@ -98,6 +109,7 @@ def capture_step(
     opt.reduce_grads()
     norm = opt.grad_norm()
     st = shard_state_or_none(model)
+    axes = param_axes(model)
     masters = opt.masters()
     for fqn in rec.backward_order(list(masters)):
         g = masters[fqn].grad
@@ -105,7 +117,7 @@ def capture_step(
             continue
         module, _, name = fqn.rpartition(".")
         value, pl = full_value(g, st, None)
-        records.append(Record("grad", module, name, None, pl, value))
+        records.append(Record("grad", module, name, axes.get(fqn), pl, value))
     records.append(Record("norm", "", "grad norm", (), "whole", norm.detach().double().cpu().reshape(())))
     if grad_clip > 0:
         opt.clip_grad_norm_(grad_clip, norm)
