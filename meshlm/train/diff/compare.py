@@ -229,9 +229,7 @@ def compare(a: Capture, b: Capture, calibration: Optional[Calibration] = None) -
     ra, rb = a.by_key(), b.by_key()
     bounds = _Bounds(a, b, calibration)
     rows: list[Row] = []
-    order = sorted(range(len(b.records)), key=lambda i: (PHASE[b.records[i].kind], i))
-    for i in order:
-        y = b.records[i]
+    for y in b.records:
         x = ra.get(y.key)
         if x is None:
             continue
@@ -260,7 +258,7 @@ def compare(a: Capture, b: Capture, calibration: Optional[Calibration] = None) -
                         f"only on side {side}",
                     )
                 )
-    rows.sort(key=lambda r: (PHASE[r.kind], r.order))
+    rows.sort(key=lambda r: (PHASE[r.kind], r.order))  # each phase in b's order, the phases in the step's
     for j, r in enumerate(rows):
         r.order = j
     return Report(rows, only_a, only_b, dict(a.meta), dict(b.meta))
