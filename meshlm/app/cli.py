@@ -9,6 +9,7 @@ DictConfig into a typed :class:`meshlm.app.config.RunConfig` at once.
     meshlm serve SOURCE [--port 8000]     an OpenAI-compatible completions server
     meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2 [model.KEY=VALUE ...]
     meshlm layout list                    the layouts by name, and the files they are in
+    meshlm diff [KEY=VALUE] [a.KEY=VALUE] [b.KEY=VALUE]   one step under two configurations: where they disagree
 """
 
 from __future__ import annotations
@@ -280,6 +281,12 @@ def serve_cmd(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def diff_cmd(argv: list[str]) -> int:
+    from meshlm.app.diff import diff_main
+
+    return diff_main(argv)
+
+
 COMMANDS = {
     "train": train_main,
     "plan": plan_cmd,
@@ -287,6 +294,7 @@ COMMANDS = {
     "generate": generate_cmd,
     "serve": serve_cmd,
     "layout": layout_cmd,
+    "diff": diff_cmd,
 }
 
 

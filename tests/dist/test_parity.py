@@ -8,7 +8,7 @@ it), inductor for one; the overlapped reduction; bf16
 mixed precision as ``meshlm train`` runs it (ddp, zero1, zero2, fsdp, tp; overlapped too)
 against the same recipe in plain torch.  The checks run inside the workers
 (harness.parity.check_training); tolerances and their derivation are in
-tests/harness/tolerances.py (NOTE [tolerances after steps], NOTE [mixed-precision parity]).
+meshlm/train/tolerances.py (NOTE [tolerances after steps], NOTE [mixed-precision parity]).
 """
 
 from typing import ClassVar
@@ -324,7 +324,7 @@ def test_parity_catches_gradient_scale_bugs(pool2, layout, bug):
 # precision] in meshlm/layout/precision.py): bf16 compute over float32 storage (ddp, fsdp, tp), bf16
 # storage with float32 masters and main gradients (zero1, zero2), against the same recipe in
 # plain torch on one device (tests/harness/parity_mp.py; tolerances: NOTE [mixed-precision
-# parity] in tests/harness/tolerances.py).
+# parity] in meshlm/train/tolerances.py).
 BF16_2 = [("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "dp=2"), ("fsdp", "fsdp=2"), ("tp", "tp=2")]
 
 

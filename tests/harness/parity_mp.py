@@ -18,7 +18,7 @@ split across ranks (its partials rounded to bf16 before they are added) and in t
 of float32 additions.  A ``torch.autocast`` reference would not: it keeps the residual
 stream in float32, a difference as large as bf16's whole rounding error.
 
-The probe (NOTE [tolerances after steps] in tests/harness/tolerances.py) is that
+The probe (NOTE [tolerances after steps] in meshlm/train/tolerances.py) is that
 recipe on a plain copy loaded with the sharded float32 masters, so the one-step
 tolerances hold at every step; they are in units of the bf16 rounding error of the
 probe's own gradient, measured with plain torch alone at the same weights (NOTE
