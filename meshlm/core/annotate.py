@@ -80,30 +80,18 @@ def constrain(x: Tensor, axes: Axes) -> Tensor:
     """
     h = active_handler()
     out = x if h is None else h(x, axes)
-    if _OBSERVERS:
-        for fn in tuple(_OBSERVERS):
-            fn(out, axes)
+    for fn in RUN.observers:
+        fn(out, axes)
     return out
 
 
-# Observers of ``constrain`` (``observing``): each is called with every constrained tensor,
-# as the handler returned it, and its axes.  They see, they change nothing: ``constrain``
-# returns the same tensor with or without them.  ``meshlm diff`` records activations through
-# them (meshlm/train/diff/capture.py).  A plain list, not a context variable, because code
-# traced by torch.compile calls ``constrain`` too, and Dynamo reads a module attribute (and
-# guards on it) where it cannot read a ContextVar (see ``_traced_handler``).
-_OBSERVERS: list[Callable[[Tensor, Axes], None]] = []
-
-
-@contextmanager
-def observing(fn: Callable[[Tensor, Axes], None]) -> Iterator[None]:
-    """Call ``fn(x, axes)`` after every ``constrain`` inside the block (the constrained tensor
-    and its logical axes); nothing else changes."""
-    _OBSERVERS.append(fn)
-    try:
-        yield
-    finally:
-        _OBSERVERS.remove(fn)
+def observing(fn: Callable[[Tensor, Axes], None]) -> state.scope:
+    """``with observing(fn):`` call ``fn(x, axes)`` after every ``constrain`` inside the block
+    (the constrained tensor, as the handler returned it, and its logical axes).  Observers see,
+    they change nothing: ``constrain`` returns the same tensor with or without them (``meshlm
+    diff`` records activations through them: meshlm/train/diff/capture.py).  They are a field
+    of the run state (NOTE [run state] in meshlm/core/state.py), which traced code reads."""
+    return state.scope(observers=(*RUN.observers, fn))
 
 
 def reduce_batch(x: Tensor, op: str = "mean", weight: Optional[Tensor] = None) -> Tensor:

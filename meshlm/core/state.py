@@ -67,6 +67,10 @@ DEFAULTS: dict[str, Any] = {
     # meshlm.runtime.absent: called with the leaves of every torch call on an Absent value
     # while the pipeline's probe runs (NOTE [absent values]).
     "on_use": None,
+    # meshlm.core.annotate: functions called with every constrained tensor and its axes, after
+    # the handler (``observing``; ``meshlm diff`` records activations through them).  Read in
+    # traced code.
+    "observers": (),
 }
 
 
@@ -83,6 +87,7 @@ class RunState:
     site: Any
     stage: Any
     on_use: Optional[Callable]
+    observers: tuple
 
     def __init__(self) -> None:
         for name, value in DEFAULTS.items():

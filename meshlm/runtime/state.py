@@ -176,6 +176,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/runtime/pipeline/schedule.py": "SCHEDULES",
     "meshlm/runtime/state.py": "INVENTORY READ_ONLY",
     "meshlm/train/checkpoint/__init__.py": "_HOME",
+    "meshlm/train/diff/record.py": "PHASE",
     "meshlm/train/checkpoint/config.py": "_RESUME_WORDS",
     "meshlm/train/lifecycle.py": "_REFERENCE_TARGETS",
 }
