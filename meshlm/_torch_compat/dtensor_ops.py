@@ -64,7 +64,7 @@ from meshlm._torch_compat.dtensor_loss import (
     _on_class_submesh,
 )
 from meshlm._torch_compat.dtensor_scalar import local_scalar_handler
-from meshlm._torch_compat.dtensor_sdpa import _register_sdpa_cpu
+from meshlm._torch_compat.dtensor_sdpa import sdpa_cpu_rules
 
 # ``wrap`` is re-exported: the lowering, the buckets and main_grad build DTensors through
 # ``dtensor_ops.wrap``; tests/dist/test_parity.py reaches the loss rules through this module.
@@ -97,7 +97,6 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        _register_sdpa_cpu()
         from torch.distributed.tensor.parallel import loss as _loss
 
         nd = _handles_nd_meshes(_loss)
@@ -110,6 +109,7 @@ def install() -> None:
         for op in dtensor_views.VIEW_OPS:
             _MINE[op] = dtensor_views.view_handler
         _MINE[aten._local_scalar_dense.default] = local_scalar_handler
+        _MINE.update(sdpa_cpu_rules())
 
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for op in _MINE:

@@ -16,11 +16,12 @@ NOTE [scoped patches]
       user's own code;
     - backward runs after forward has returned, from wherever the user calls it, and on
       CUDA on the autograd engine's threads.  The engine sets each node's thread-local
-      state to what ``backward()`` captured, so no node can switch the dispatcher flag on
-      for the nodes after it, and a callback queued at the end of the pass would restore
-      process-wide handlers while the pass still runs on other threads;
-    - the handlers dict and the flag are process-wide (the flag per thread): while a
-      context is open every other thread's DTensor code would see meshlm's behaviour.
+      state to what ``backward()`` captured, so no node of meshlm's graph can switch the
+      dispatcher flag on for the nodes after it; handlers installed by the first node and
+      restored by a callback queued for the end of the pass would hold, meanwhile, for
+      every other thread's DTensor work;
+    - the handlers dict is process-wide: while a context is open every other thread's
+      DTensor code sees meshlm's rules.
 
     Ownership is a property of the op's arguments, so it holds wherever and whenever the op
     runs: each patched entry point looks at the mesh of the op's first DTensor argument (the
@@ -36,11 +37,13 @@ NOTE [scoped patches]
     counts as meshlm's, as it does for DTensor itself.
 
     What stays process-wide, from the first ``shard`` on, and why: the patches themselves,
-    inert on other meshes (one dict entry per op with a rule; torch's loss-parallel switch,
-    so that its handlers go under ours and ours survive its exit; the CPU flash attention
-    sharding rule, which raises DTensor's own "no sharding strategy" error on other meshes;
-    the dispatcher's implicit-replication gate and flag property).  The per-thread C++ flag
-    stays on in a thread that ran a sharded forward (NOTE [implicit replication]).
+    inert on other meshes: one entry in DTensor's custom handlers per op meshlm has a rule
+    for (the CPU flash attention rule among them, put in DTensor's sharding propagator only
+    for the call on meshlm's mesh); torch's loss-parallel switch, so that ``loss_parallel()``
+    puts its handlers under ours and ours survive its exit; the dispatcher's
+    implicit-replication method and flag property.  They cannot be scoped further because
+    the tables they sit in are the process's.  The per-thread C++ flag stays on in a thread
+    that ran a sharded forward (NOTE [implicit replication]).
 
     Exact except: a mesh equal to one of meshlm's (above); a mixed Tensor/DTensor op
     refused on another mesh raises torch's error from its Python path ("aten.add.Tensor:
