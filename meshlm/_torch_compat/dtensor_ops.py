@@ -17,11 +17,11 @@ meshlm/_torch_compat/dtensor_scope.py).  What it adds (installed once, on the fi
   backward) has no sharding rule in torch 2.11-2.13: heads (dim 1) or batch (dim 0)
   sharded in, the same out, or all replicated (meshlm/_torch_compat/dtensor_sdpa.py).
 * ``F.cross_entropy`` on logits sharded over the class dim: torch's loss-parallel handlers
-  (``loss_parallel()``), always on for meshlm's meshes, and falling back to the default rule when the class
-  dim is not sharded; on meshes of several dims where torch's handlers take one dim only
-  (2.11), run on the class dim's submesh (NOTE [loss on the class submesh]).  So a
-  vocab-sharded loss never all-gathers the logits, and backward need not run inside a
-  context manager (meshlm/_torch_compat/dtensor_loss.py).
+  (``loss_parallel()``), always on for meshlm's meshes, and falling back to the default
+  rule when the class dim is not sharded; on meshes of several dims where torch's handlers
+  take one dim only (2.11), run on the class dim's submesh (NOTE [loss on the class
+  submesh]).  So a vocab-sharded loss never all-gathers the logits, and backward need not
+  run inside a context manager (meshlm/_torch_compat/dtensor_loss.py).
 * Vocab-parallel ``F.embedding``: DTensor's own rule yields a MaskPartial output whose
   gradient cannot come back through a Partial(sum).  Ours looks up the local
   vocab rows with out-of-range ids masked to zero and returns Partial(sum) (the next

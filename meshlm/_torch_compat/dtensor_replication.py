@@ -50,6 +50,8 @@ import threading
 import torch
 from torch.distributed.tensor import Replicate
 
+from meshlm._torch_compat.dtensor_scope import owns
+
 _KEY = "meshlm_dtensor_stock_implicit_replication"
 _C_FLAG = hasattr(torch._C, "_get_dtensor_allow_implicit_replication")
 _STASH = all(hasattr(torch._C, n) for n in ("_stash_obj_in_tls", "_get_obj_in_tls", "_is_key_in_tls"))
@@ -111,8 +113,6 @@ def hold() -> None:
 
 
 def _replicate_spec(dispatcher, op_call, tensor_arg, compute_mesh, *rest):
-    from meshlm._torch_compat.dtensor_scope import owns
-
     if owns(compute_mesh):
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
