@@ -101,6 +101,7 @@ def _set_stock_flag(_dispatcher, value) -> None:
         clear_dtensor_caches()
 
 
+@torch.compiler.disable  # thread state, not graph: run as is where a compiled root's forward calls it
 def hold() -> None:
     """Let DTensor treat plain tensors as replicated on meshlm's meshes in this thread, in
     forward and in every later backward (NOTE [implicit replication])."""
