@@ -5,18 +5,20 @@ Private names (``torch._dynamo``, ``torch._C``, ``torch.distributed._functional_
 internals, a DTensor's ``_local_tensor``) move between releases; here each is looked up
 once, with the version differences spelled out, so that a new torch breaks this package
 only.  This module holds the small wrappers; the ``dtensor_*.py`` files the DTensor op rules
-meshlm adds through DTensor's dispatcher (NOTE [private torch] in dtensor_ops.py);
-``dcp_metadata.py`` reads DCP's checkpoint metadata without running code.  Each file imports
-only files below it:
+meshlm adds through DTensor's dispatcher (NOTE [private torch] in dtensor_ops.py), which act
+on meshlm's meshes only (NOTE [scoped patches] in dtensor_scope.py); ``dcp_metadata.py``
+reads DCP's checkpoint metadata without running code.  Each file imports only files below it:
 
-    dtensor_ops.py        installs the rules; DTensor dispatcher settings (implicit replication, waited)
-    dtensor_views.py      views of a local tensor laid out unlike its global strides, strided unflatten
-    dtensor_loss.py       cross entropy on class-sharded logits, the backward of mean-reduced losses
-    dtensor_embedding.py  vocab-parallel embedding
-    dtensor_sdpa.py       CPU flash attention
-    dtensor_scalar.py     a Python number read from a DTensor is the global value
-    dtensor_base.py       what the rules share (wrap, default, contiguous_stride)
-    dcp_metadata.py       DCP's .metadata pickle through an allow-list; a reader and planner that run no code
+    dtensor_ops.py          installs the rules, each scoped to meshlm's meshes; waiting for a redistribute
+    dtensor_replication.py  plain tensors next to DTensors as replicated, on meshlm's meshes only
+    dtensor_views.py        views of a local tensor laid out unlike its global strides, strided unflatten
+    dtensor_loss.py         cross entropy on class-sharded logits, the backward of mean-reduced losses
+    dtensor_embedding.py    vocab-parallel embedding
+    dtensor_sdpa.py         CPU flash attention
+    dtensor_scalar.py       a Python number read from a DTensor is the global value
+    dtensor_scope.py        which DTensors are meshlm's: those on the meshes it made or sharded onto
+    dtensor_base.py         what the rules share (wrap, default, contiguous_stride)
+    dcp_metadata.py         DCP's .metadata pickle through an allow-list; a reader and planner that run no code
 
 ``tests/unit/test_torch_compat.py`` fails when any module of meshlm outside this package names
 a private torch API.

@@ -7,8 +7,6 @@ its backward returns the vocab shard of the gradient."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -54,15 +52,9 @@ def _embedding_handler(op_call, args, kwargs):
         else:
             out_pl.append(ip)
     orig_ids = args[1]
-    if isinstance(orig_ids, DTensor):
-        _EMB_CTX[id(orig_ids)] = (
-            weakref.ref(orig_ids, lambda _r, k=id(orig_ids): _EMB_CTX.pop(k, None)),
-            vdims,
-            lo,
-            hi,
-            w._local_tensor.shape[0],
-            tuple(ids.placements),
-        )
+    if isinstance(orig_ids, DTensor):  # NOTE [lookup on the ids]
+        lookups = orig_ids.__dict__.setdefault(_LOOKUPS, {})
+        lookups[w.shape[0]] = (vdims, lo, hi, w._local_tensor.shape[0], tuple(ids.placements))
     loc_ids = ids._local_tensor
     miss = (loc_ids < lo) | (loc_ids >= hi)
     local = torch.nn.functional.embedding((loc_ids - lo).masked_fill(miss, 0), w._local_tensor)
@@ -73,10 +65,11 @@ def _embedding_handler(op_call, args, kwargs):
 
 def _embedding_backward_handler(op_call, args, kwargs):
     grad, ids = args[0], args[1]
-    ctx = _EMB_CTX.get(id(ids))
-    if ctx is None or ctx[0]() is not ids:
+    lookups = getattr(ids, _LOOKUPS, None) if isinstance(ids, DTensor) else None
+    ctx = lookups.get(args[2]) if lookups else None  # args[2]: the table's rows (num_weights)
+    if ctx is None:
         return _default(op_call, args, kwargs)
-    _, vdims, lo, hi, rows, id_pl = ctx
+    vdims, lo, hi, rows, id_pl = ctx
     mesh = grad.device_mesh
     # Every rank needs the whole gradient of the lookups on the vocab mesh dims (it holds
     # the rows for all of them); elsewhere the gradient follows the ids.
@@ -105,7 +98,10 @@ def _embedding_backward_handler(op_call, args, kwargs):
     return wrap(local, mesh, out_pl, shape, _contiguous_stride(shape))
 
 
-# id(ids DTensor) -> (weakref to it, vocab mesh dims, lo, hi, local rows, ids placements
-# used in forward).  The backward op sees the saved ids but not the weight, so the forward
-# leaves what the backward needs keyed by the ids object autograd saves.
-_EMB_CTX: dict = {}
+# NOTE [lookup on the ids]
+#     The backward op (``embedding_dense_backward(grad, ids, num_weights, ...)``) sees the
+#     ids autograd saved, not the weight, so the forward leaves what the backward needs
+#     (vocab mesh dims, this rank's [lo, hi) rows, its local rows, the ids' placements in
+#     forward) on the ids DTensor itself, per table size: it lives and dies with the ids
+#     (autograd's saved ids are the same Python object) and no model sees another's.
+_LOOKUPS = "_meshlm_vocab_lookups"

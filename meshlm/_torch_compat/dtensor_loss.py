@@ -3,10 +3,10 @@
 there):
 
 * ``F.cross_entropy`` on logits sharded over the class dim: torch's loss-parallel handlers
-  made permanent, falling back to DTensor's default rule when the class dim is not sharded,
-  with the mean taken over the whole batch on meshes of several dims, and, where torch's
-  handlers take one-dimensional meshes only (2.11), run on the class dim's submesh
-  (NOTE [loss on the class submesh]).
+  always on for meshlm's meshes, falling back to DTensor's default rule when the class dim
+  is not sharded, with the mean taken over the whole batch on meshes of several dims, and,
+  where torch's handlers take one-dimensional meshes only (2.11), run on the class dim's
+  submesh (NOTE [loss on the class submesh]).
 * The backward of a mean-reduced elementwise loss (``F.mse_loss`` and the like) on a sharded
   input, scaled by the shard's share of the elements (NOTE [mean loss backward]).
 """

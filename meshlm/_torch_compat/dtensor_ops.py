@@ -7,18 +7,21 @@ NOTE [private torch]
     ``meshlm/layout/mesh.py:init_fake``.
 
 This module installs the rules and holds the DTensor dispatcher settings a sharded forward
-needs (implicit replication, waiting for a redistribute in flight).  What it adds (installed
-once, on the first ``shard``), each rule in a file of its own:
+needs (implicit replication, waiting for a redistribute in flight).  Every rule acts on
+DTensors on meshlm's meshes only (those ``make_mesh`` built or ``shard`` sharded onto); any
+other DTensor in the process gets exactly what torch gives it (NOTE [scoped patches] in
+meshlm/_torch_compat/dtensor_scope.py).  What it adds (installed once, on the first
+``shard``), each rule in a file of its own:
 
 * CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   backward) has no sharding rule in torch 2.11-2.13: heads (dim 1) or batch (dim 0)
   sharded in, the same out, or all replicated (meshlm/_torch_compat/dtensor_sdpa.py).
 * ``F.cross_entropy`` on logits sharded over the class dim: torch's loss-parallel handlers
-  (``loss_parallel()``), made permanent, and falling back to the default rule when the class
-  dim is not sharded; on meshes of several dims where torch's handlers take one dim only
-  (2.11), run on the class dim's submesh (NOTE [loss on the class submesh]).  So a
-  vocab-sharded loss never all-gathers the logits, and backward need not run inside a
-  context manager (meshlm/_torch_compat/dtensor_loss.py).
+  (``loss_parallel()``), always on for meshlm's meshes, and falling back to the default
+  rule when the class dim is not sharded; on meshes of several dims where torch's handlers
+  take one dim only (2.11), run on the class dim's submesh (NOTE [loss on the class
+  submesh]).  So a vocab-sharded loss never all-gathers the logits, and backward need not
+  run inside a context manager (meshlm/_torch_compat/dtensor_loss.py).
 * Vocab-parallel ``F.embedding``: DTensor's own rule yields a MaskPartial output whose
   gradient cannot come back through a Partial(sum).  Ours looks up the local
   vocab rows with out-of-range ids masked to zero and returns Partial(sum) (the next
@@ -48,8 +51,9 @@ import threading
 
 from torch.distributed.tensor import DTensor
 
-from meshlm._torch_compat import dtensor_views
+from meshlm._torch_compat import dtensor_replication, dtensor_scope, dtensor_views
 from meshlm._torch_compat.dtensor_base import aten
+from meshlm._torch_compat.dtensor_base import default as _default
 from meshlm._torch_compat.dtensor_base import wrap as wrap
 from meshlm._torch_compat.dtensor_embedding import _embedding_backward_handler, _embedding_handler
 from meshlm._torch_compat.dtensor_loss import (
@@ -60,7 +64,7 @@ from meshlm._torch_compat.dtensor_loss import (
     _on_class_submesh,
 )
 from meshlm._torch_compat.dtensor_scalar import local_scalar_handler
-from meshlm._torch_compat.dtensor_sdpa import _register_sdpa_cpu
+from meshlm._torch_compat.dtensor_sdpa import sdpa_cpu_rules
 
 # ``wrap`` is re-exported: the lowering, the buckets and main_grad build DTensors through
 # ``dtensor_ops.wrap``; tests/dist/test_parity.py reaches the loss rules through this module.
@@ -68,14 +72,31 @@ from meshlm._torch_compat.dtensor_sdpa import _register_sdpa_cpu
 _lock = threading.Lock()
 _installed = False
 
+# op -> meshlm's rule for it, looked up at every call (a test swaps entries for torch 2.11's loss path)
+_MINE: dict = {}
+# op -> the handler stock torch has for it now, under ours: torch's loss-parallel handlers
+# while a ``loss_parallel()`` block is open (its handlers go here, not over ours)
+_BELOW: dict = {}
+
+
+def _dispatch(op_call, args, kwargs):
+    """The one handler meshlm puts in DTensor's dispatcher for each op it has a rule for:
+    meshlm's rule on meshlm's meshes, what torch would run anywhere else (NOTE [scoped
+    patches] in dtensor_scope.py)."""
+    if dtensor_scope.owned(args, kwargs):
+        return _MINE[op_call](op_call, args, kwargs)
+    below = _BELOW.get(op_call)
+    if below is not None:
+        return below(op_call, args, kwargs)
+    return _default(op_call, args, kwargs)
+
 
 def install() -> None:
+    """Put meshlm's DTensor rules in place, scoped to meshlm's meshes; once per process."""
     global _installed
     with _lock:
         if _installed:
             return
-        _register_sdpa_cpu()
-        handlers = DTensor._op_dispatcher._custom_op_handlers
         from torch.distributed.tensor.parallel import loss as _loss
 
         nd = _handles_nd_meshes(_loss)
@@ -85,43 +106,68 @@ def install() -> None:
         _MINE[aten.embedding_dense_backward.default] = _embedding_backward_handler
         for op in _MEAN_LOSS_BACKWARD:
             _MINE[op] = _mean_loss_backward_handler
-
         for op in dtensor_views.VIEW_OPS:
             _MINE[op] = dtensor_views.view_handler
         _MINE[aten._local_scalar_dense.default] = local_scalar_handler
-        handlers.update(_MINE)
+        _MINE.update(sdpa_cpu_rules())
+
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for op in _MINE:
+            prev = handlers.get(op)
+            if prev is not None and prev is not _dispatch:
+                _BELOW[op] = prev  # installed inside a loss_parallel() block: its handler stays under ours
+            handlers[op] = _dispatch
+        _layer_loss_parallel(_loss)
+        dtensor_replication.install()
         _installed = True
 
 
-_MINE: dict = {}
+def _layer_loss_parallel(loss_module) -> None:
+    """Make torch's ``loss_parallel()`` put its handlers under ours and take them from there.
+
+    ``loss_parallel()`` writes its handlers into DTensor's dispatcher on entry and deletes
+    those entries on exit (not restoring what was there), through two module functions it
+    looks up at each call.  In their place: where our handler holds an op, torch's goes to
+    ``_BELOW`` (so the block runs torch's handlers on every other mesh, as without meshlm)
+    and leaves it on exit (a KeyError where torch's own delete would raise one); ours stay.
+    A torch without the two functions would overwrite and delete our loss entries: meshlm's
+    losses then take DTensor's default rules (the same values, the logits gathered)."""
+    enable = getattr(loss_module, "_enable_custom_loss_ops", None)
+    disable = getattr(loss_module, "_disable_custom_loss_ops", None)
+    if enable is None or disable is None or getattr(enable, "meshlm_layered", False):
+        return
+
+    def enable_under_meshlm():
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for op, handler in loss_module.customized_loss_ops.items():
+            if handlers.get(op) is _dispatch:
+                _BELOW[op] = handler
+            else:
+                handlers[op] = handler
+
+    def disable_under_meshlm():
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        for op in loss_module.customized_loss_ops:
+            if handlers.get(op) is _dispatch:
+                _BELOW.pop(op)
+            else:
+                handlers.pop(op)
+
+    enable_under_meshlm.meshlm_layered = True
+    loss_module._enable_custom_loss_ops = enable_under_meshlm
+    loss_module._disable_custom_loss_ops = disable_under_meshlm
 
 
-def ensure_installed() -> None:
-    """Put our handlers back if something replaced or removed them: torch's own
-    ``loss_parallel()`` context overwrites the loss handlers on entry and deletes them on
-    exit (and leaves its own in place when its body raises).  Called at every sharded
-    forward; a few dict lookups."""
-    install()
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op, h in _MINE.items():
-        if handlers.get(op) is not h:
-            handlers[op] = h
+def claim_mesh(mesh) -> None:
+    """Make ``mesh`` meshlm's: its DTensors get meshlm's rules (NOTE [scoped patches])."""
+    dtensor_scope.claim(mesh)
 
 
 def allow_implicit_replication() -> None:
-    """Let DTensor treat plain tensors as replicated in this thread, in forward and in every
-    later backward (whose thread-local state is captured when ``backward()`` is called).
-
-    NOTE [implicit replication]
-        Model code makes plain tensors inside forward (RoPE tables, masks, positions) and
-        autograd saves them for backward.  They are identical on every rank, so treating them
-        as Replicate is exact.  torch's ``implicit_replication()`` context only covers code
-        inside it, and the backward of a loss returned from forward runs after it has been
-        left, so a sharded model's forward turns the flag on for its thread and leaves it on.
-        Inputs are wrapped as DTensors by the lowering, so rank-local data is never mistaken
-        for replicated data; a plain tensor that differs across ranks (``torch.rand`` in
-        forward) would be, so draw random numbers from DTensors."""
-    DTensor._op_dispatcher._allow_implicit_replication = True
+    """Let DTensor treat plain tensors as replicated on meshlm's meshes in this thread, in
+    forward and in every later backward (NOTE [implicit replication] in
+    dtensor_replication.py; other meshes keep torch's own setting)."""
+    dtensor_replication.hold()
 
 
 def waited(x: DTensor) -> DTensor:

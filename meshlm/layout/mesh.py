@@ -153,6 +153,9 @@ def make_mesh(
     dev = device_type or ("cpu" if fake or dist.get_backend() == "gloo" else _device_type())
     mesh = init_device_mesh(dev, tuple(s for _, s in active), mesh_dim_names=tuple(a for a, _ in active))
     mesh._meshlm_spec = spec  # the full spec, size-1 axes included (for reports)
+    from meshlm._torch_compat import dtensor_scope
+
+    dtensor_scope.claim(mesh)  # its DTensors get meshlm's DTensor rules (NOTE [scoped patches])
     return mesh
 
 

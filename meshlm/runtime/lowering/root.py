@@ -56,7 +56,6 @@ def _root_forward(self, st, *args, **kwargs):
         return t if isinstance(t, DTensor) else wrap_input(st, t, input_axes(self, path, t.ndim))
 
     set_arguments(bound, tree.map_tensors(inputs, wrap))
-    dtensor_ops.ensure_installed()
     dtensor_ops.allow_implicit_replication()
     local_mods = st.local_block_modules if st.has_buffers else set()
     with scope(handler=st.handler), buffers.replicated(self, st.mesh, local_mods):  # NOTE [buffers]

@@ -77,6 +77,7 @@ def shard(
     parameters go to their tier there: NOTE [offloaded parameters] in meshlm/runtime/offload/params.py).
     """
     dtensor_ops.install()
+    dtensor_ops.claim_mesh(mesh)  # its DTensors get meshlm's rules (NOTE [scoped patches])
     layout = load_layout(layout)
     if getattr(model, "_meshlm_state", None) is not None:
         raise MeshlmError("this model is already sharded; build a fresh model to shard it again")
