@@ -92,10 +92,23 @@ INVENTORY: dict[str, tuple[str, str]] = {
         "the DTensor dispatcher entries meshlm installs; torch's dispatcher is the process's",
     ),
     "meshlm/_torch_compat/dtensor_ops.py:_installed": (PATCH, "whether _MINE is installed (once per process)"),
-    "meshlm/_torch_compat/dtensor_embedding.py:_EMB_CTX": (
+    "meshlm/_torch_compat/dtensor_ops.py:_BELOW": (
         PATCH,
-        "what an embedding's backward needs, keyed by the ids DTensor autograd saved; an entry leaves with "
-        "that DTensor (a weak reference's callback)",
+        "per op, the handler stock torch has under meshlm's (torch's loss_parallel() handlers while such a "
+        "block is open), called for DTensors on meshes meshlm did not make (NOTE [scoped patches])",
+    ),
+    "meshlm/_torch_compat/dtensor_replication.py:_local": (
+        PATCH,
+        "the stock implicit-replication flag, per thread, where torch has no C++ stash for it (NOTE [scoped patches])",
+    ),
+    "meshlm/_torch_compat/dtensor_replication.py:_orig_replicate": (
+        PATCH,
+        "the dispatcher method meshlm's replication gate wraps, called for meshes meshlm did not make; set once",
+    ),
+    "meshlm/_torch_compat/dtensor_scope.py:_MESHES": (
+        TABLE,
+        "the device meshes meshlm made or sharded onto, weakly held: meshlm's DTensor rules act on these only "
+        "(NOTE [scoped patches]); a mesh leaves when it is collected",
     ),
     "meshlm/_torch_compat/dtensor_views.py:_strided_view_placements": (
         CACHE,
