@@ -19,7 +19,7 @@ the one-process reference (nothing from meshlm):
   the same class loaded with its weights, and within the harness's loss tolerance of the
   sharded model's forward on the same batch just before ``unshard``.
 
-Also: activation checkpointing comes off (compiled blocks: tests/unit/test_unshard.py);
+Also: activation checkpointing comes off (compiled blocks: tests/unit/test_unshard_one_rank.py);
 offloaded parameters come back from disk, their files removed, equal to a run without
 offload."""
 
@@ -36,7 +36,7 @@ from torch import nn
 import meshlm
 from harness import dist_pool_fixture
 from harness import tolerances as tol
-from harness.parity import LlamaBuild, TokenBatches, assert_parity, check_training
+from harness.parity import LlamaBuild, TokenBatches, VlmBatches, VlmBuild, assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=120)
 
@@ -101,34 +101,6 @@ class SeqBuild:
     def __call__(self, device: str, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return SeqLM()
-
-
-@dataclass(frozen=True)
-class VlmBuild:
-    def __call__(self, device: str, seed: int) -> nn.Module:
-        from meshlm.models import VLM, vlm_config
-
-        return VLM(vlm_config("vlm_tiny"), device=device, seed=seed)
-
-
-@dataclass(frozen=True)
-class VlmBatches:
-    """8 rows of 24 tokens, each with its 16 image tokens at a different offset."""
-
-    def __call__(self, step: int, micro: int):
-        from meshlm.models import vlm_config
-
-        c = vlm_config("vlm_tiny")
-        g = torch.Generator().manual_seed(100 * step + micro)
-        b, s, p = 8, 24, c.patches
-        tokens = torch.randint(0, 256, (b, s), generator=g)
-        labels = torch.randint(0, 256, (b, s), generator=g)
-        images = torch.rand(b, c.channels, c.image_size, c.image_size, generator=g)
-        for r in range(b):
-            at = r % (s - p + 1)
-            tokens[r, at : at + p] = c.image_token
-            labels[r, at : at + p] = -100
-        return (tokens, labels, images), {}
 
 
 VLM = {"build": VlmBuild(), "batches": VlmBatches(), "input_axes": {2: ("batch", "channels", None, None)}}

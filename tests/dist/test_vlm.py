@@ -18,45 +18,14 @@ import pytest
 import torch
 
 from harness import dist_pool_fixture
+from harness.parity import VlmBatches as Batches
+from harness.parity import VlmBuild as Build
 from harness.parity import assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=90)
 MESH = "fsdp=2,tp=2"
 INPUT_AXES = {2: ("batch", "channels", None, None)}
-
-
-@dataclass(frozen=True)
-class Build:
-    def __call__(self, device: str, seed: int):
-        from meshlm.models import VLM, vlm_config
-
-        return VLM(vlm_config("vlm_tiny"), device=device, seed=seed)
-
-
-@dataclass(frozen=True)
-class Batches:
-    """Global micro-batches of 8 rows of 24 tokens: rows with their 16 image tokens at
-    different offsets, and text-only rows (``text_rows``; zero images) at the given rows."""
-
-    text_rows: tuple[int, ...] = (1, 6)
-
-    def __call__(self, step: int, micro: int):
-        from meshlm.models import vlm_config
-
-        c = vlm_config("vlm_tiny")
-        g = torch.Generator().manual_seed(100 * step + micro)
-        b, s, p = 8, 24, c.patches
-        tokens = torch.randint(0, 256, (b, s), generator=g)
-        labels = torch.randint(0, 256, (b, s), generator=g)
-        images = torch.rand(b, c.channels, c.image_size, c.image_size, generator=g)
-        for r in range(b):
-            if r in self.text_rows:
-                images[r] = 0.0
-                continue
-            at = r % (s - p + 1)
-            tokens[r, at : at + p] = c.image_token
-            labels[r, at : at + p] = -100
-        return (tokens, labels, images), {}
+TEXT_ROWS = (1, 6)  # text-only rows (zero images) among the image rows
 
 
 _ok = assert_parity
@@ -74,19 +43,19 @@ def _scoped(tmp_path, vision: str) -> str:
 
 
 def test_vlm_scoped_layout_matches_one_device_sgd_and_adamw(pool4):
-    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(), input_axes=INPUT_AXES))
+    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(TEXT_ROWS), input_axes=INPUT_AXES))
 
 
 @pytest.mark.parametrize("vision", ["ddp", "fsdp_tp", "{params: {embed: fsdp}, compute: {batch: fsdp}}"])
 def test_vlm_encoder_strategy_is_one_yaml_line(pool4, tmp_path, vision):
-    _ok(pool4.run(check_training, _scoped(tmp_path, vision), MESH, build=Build(), batches=Batches(),
+    _ok(pool4.run(check_training, _scoped(tmp_path, vision), MESH, build=Build(), batches=Batches(TEXT_ROWS),
                   input_axes=INPUT_AXES, optims=("sgd",)))
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
 def test_vlm_whole_model_layouts_match_one_device(pool4, layout):
     mesh = "fsdp=4" if layout == "fsdp" else MESH
-    _ok(pool4.run(check_training, layout, mesh, build=Build(), batches=Batches(), input_axes=INPUT_AXES,
+    _ok(pool4.run(check_training, layout, mesh, build=Build(), batches=Batches(TEXT_ROWS), input_axes=INPUT_AXES,
                   optims=("sgd",)))
 
 
@@ -106,7 +75,7 @@ def _reshard_job(layout: str, load_from, save_to, steps_before: int, steps_after
     mesh = meshlm.make_mesh(MESH)
     model = meshlm.shard(Build()("meta", 0), layout, mesh, seed=0)
     opt = ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
-    batches = [Batches()(k, 0)[0] for k in range(4)]  # steps 0-1 before the save, 2-3 after
+    batches = [Batches(TEXT_ROWS)(k, 0)[0] for k in range(4)]  # steps 0-1 before the save, 2-3 after
 
     def train(bs):
         out = []
@@ -148,5 +117,5 @@ def test_vlm_compiled_blocks_match_one_device(pool4):
     """Encoder and decoder blocks compiled (aot_eager): two block classes whose activations
     differ in length (17 patches, 24 tokens) each get a static graph (NOTE [static block
     shapes] in meshlm/runtime/compile.py; a symbolic length failed in DTensor's view rules)."""
-    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(), input_axes=INPUT_AXES,
+    _ok(pool4.run(check_training, "vlm_fsdp_tp", MESH, build=Build(), batches=Batches(TEXT_ROWS), input_axes=INPUT_AXES,
                   optims=("sgd",), compile="aot_eager"))

@@ -85,6 +85,43 @@ class LlamaBuild:
 
 
 @dataclass(frozen=True)
+class VlmBuild:
+    """``build`` for ``check_training``: ``meshlm.models.VLM`` of ``vlm_tiny``."""
+
+    def __call__(self, device: str, seed: int) -> nn.Module:
+        from meshlm.models import VLM, vlm_config
+
+        return VLM(vlm_config("vlm_tiny"), device=device, seed=seed)
+
+
+@dataclass(frozen=True)
+class VlmBatches:
+    """``batches`` for ``check_training`` with ``VlmBuild``: micro-batches of 8 rows of 24
+    tokens, each row with its 16 image tokens at a different offset, except the text-only
+    rows ``text_rows`` (zero images, no image tokens)."""
+
+    text_rows: tuple[int, ...] = ()
+
+    def __call__(self, step: int, micro: int) -> tuple[tuple, dict]:
+        from meshlm.models import vlm_config
+
+        c = vlm_config("vlm_tiny")
+        g = torch.Generator().manual_seed(100 * step + micro)
+        b, s, p = 8, 24, c.patches
+        tokens = torch.randint(0, 256, (b, s), generator=g)
+        labels = torch.randint(0, 256, (b, s), generator=g)
+        images = torch.rand(b, c.channels, c.image_size, c.image_size, generator=g)
+        for r in range(b):
+            if r in self.text_rows:
+                images[r] = 0.0
+                continue
+            at = r % (s - p + 1)
+            tokens[r, at : at + p] = c.image_token
+            labels[r, at : at + p] = -100
+        return (tokens, labels, images), {}
+
+
+@dataclass(frozen=True)
 class TokenBatches:
     """``batches`` for ``check_training``: (tokens, labels) of ``batch`` x ``seq`` random
     ids, different for every (step, micro-batch).  ``ignored_targets``: some labels are
