@@ -3,7 +3,7 @@
 Times meshlm.plan.plan for Llama 3 8B on 1,024 ranks (dp 8 x fsdp 16 x tp 8) and Llama 3
 405B on 16,384 ranks (dp 16 x fsdp 128 x tp 8), cold (first call: builds the one-layer meta
 model, NOTE [one layer] in meshlm/plan/state.py) and warm (per-parameter plans cached), and
-meshlm.plan.choose_layout for Llama 3 70B on 256 devices (every shipped layout x every
+meshlm.app.plan.choose_layout for Llama 3 70B on 256 devices (every shipped layout x every
 factorisation of 256 into dp, fsdp, tp).
 """
 

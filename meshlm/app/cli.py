@@ -34,7 +34,7 @@ _SWEEP: dict[str, Any] = {"dir": None, "failed": 0, "jobs": 0}
 
 
 def resolve_auto(cfg):
-    """``layout=auto``: let ``meshlm.plan.choose_layout`` pick the layout and mesh."""
+    """``layout=auto``: let ``meshlm.app.plan.choose_layout`` pick the layout and mesh."""
     from meshlm.app.config import LayoutConfig, MeshConfig
 
     if cfg.layout.name != "auto":

@@ -45,7 +45,7 @@ OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
 @dataclass
 class LayoutConfig:
     """``layout``: a layout name (``layouts/<name>.yaml``), a path to a YAML file, or
-    ``auto`` (``meshlm.plan.choose_layout`` picks layout and mesh)."""
+    ``auto`` (``meshlm.app.plan.choose_layout`` picks layout and mesh)."""
 
     name: str = "fsdp_tp"
     #: a layout that degenerates on the mesh (a kind of parallelism it names has no mesh axis

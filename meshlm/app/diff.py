@@ -295,8 +295,8 @@ def plain_model(cfg: RunConfig):
     """The side's model whole on this process, with the weights its sharded build starts from
     (NOTE [model build] in meshlm/app/model_plain.py): for measuring bf16 rounding."""
     from meshlm.app import model_plain
+    from meshlm.app.model_build import build_model
     from meshlm.core.annotate import init_params
-    from meshlm.models.node import build_model
 
     if cfg.model.init_from:
         from meshlm.interop.hf.load import load_hf_local
