@@ -5,7 +5,7 @@ nor DTensor, so the ``meshlm`` command can start a run's worker processes while 
 importing them itself (docs/train.md, "Start-up time").
 """
 
-import importlib
+from meshlm.core.lazy import lazy_names
 
 # public name -> the module that defines it
 _HOME = {
@@ -37,18 +37,7 @@ _HOME = {
 }
 
 
-def __getattr__(name):
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'meshlm' has no attribute {name!r}")
-    module = importlib.import_module(home)
-    value = module if home == f"meshlm.{name}" else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *_HOME})
+__getattr__, __dir__ = lazy_names("meshlm", globals(), _HOME)
 
 
 __all__ = [

@@ -6,30 +6,19 @@ callable that returns a module.
 The names below load on first use (PEP 562), so reading a model node (``meshlm.models.node``)
 imports no torch."""
 
-import importlib
+from meshlm.core.lazy import lazy_names
 
-# public name -> the module that defines it
+# public name -> the module that defines it ("module:attr" where it is named otherwise there)
 _HOME = {
     **dict.fromkeys(("GPT2", "GPT2Config", "gpt2_config", "gpt2_model"), "meshlm.models.gpt2"),
     **dict.fromkeys(
         ("CONFIGS", "Llama", "LlamaConfig", "llama_config", "llama_fields", "llama_model"), "meshlm.models.llama"
     ),
     **dict.fromkeys(("VLM", "VLMConfig", "vlm_config", "vlm_model"), "meshlm.models.vlm"),
+    "GPT2_CONFIGS": "meshlm.models.gpt2:CONFIGS",
+    "VLM_CONFIGS": "meshlm.models.vlm:CONFIGS",
 }
-_RENAMED = {"GPT2_CONFIGS": ("meshlm.models.gpt2", "CONFIGS"), "VLM_CONFIGS": ("meshlm.models.vlm", "CONFIGS")}
 
+__getattr__, __dir__ = lazy_names("meshlm.models", globals(), _HOME)
 
-def __getattr__(name):
-    home, attr = _RENAMED.get(name) or (_HOME.get(name), name)
-    if home is None:
-        raise AttributeError(f"module 'meshlm.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *_HOME, *_RENAMED})
-
-
-__all__ = sorted([*_HOME, *_RENAMED])
+__all__ = sorted(_HOME)

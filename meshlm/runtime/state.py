@@ -177,7 +177,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/interop/hf/save.py": "_DT_TO_ST",
     "meshlm/layout/offload.py": "KINDS",
     "meshlm/layout/precision.py": "DTYPES",
-    "meshlm/models/__init__.py": "_HOME _RENAMED",
+    "meshlm/models/__init__.py": "_HOME",
     "meshlm/models/gpt2.py": "CONFIGS",
     "meshlm/models/llama.py": "CONFIGS",
     "meshlm/models/node.py": "SHIPPED_FIELDS",

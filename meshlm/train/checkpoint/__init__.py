@@ -58,7 +58,7 @@ The package, each module importing only those above it:
 The names below load on first use (PEP 562), so reading the config section imports no torch.
 """
 
-import importlib
+from meshlm.core.lazy import lazy_names
 
 # public name -> the module that defines it
 _HOME = {
@@ -83,17 +83,7 @@ _HOME = {
 }
 
 
-def __getattr__(name):
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'meshlm.train.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *_HOME})
+__getattr__, __dir__ = lazy_names("meshlm.train.checkpoint", globals(), _HOME)
 
 
 __all__ = sorted(_HOME)
