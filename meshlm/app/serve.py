@@ -44,7 +44,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
     p.add_argument("--mesh", default=None, help="e.g. tp=2, or pp=N with --max-memory-per-device")
     p.add_argument("--max-memory-per-device", default=None, help="as meshlm generate's (placement for --max-batch)")
-    p.add_argument("--context", type=int, default=None, help="the longest prompt + max_tokens served (default: 2048)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="the longest prompt + max_tokens served (default: the model's own, from its config; else 2048)",
+    )
+    p.add_argument(
+        "--scheduler",
+        default="continuous",
+        choices=("continuous", "static"),
+        help="continuous batching (the default), or static batches of the same sampling options (for comparison)",
+    )
+    p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens a request may ask")
+    p.add_argument("--max-prompts", type=int, default=16, help="prompts in one request, at most")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (0: no limit)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per iteration, at most")
     add_compile(p)
     p.add_argument("--offload", default="disk", choices=("disk", "host"), help="where streamed blocks live")
     p.add_argument("--offload-dir", default=None, help="the disk tier's directory")
