@@ -1,14 +1,16 @@
 """``meshlm serve``: the model of a Hugging Face directory or a meshlm checkpoint behind an
-OpenAI-compatible completions endpoint (NOTE [serving loop] in serve.py), on one process or
+OpenAI-compatible completions endpoint (NOTE [serving requests] in serve_http.py; NOTE
+[continuous batching] in meshlm/infer/scheduler.py), on one process or
 tensor parallel over workers it starts (rank 0 serves HTTP).
 
 NOTE [stopping a server]
     SIGTERM or SIGINT (Ctrl-C) stops a server within seconds, its workers included, with
     one line naming the signal and the exit status 128 + its number (143, 130).  Rank 0
     stops taking connections and gives the requests in flight ``GRACE_S`` to finish
-    (uvicorn's graceful shutdown); then the engine stops (NOTE [serving loop] in serve.py)
-    and the requests still open are cut.  The other ranks end on the signal at once (its
-    default action, even inside a collective, where a Python handler would never run):
+    (uvicorn's graceful shutdown); then the scheduler stops at its next iteration (NOTE
+    [continuous batching] in meshlm/infer/scheduler.py) and the requests still open are
+    cut.  The other ranks end on the signal at once (its default action, even inside a
+    collective, where a Python handler would never run):
     the launcher's agent passes a signal it gets on to every worker, and Ctrl-C reaches
     them all from the terminal.  Rank 0 of several leaves with ``os._exit``: its peers are
     gone, and a teardown that waited on them would hang.  The launcher says what stopped
@@ -103,6 +105,60 @@ def _serve_http(api: Any, host: str, port: int, on_stop: Callable[[], None]) -> 
     return got[0] if got else None
 
 
+def model_context(source: Any, model: Any = None) -> tuple[Optional[int], str]:
+    """The longest sequence the model reads and where its config says so: GPT-2's
+    ``block_size``, or ``config.json``'s ``max_position_embeddings`` (``n_positions``);
+    (None, "") where neither says."""
+    import json
+
+    from meshlm.infer.generate import context_of
+
+    ctx = context_of(model) if model is not None else None
+    if ctx is not None:
+        return ctx, "model.block_size"
+    cfg = source / "config.json"
+    if cfg.is_file():
+        d = json.loads(cfg.read_text())
+        for key in ("max_position_embeddings", "n_positions"):
+            if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+                return d[key], f"config.json {key}"
+    return None, ""
+
+
+def serve_context(a: argparse.Namespace, source: Any, model: Any = None) -> int:
+    """The longest prompt + max_tokens served: ``--context``, at most the model's own;
+    without it the model's own, else 2048."""
+    ctx, where = model_context(source, model)
+    if a.context is not None:
+        if a.context < 2:
+            raise ConfigError(f"--context {a.context} must be at least 2 (a prompt token and a new one)")
+        if ctx is not None and a.context > ctx:
+            raise ConfigError(
+                f"--context {a.context} exceeds the model's context of {ctx} positions ({where}): "
+                f"give --context {ctx} or less"
+            )
+        return a.context
+    return ctx if ctx is not None else 2048
+
+
+def _check(a: argparse.Namespace) -> None:
+    for flag, v, lo in (
+        ("--max-batch", a.max_batch, 1),
+        ("--max-tokens", a.max_tokens, 1),
+        ("--max-prompts", a.max_prompts, 1),
+        ("--prefill-chunk", a.prefill_chunk, 1),
+    ):
+        if v < lo:
+            raise ConfigError(f"{flag}={v} must be at least {lo}")
+    if not a.request_timeout >= 0:
+        raise ConfigError(f"--request-timeout={a.request_timeout} must be >= 0 seconds (0: no limit)")
+    if a.scheduler == "continuous" and a.compile != "none":
+        raise ConfigError(
+            f"--compile {a.compile} compiles the decode step of --scheduler static; the continuous scheduler "
+            "decodes eagerly (docs/inference.md, Limits): drop --compile or add --scheduler static"
+        )
+
+
 def run(a: argparse.Namespace, launched: bool = False) -> int:
     """Serve (rank 0) or decode along (another rank); ``launched``: a worker of
     :func:`serve_main`'s own launch, whose launcher reports a stop."""
@@ -117,29 +173,36 @@ def run(a: argparse.Namespace, launched: bool = False) -> int:
         source_dir,
         stopped_line,
     )
-    from meshlm.infer import serve
-    from meshlm.infer.generate import context_of
+    from meshlm.app.serve_http import Limits, app
+    from meshlm.infer import static
+    from meshlm.infer.scheduler import Scheduler
+    from meshlm.infer.step import Runner, follow
 
-    if a.max_batch < 1:
-        raise ConfigError(f"--max-batch={a.max_batch} must be at least 1")
+    _check(a)
     source = source_dir(a.source)
     tok = _tokenizer(a.tokenizer, source)
     off = None
     if a.max_memory_per_device is not None:  # placed for the largest batch and context served
-        context = a.context or 2048
+        context = serve_context(a, source)
         model, off = _placed(a, source, a.max_batch, context, sys.stdout)
-        a.context = context
     else:
         model = load_model(source, a.layout, a.mesh or "dp=1")
-    limits = [c for c in (a.context, context_of(model)) if c is not None]
+        context = serve_context(a, source, model)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     if ranks > 1 and dist.get_rank() > 0:
         for s in (signal.SIGTERM, signal.SIGINT):  # NOTE [stopping a server]: end at once
             signal.signal(s, signal.SIG_DFL)
-        serve.follow(model, compile_backend(a))
+        if a.scheduler == "static":
+            static.follow(model, compile_backend(a))
+        else:
+            follow(Runner(model, a.max_batch, context))
         return 0
-    engine = serve.Engine(model, a.max_batch, compile_backend(a))
-    api = serve.app(engine, tok, a.name or source.name, tuple(default_stops(source)), min(limits, default=None))
+    if a.scheduler == "static":
+        engine = static.Engine(model, a.max_batch, compile_backend(a))
+    else:
+        engine = Scheduler(model, a.max_batch, context, a.prefill_chunk)
+    limits = Limits(context, min(a.max_tokens, context - 1), a.max_prompts, a.request_timeout or None)
+    api = app(engine, tok, a.name or source.name, limits, tuple(default_stops(source)), a.max_batch)
     print(f"meshlm serve: {a.name or source.name} on http://{a.host}:{a.port}/v1/completions", flush=True)
     stopped, ended = None, True
     try:

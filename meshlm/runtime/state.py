@@ -170,7 +170,6 @@ READ_ONLY: dict[str, str] = {
     "meshlm/core/state.py": "DEFAULTS",
     "meshlm/data/shapes.py": "COLOURS PLACES CORNERS",
     "meshlm/infer/compiled.py": "FROZEN_OPTIONS",
-    "meshlm/infer/serve.py": "KNOWN",
     "meshlm/interop/hf/family.py": "_FAMILIES",
     "meshlm/interop/hf/llama.py": "_LAYER _TOP",
     "meshlm/interop/hf/llava.py": "_VISION_TOP _VISION_LAYER",
