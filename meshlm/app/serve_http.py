@@ -110,10 +110,15 @@ def parse(body: Any, tok: Any, limits: Limits, default_stop: tuple[int, ...] = (
     if not isinstance(stream, bool):
         raise ConfigError(f"`stream`={stream!r} must be true or false")
     opts: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
-        v = _number(body, key)
-        if v is not None:
-            opts[key] = v
+    t, p = _number(body, "temperature"), _number(body, "top_p")
+    if t is not None:
+        if t < 0:
+            raise ConfigError(f"`temperature`={body['temperature']!r} must be >= 0 (0 is greedy)")
+        opts["temperature"] = t
+    if p is not None:
+        if not 0 < p <= 1:
+            raise ConfigError(f"`top_p`={body['top_p']!r} must be in (0, 1] (1 keeps every token)")
+        opts["top_p"] = p
     if body.get("top_k") is not None:
         opts["top_k"] = _whole(body, "top_k", 0, 0, 2**31)
     if body.get("seed") is not None:
