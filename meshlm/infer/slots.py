@@ -75,6 +75,9 @@ class SlotCache:
                     f"{self.context}"
                 )
         self._rows, self._new, self._width = list(rows), list(new), width
+        self._idx = torch.tensor(self._rows, device=self.device)
+        self._at = torch.tensor([self.lengths[s] for s in rows], device=self.device)  # where one new token goes
+        self._view = self._rows == list(range(rows[0], rows[0] + len(rows)))  # consecutive slots: a view
         old = torch.tensor([self.lengths[s] for s in rows], device=self.device)
         pad = width - torch.tensor(list(new), device=self.device)
         j = torch.arange(width, device=self.device)
@@ -105,21 +108,18 @@ class SlotCache:
         kb, vb = self._buffers(layer, kl, vl)
         rows, width = self._rows, self._width
         if width == 1:
-            idx = torch.tensor(rows, device=kb.device)
-            at = torch.tensor([self.lengths[s] for s in rows], device=kb.device)
-            kb[idx, :, at] = kl[:, :, 0]
-            vb[idx, :, at] = vl[:, :, 0]
+            kb[self._idx, :, self._at] = kl[:, :, 0]
+            vb[self._idx, :, self._at] = vl[:, :, 0]
         else:
             for b, (s, n) in enumerate(zip(rows, self._new)):
                 p = self.lengths[s]
                 kb[s, :, p : p + n] = kl[b, :, width - n :]
                 vb[s, :, p : p + n] = vl[b, :, width - n :]
         K = self._keys
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive slots: a view
+        if self._view:
             ko, vo = kb[rows[0] : rows[0] + len(rows), :, :K], vb[rows[0] : rows[0] + len(rows), :, :K]
         else:
-            idx = torch.tensor(rows, device=kb.device)
-            ko, vo = kb[:, :, :K].index_select(0, idx), vb[:, :, :K].index_select(0, idx)
+            ko, vo = kb[:, :, :K].index_select(0, self._idx), vb[:, :, :K].index_select(0, self._idx)
         return _like(k, ko), _like(v, vo)
 
     def _buffers(self, layer: int, kl: Tensor, vl: Tensor) -> tuple[Tensor, Tensor]:
