@@ -92,9 +92,8 @@ class SlotCache:
             self.mask, self.causal = None, False
         else:
             keys = torch.arange(self._keys, device=self.device)
-            total = torch.tensor(totals, device=self.device)
-            m = keys[None, None, :] <= self.positions[:, :, None]  # causal within the row
-            m &= keys[None, None, :] < total[:, None, None]
+            # causal within the row, which also hides its positions past its own length
+            m = keys[None, None, :] <= self.positions[:, :, None]
             padq = j[None, :] < pad[:, None]  # (batch, width): pad queries see key 0 only
             m = torch.where(padq[:, :, None], keys[None, None, :] == 0, m)
             self.mask, self.causal = m[:, None], False
