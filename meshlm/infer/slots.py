@@ -12,7 +12,7 @@ NOTE [KV slots]
 
     The keys a block attends to are its rows' first ``K`` positions, ``K`` the longest row's
     length after this forward; the mask hides each row's positions past its own length (a
-    left-pad query attends to its row's first key only, so no softmax row is empty).  Where
+    left-pad query attends to keys of its own row only, never an empty softmax row).  Where
     nothing needs hiding (one new token per row and every row as long; a first chunk without
     pads) the mask is None, as :class:`KVCache` gives one request alone, so a request decoded
     by itself takes the very path ``generate`` takes.  The rows a forward reads are a view of
@@ -92,10 +92,10 @@ class SlotCache:
             self.mask, self.causal = None, False
         else:
             keys = torch.arange(self._keys, device=self.device)
-            # causal within the row, which also hides its positions past its own length
+            # Causal within the row, which also hides its positions past its own length.  A pad
+            # query's position is clamped to 0 or lies among the row's cached ones, so its row
+            # of the mask is never empty (no NaN); its output is never read.
             m = keys[None, None, :] <= self.positions[:, :, None]
-            padq = j[None, :] < pad[:, None]  # (batch, width): pad queries see key 0 only
-            m = torch.where(padq[:, :, None], keys[None, None, :] == 0, m)
             self.mask, self.causal = m[:, None], False
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
