@@ -26,8 +26,8 @@ from meshlm.core.errors import ConfigError, MeshlmError
 USAGE = __doc__.split("\n\n", 1)[1].rstrip() + "\n"
 
 #: the top-level modules of pyproject.toml's ``app`` extra (hydra-core, matplotlib, tqdm,
-#: pillow): what the command needs beyond the library (docs/architecture.md)
-APP_MODULES = ("hydra", "omegaconf", "matplotlib", "PIL", "tqdm")
+#: pillow, prometheus-client): what the command needs beyond the library (docs/architecture.md)
+APP_MODULES = ("hydra", "omegaconf", "matplotlib", "PIL", "tqdm", "prometheus_client")
 
 # Filled in by the Hydra task (one process runs every job of a sweep, in turn).
 _SWEEP: dict[str, Any] = {"dir": None, "failed": 0, "jobs": 0}

@@ -17,6 +17,7 @@ APP_DISTRIBUTIONS = {
     "matplotlib": ("matplotlib",),
     "tqdm": ("tqdm",),
     "pillow": ("PIL",),
+    "prometheus-client": ("prometheus_client",),
 }
 APP_MODULES = tuple(m for mods in APP_DISTRIBUTIONS.values() for m in mods)
 LOG = "MESHLM_TEST_BLOCKED_LOG"  # the file each refused lookup is appended to
