@@ -268,7 +268,9 @@ def serve_main(argv: list[str]) -> int:
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        print('meshlm serve: needs FastAPI, uvicorn and prometheus-client: pip install "meshlm[serve]"', file=sys.stderr)
+        print(
+            'meshlm serve: needs FastAPI, uvicorn and prometheus-client: pip install "meshlm[serve]"', file=sys.stderr
+        )
         return 2
     n = MeshSpec.parse(a.mesh).size if a.mesh else 1
     if not in_torchrun() or os.environ.get("RANK") == "0":  # the rank that serves HTTP

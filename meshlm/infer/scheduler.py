@@ -29,9 +29,10 @@ NOTE [continuous batching]
     scheduler broadcasts each iteration's plan (slots freed, prompt chunks, tokens fed) before
     it runs it, and the other ranks run it too (:func:`meshlm.infer.step.follow`), until rank
     0 broadcasts None.  Only rank 0 samples; the other ranks learn the tokens from the next
-    plan.  The scheduler knows nothing of HTTP: a request's tokens go to its ``on_token``
-    callback and its end (None, or the exception that ended it) to ``on_end``, both called
-    on the scheduler's thread.
+    plan; an idle rank 0 broadcasts an empty plan every ``HEARTBEAT_S``, so that the others'
+    wait in the broadcast never reaches the process group's timeout.  The scheduler knows
+    nothing of HTTP: a request's tokens go to its ``on_token`` callback and its end (None,
+    or the exception that ended it) to ``on_end``, both called on the scheduler's thread.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from torch import Tensor, nn
 from meshlm.core.errors import ConfigError
 from meshlm.infer.sample import Sampling, filter_logits
 from meshlm.infer.step import Plan, Runner, broadcast
+
+HEARTBEAT_S = 30.0  # an idle rank 0 broadcasts an empty plan this often (the process group's timeout is longer)
 
 
 class Stopped(RuntimeError):
@@ -125,6 +128,7 @@ class Scheduler:
         self._free = list(range(max_batch))  # a heap: the lowest free slot first (NOTE [KV slots])
         self._freed: list[int] = []
         self._closing = False
+        self._told = time.monotonic()  # when the other ranks last heard from this one
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="meshlm-scheduler", daemon=True)
         self.thread.start()
@@ -183,11 +187,18 @@ class Scheduler:
                     break
                 plan, pre, dec = self._plan()
                 if not (plan.prefill or plan.decode):
+                    if self.ranks > 1 and time.monotonic() - self._told > HEARTBEAT_S:
+                        try:  # idle: the other ranks' wait must not reach the group's timeout
+                            broadcast(Plan())
+                        except Exception:  # noqa: BLE001 - the other ranks are gone: nothing can be served
+                            return
+                        self._told = time.monotonic()
                     continue
                 del self._freed[: len(plan.free)]  # the followers free them with this plan
                 try:
                     if self.ranks > 1:
                         broadcast(plan)
+                        self._told = time.monotonic()
                     pre_logits, dec_logits = self.runner.run(plan)
                 except Exception as e:  # the requests of this iteration fail; the scheduler goes on
                     for live in pre + dec:
@@ -229,7 +240,8 @@ class Scheduler:
             if idle and self._closing and self._in.empty():
                 return False
             try:
-                r = self._in.get() if idle else self._in.get_nowait()
+                wait = HEARTBEAT_S if self.ranks > 1 else None
+                r = self._in.get(timeout=wait) if idle else self._in.get_nowait()
             except queue.Empty:
                 return True
             if self._stopping.is_set():

@@ -83,3 +83,39 @@ def test_tp2_scheduler_equals_one_process_alone(pool2, hf):
     # 3 slots x 1 of 2 kv heads x 64 positions (one allocation: 64 < the first capacity) x head_dim 8,
     # keys and values, 2 layers, fp32
     assert nbytes == follower_nbytes == 3 * 1 * 64 * 8 * 2 * 2 * 4
+
+
+pool2_short = dist_pool_fixture(2, timeout_s=3)  # a collective not entered within 3 s fails
+
+
+def _idle_then_serve(path, heartbeat_s):
+    import torch.distributed as dist
+
+    import meshlm
+    from meshlm.infer import scheduler
+    from meshlm.infer.scheduler import Request, Scheduler
+    from meshlm.infer.step import Runner, follow
+    from meshlm.interop.hf import load_hf
+
+    model = load_hf(path, "tp", meshlm.make_mesh("tp=2"))
+    if dist.get_rank() > 0:
+        runner = Runner(model, 2, 64)
+        follow(runner)
+        return runner.forwards
+    scheduler.HEARTBEAT_S = heartbeat_s
+    sched = Scheduler(model, max_batch=2, context=64)
+    time.sleep(5)  # idle for longer than the process group's timeout
+    req = sched.submit(Request([5, 6, 7], 4))
+    sched.close()
+    return req.tokens
+
+
+def test_an_idle_scheduler_keeps_the_other_ranks_waiting(pool2_short, hf):
+    """Idle for 5 s on a process group of a 3 s timeout: rank 0's empty plans (every 0.5 s
+    here) keep rank 1's broadcast from timing out, and a request after the pause is served."""
+    from meshlm.infer import generate
+    from meshlm.interop.hf.load import load_hf_local
+
+    path, _ = hf
+    tokens, forwards = pool2_short.run(_idle_then_serve, path, 0.5)
+    assert tokens == generate(load_hf_local(path), [[5, 6, 7]], max_new_tokens=4)[0] and forwards == 4
