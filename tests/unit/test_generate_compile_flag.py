@@ -1,5 +1,5 @@
 """``--compile`` reaches the decode step: ``meshlm generate`` (in process, on a tiny Hugging
-Face Llama loaded as plain tensors) and ``meshlm serve``'s decode hand the backend to
+Face Llama loaded as plain tensors) and ``meshlm serve --scheduler static``'s decode hand the backend to
 ``stream``, which asks ``meshlm.infer.compiled.decode_step`` for it; without the flag nothing
 is compiled."""
 
@@ -51,12 +51,12 @@ def test_generate_cli_passes_compile(model_dir, monkeypatch, flag):
 
 
 def test_serve_decode_passes_compile(model_dir, monkeypatch):
-    from meshlm.infer import Sampling, serve
+    from meshlm.infer import Sampling, static
     from meshlm.interop.hf.load import load_hf_local
 
     asked = _spy(monkeypatch)
     model = load_hf_local(str(model_dir))
-    steps = list(serve.decode(model, ([[1, 2, 3]], 2, Sampling(), ()), "aot_eager"))
+    steps = list(static.decode(model, ([[1, 2, 3]], 2, Sampling(), ()), "aot_eager"))
     assert len(steps) == 2 and asked == [("Llama", "aot_eager", "compile='aot_eager': only inductor freezes weights")]
     from meshlm.infer.compiled import why_not_frozen
 
