@@ -128,8 +128,9 @@ def test_forty_concurrent_requests_the_first_ends_in_a_batchs_time(server):
 
 def test_a_disconnected_stream_leaves_the_batch(long_dir):
     """Measured: a client that went away mid-stream left its request decoding to max_tokens.
-    One slot (--max-batch 1): after the disconnect the next request is served in about its
-    time alone, and /metrics counts the request as 499 with the batch empty."""
+    One slot (--max-batch 1): after the disconnect (mid-stream, or while waiting for a whole
+    response) the next request is served in about its time alone, and /metrics counts each
+    cancelled request as 499 with the batch empty."""
     s = Server(long_dir, "--max-batch", "1")
     try:
         body = {"prompt": "the fox", "max_tokens": 8, "temperature": 0}
@@ -145,8 +146,16 @@ def test_a_disconnected_stream_leaves_the_batch(long_dir):
         conn.close()
         took, _ = _timed(s, body)
         assert took < 2 * alone + SLACK_S, (took, alone)
+        # a client that waits for a whole response, and goes away after half a second
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a lazy dog", "max_tokens": 4000}))
+        time.sleep(0.5)
+        conn.sock.shutdown(2)
+        conn.close()
+        took, _ = _timed(s, body)
+        assert took < 2 * alone + SLACK_S, (took, alone)
         text = _metrics(s)
-        assert text["meshlm_requests_total"][(("status", "499"),)] == 1
+        assert text["meshlm_requests_total"][(("status", "499"),)] == 2
         assert text["meshlm_batch_occupancy"][()] == 0
     finally:
         s.stop()
