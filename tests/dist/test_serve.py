@@ -186,3 +186,15 @@ def test_a_server_under_a_memory_limit_streams_blocks(model_dir, tmp_path):
     finally:
         s.stop()
     assert "1 of 4 blocks resident, 3 streamed from disk" in s.proc.stderr.read()
+
+
+def test_static_scheduler_serves_the_same_text(model_dir):
+    """--scheduler static (the earlier engine, kept to compare): the same texts."""
+    d, want = model_dir
+    s = Server(d, "--scheduler", "static", "--max-batch", "4")
+    try:
+        got = _concurrent(s, PROMPTS[:4])
+        assert {p: got[p][1]["choices"][0]["text"] for p in PROMPTS[:4]} == {p: want[p] for p in PROMPTS[:4]}
+        assert s.get("/health")["batches"] >= 1
+    finally:
+        s.stop()
