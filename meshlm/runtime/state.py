@@ -180,6 +180,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/models/__init__.py": "_HOME",
     "meshlm/models/gpt2.py": "CONFIGS",
     "meshlm/models/llama.py": "CONFIGS",
+    "meshlm/models/moe.py": "CONFIGS",
     "meshlm/models/node.py": "SHIPPED_FIELDS",
     "meshlm/models/vlm.py": "CONFIGS",
     "meshlm/plan/hardware.py": "HARDWARE",
