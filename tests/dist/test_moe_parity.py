@@ -73,7 +73,9 @@ def test_experts_without_tokens_match_one_device(pool2, layout, mesh):
     their weights get an exact zero gradient and stay as on one device, AdamW's weight decay
     included."""
     build = MoEBuild(away=(5, 6, 7))  # the bias is set on a real model, which shard then distributes
-    runs = pool2.run(check_training, layout, mesh, build=build, batches=BATCHES, optims=("sgd", "adamw"), from_seed=False)
+    runs = pool2.run(
+        check_training, layout, mesh, build=build, batches=BATCHES, optims=("sgd", "adamw"), from_seed=False
+    )
     _ok(runs)
 
 

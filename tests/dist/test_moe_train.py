@@ -15,9 +15,19 @@ from pathlib import Path
 from harness import tolerances as tol
 
 REPO = Path(__file__).resolve().parents[2]
-RUN = ["model=moe_tiny", "train.steps=12", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=2",
-       "train.lr=3e-3", "train.min_lr=3e-3", "train.val_every=0", "train.val_batches=1", "train.progress=false",
-       "train.pg_timeout_s=60"]
+RUN = [
+    "model=moe_tiny",
+    "train.steps=12",
+    "train.seq_len=32",
+    "train.batch_size=8",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.min_lr=3e-3",
+    "train.val_every=0",
+    "train.val_batches=1",
+    "train.progress=false",
+    "train.pg_timeout_s=60",
+]
 
 
 def _train(tmp: Path, *args: str) -> list[dict]:
@@ -25,8 +35,14 @@ def _train(tmp: Path, *args: str) -> list[dict]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "train", *RUN, *args, f"hydra.run.dir={tmp}"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm.app.cli", "train", *RUN, *args, f"hydra.run.dir={tmp}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
