@@ -57,3 +57,16 @@ def test_unknown_field_is_a_config_error():
         moe_model(device="meta", expert=4)
     with pytest.raises(ConfigError, match="top_k=9"):
         moe_model(device="meta", top_k=9)
+
+
+def test_batch_yields_ep_to_experts():
+    """The token buffer under fsdp_ep: rows over fsdp, experts over ep; without the experts
+    dim the rows take both (NOTE [sequence yields] in meshlm/layout/rules.py)."""
+    from meshlm.core.errors import LayoutError
+    from meshlm.layout.rules import load_layout, resolve
+
+    lay, mesh = load_layout("fsdp_ep"), {"fsdp": 2, "ep": 2}
+    assert resolve(("batch", "experts", None, "embed"), lay.compute, mesh) == (("fsdp",), ("ep",), (), ())
+    assert resolve(("batch", None, None, "embed"), lay.compute, mesh) == (("fsdp", "ep"), (), (), ())
+    with pytest.raises(LayoutError, match="used twice"):  # any other double use stays an error
+        resolve(("batch", "heads"), {"batch": ("fsdp",), "heads": ("fsdp",)}, mesh)
