@@ -51,6 +51,7 @@ def _class_sharded_or_default(op, torch_handler):
     def handler(op_call, args, kwargs):
         if not _class_dim_sharded(op_call, args):
             return _default(op_call, args, kwargs)
+        args = _rows_of_target(op_call, args)
         if op_call in _NLL_FWD and _is_mean(args, 3):
             return _nll_mean_forward(torch_handler, op_call, args, kwargs)
         if op_call in _NLL_BWD and _is_mean(args, 4):
@@ -58,6 +59,32 @@ def _class_sharded_or_default(op, torch_handler):
         return torch_handler(op_call, args, kwargs)
 
     return handler
+
+
+def _rows_of_target(op, args) -> tuple:
+    """The NLL's target placed as its input's rows (NOTE [target rows]).
+
+    NOTE [target rows]
+        torch's loss-parallel handlers require the target to be split exactly as the
+        logits' non-class dims are.  Under expert parallel the logits' rows are split over
+        ``ep`` inside the model (``batch: [..., ep]``) while the labels, an input, are split
+        over the data axes only, so the target is moved to the logits' rows first (a local
+        slice: it is replicated where the logits are split)."""
+    if op not in _NLL_FWD + _NLL_BWD:
+        return args
+    ti = 1 if op in _NLL_FWD else 2
+    x, t = _class_input(op, args), args[ti]
+    if not isinstance(t, DTensor) or not isinstance(x, DTensor):
+        return args
+    cdim = _class_dim(op, args)
+    want = tuple(
+        Shard(p.dim - (p.dim > cdim)) if isinstance(p, Shard) and p.dim != cdim else Replicate() for p in x.placements
+    )
+    if tuple(t.placements) == want:
+        return args
+    args = list(args)
+    args[ti] = t.redistribute(t.device_mesh, want)
+    return tuple(args)
 
 
 def _handles_nd_meshes(loss_module) -> bool:

@@ -40,6 +40,8 @@ meshlm/_torch_compat/dtensor_scope.py).  What it adds (installed once, on the fi
   unflatten of a dim DTensor flattened into two _StridedShards (seq sharded over two mesh
   axes, flattened for the loss), which DTensor's view rule cannot undo in torch 2.13
   (NOTE [strided unflatten]); both in meshlm/_torch_compat/dtensor_views.py.
+* ``Shard(i) -> Shard(j)`` on one mesh dim of a CPU mesh: one gloo all-to-all, not torch's
+  all-gather and chunk (NOTE [cpu all-to-all] in meshlm/_torch_compat/dtensor_alltoall.py).
 * ``bool(x)``, ``x.item()`` of a Partial or sharded DTensor: the global value, not the local
   part DTensor reads, so a data-dependent branch takes one path on every rank (NOTE [global
   scalars] in meshlm/_torch_compat/dtensor_scalar.py).
@@ -51,7 +53,7 @@ import threading
 
 from torch.distributed.tensor import DTensor
 
-from meshlm._torch_compat import dtensor_replication, dtensor_scope, dtensor_views
+from meshlm._torch_compat import dtensor_alltoall, dtensor_replication, dtensor_scope, dtensor_views
 from meshlm._torch_compat.dtensor_base import aten
 from meshlm._torch_compat.dtensor_base import default as _default
 from meshlm._torch_compat.dtensor_base import wrap as wrap
@@ -119,6 +121,7 @@ def install() -> None:
             handlers[op] = _dispatch
         _layer_loss_parallel(_loss)
         dtensor_replication.install()
+        dtensor_alltoall.install()
         _installed = True
 
 

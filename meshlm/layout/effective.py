@@ -17,6 +17,8 @@ NOTE [effective sharding]
         sequence parallel  ``compute.seq`` / ``compute.kv_seq``
         pipeline parallel  ``compute.layers`` (the stack of blocks cut into stages over pp,
                            NOTE [pipelined step] in meshlm/runtime/pipeline/pipe.py)
+        expert parallel    ``compute.experts`` (whole experts over ep, NOTE [moe routing] in
+                           meshlm/core/moe.py)
 
     The layout *as written* is every kind its rules name; on a mesh, the *effective* kinds
     are those left with an axis of size > 1.  The layout **degenerates** on the mesh when
@@ -47,6 +49,7 @@ KINDS = (
     "tensor parallel",
     "sequence parallel",
     "pipeline parallel",
+    "expert parallel",
 )
 
 
@@ -72,6 +75,8 @@ def _kinds(layout: Layout, live) -> dict[str, set[str]]:
             if a in YIELDING_AXES
             else "pipeline parallel"
             if a == "layers"
+            else "expert parallel"
+            if a == "experts"
             else "tensor parallel"
         )
         out[kind] |= axes(compute, a)

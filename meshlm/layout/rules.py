@@ -31,7 +31,11 @@ NOTE [sequence yields]
     ``seq`` and ``kv_seq`` yield: when an activation has a sequence dim and another dim
     that map to the same mesh axis (``seq: tp`` and ``heads: tp`` in Megatron sequence
     parallel), the other dim takes the axis and the sequence is gathered there.  That is
-    exactly Megatron-SP (sequence-sharded between blocks, head/mlp-sharded inside).  Any
+    exactly Megatron-SP (sequence-sharded between blocks, head/mlp-sharded inside).  In the
+    same way ``batch`` yields to ``experts``: a mixture of experts' token buffer ``(batch,
+    experts, capacity, embed)`` under ``batch: [fsdp, ep]`` and ``experts: ep`` keeps its
+    rows split over fsdp and its experts over ep, so constraining the buffer to it and back
+    is expert parallelism's all-to-all (NOTE [moe routing] in meshlm/core/moe.py).  Any
     other double use of a mesh axis in one tensor is an error.
 """
 
@@ -53,6 +57,8 @@ from meshlm.core.scopes import Scope, check_overlap, scope_of
 SECTIONS = ("params", "compute", "grads", "optimizer")
 OFFLOAD = "offload"  # the memory-tier section (meshlm/layout/offload.py), not axis rules
 YIELDING_AXES = ("seq", "kv_seq")
+#: ``batch`` yields a mesh axis to these only (NOTE [sequence yields]).
+BATCH_YIELDS_TO = ("experts",)
 #: Mesh axes that split the *input* token ids.  Ranks that differ only in other mesh axes
 #: (tp, pp, ep) read the same examples: tensor parallel needs every token id of its batch.
 INPUT_MESH_AXES = ("dp", "fsdp", "cp")
@@ -289,6 +295,9 @@ def resolve(
     for i, a in enumerate(axes):
         if a in YIELDING_AXES and want[i]:
             others = {x for j, w in enumerate(want) if j != i and axes[j] not in YIELDING_AXES for x in w}
+            want[i] = tuple(x for x in want[i] if x not in others)
+        if a == "batch" and want[i]:
+            others = {x for j, w in enumerate(want) if axes[j] in BATCH_YIELDS_TO for x in w}
             want[i] = tuple(x for x in want[i] if x not in others)
     seen: dict[str, int] = {}
     for i, w in enumerate(want):

@@ -15,7 +15,9 @@ _HOME = {
         ("CONFIGS", "Llama", "LlamaConfig", "llama_config", "llama_fields", "llama_model"), "meshlm.models.llama"
     ),
     **dict.fromkeys(("VLM", "VLMConfig", "vlm_config", "vlm_model"), "meshlm.models.vlm"),
+    **dict.fromkeys(("MoEConfig", "MoETransformer", "moe_config", "moe_fields", "moe_model"), "meshlm.models.moe"),
     "GPT2_CONFIGS": "meshlm.models.gpt2:CONFIGS",
+    "MOE_CONFIGS": "meshlm.models.moe:CONFIGS",
     "VLM_CONFIGS": "meshlm.models.vlm:CONFIGS",
 }
 

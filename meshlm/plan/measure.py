@@ -60,6 +60,8 @@ class Measured:
     offload: dict = field(default_factory=dict)
     #: per scope of a scoped layout, its model state (NOTE [planned scopes] in plan/scopes.py)
     scopes: dict = field(default_factory=dict)
+    #: a mixture of experts' figures (NOTE [planned experts] in plan/moe.py); {} without MoE layers
+    moe: dict = field(default_factory=dict)
 
 
 def _local(t):
@@ -187,7 +189,9 @@ def measure(
 def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw, offload) -> Measured:
     from torch.utils.flop_counter import FlopCounterMode
 
+    from meshlm.layout.mesh import mesh_spec
     from meshlm.layout.rules import load_layout
+    from meshlm.plan.moe import expert_summary
     from meshlm.plan.offload import FakeActivations, FakeTier
     from meshlm.plan.scopes import state_by_scope
     from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing
@@ -266,6 +270,8 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         with cc, peak:
             held, grads = step(cc, made)
         state = model_state_bytes(model, opt)
+        dtype = dict(shard_kw or {}).get("compute_dtype") or dict(shard_kw or {}).get("param_dtype")
+        moe = expert_summary(model, lay.compute, mesh_spec(mesh).as_dict(), micro, seq, dtype)
     kinds = {}
     if tier is not None and tier.tier == "host":  # stepped on the host (NOTE [host step]): by its parameters
         from meshlm.runtime.offload.host_step import planned
@@ -288,7 +294,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         "activations": held,
         "peak": peak.peak,
     }
-    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds, scopes)
+    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds, scopes, moe)
 
 
 def _example_inputs(model, batch: int, seq: int, layout, mesh) -> dict:

@@ -96,6 +96,7 @@ def plan_model(
     formulas = {
         "psi": m.psi,
         "flops": m.flops,
+        "moe": m.moe,
         "zero": _zero_formula(lay, m.psi, _shard_n(lay, sizes), sizes.get("tp", 1), B, 4 if GB is not None else B, GB),
     }
     by = defaultdict(int)

@@ -125,6 +125,7 @@ def format_plan(p: Plan) -> str:
         "",
         f"{'memory per rank':<20}{'predicted':>14}{'formula':>16}",
         f"{'params':<20}{_gib(m['params']):>14}{_gib(z['params']):>16}",
+        *_moe_lines(p)[:1],
         f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
         f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
         f"  ({z['text']})",
@@ -176,6 +177,7 @@ def _format_measured(p: Plan) -> str:
         "",
         f"{'memory per rank':<20}{'measured':>14}{'formula':>16}",
         f"{'params':<20}{_gib(m['params']):>14}{_gib(z['params']):>16}",
+        *_moe_lines(p)[:1],
         f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
         f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
         f"  ({z['text']})",
@@ -193,7 +195,24 @@ def _format_measured(p: Plan) -> str:
             f"{c.kind:<16}{','.join(c.axes):<6}{c.phase:<10}{c.count:>7}{_gib(c.bytes):>14}{_gib(c.wire_bytes):>14}"
         )
     lines.append(f"{'total on wire':<39}{_gib(p.comm_bytes()):>28}")
-    return "\n".join(lines + _scope_lines(p))
+    return "\n".join(lines + _moe_lines(p)[1:] + _scope_lines(p))
+
+
+def _moe_lines(p: Plan) -> list[str]:
+    """A mixture of experts' figures (NOTE [planned experts] in meshlm/plan/moe.py)."""
+    e = p.formulas.get("moe")
+    if not e:
+        return []
+    out = [
+        f"{'  experts':<20}{_gib(e['expert_bytes']):>14}   ({e['layers']} MoE layers of {e['experts']} experts, "
+        f"top {e['top_k']}; {e['total'] / 1e6:.1f}M params, {e['active'] / 1e6:.1f}M active per token)",
+    ]
+    if e["all_to_all_count"]:
+        out.append(
+            f"all-to-all of expert parallelism (routing formula): {e['all_to_all_count']} per micro-batch in forward "
+            f"and as many in backward over {','.join(e['ep_axes'])}, {_gib(e['all_to_all_bytes'])} each"
+        )
+    return out
 
 
 def _scope_lines(p: Plan) -> list[str]:

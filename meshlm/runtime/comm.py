@@ -45,7 +45,7 @@ _FUNCTIONAL = {
     "all_gather_into_tensor": ("all_gather", 0, 2, True),
     "all_gather_into_tensor_out": ("all_gather", 0, 2, True),
     "reduce_scatter_tensor": ("reduce_scatter", 0, 3, False),
-    "all_to_all_single": ("all_to_all", 0, 4, False),
+    "all_to_all_single": ("all_to_all", 0, 3, False),  # (input, output splits, input splits, group)
     "broadcast": ("broadcast", 0, 2, False),
     "broadcast_": ("broadcast", 0, 2, False),
 }

@@ -87,6 +87,11 @@ INVENTORY: dict[str, tuple[str, str]] = {
         "instance shares its code, so compiled blocks of one class share a graph; per class, not per model",
     ),
     # ------------------------------------------------------------------ torch patches (meshlm/_torch_compat)
+    "meshlm/_torch_compat/dtensor_alltoall.py:_STOCK": (
+        PATCH,
+        "torch's shard_dim_alltoall, kept once replaced: called for GPU meshes and meshes meshlm did not make "
+        "(NOTE [cpu all-to-all])",
+    ),
     "meshlm/_torch_compat/dtensor_ops.py:_MINE": (
         PATCH,
         "the DTensor dispatcher entries meshlm installs; torch's dispatcher is the process's",
@@ -179,6 +184,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/models/__init__.py": "_HOME",
     "meshlm/models/gpt2.py": "CONFIGS",
     "meshlm/models/llama.py": "CONFIGS",
+    "meshlm/models/moe.py": "CONFIGS",
     "meshlm/models/node.py": "SHIPPED_FIELDS",
     "meshlm/models/vlm.py": "CONFIGS",
     "meshlm/plan/hardware.py": "HARDWARE",

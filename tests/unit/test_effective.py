@@ -26,13 +26,16 @@ MESHES = [
     {"pp": 2},
     {"fsdp": 2, "pp": 2},
     {"fsdp": 2, "tp": 2, "pp": 2},
+    {"fsdp": 2, "ep": 2},
+    {"tp": 2, "ep": 2},
 ]
 
 
 def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
     """Kind -> mesh axes, read off the lowering's plans for llama_tiny, or vlm_tiny for a
-    scoped layout (independent of the rule scan in meshlm/layout/effective.py)."""
-    from meshlm.models import VLM, Llama, llama_config, vlm_config
+    scoped layout, or moe_tiny for one that maps experts (independent of the rule scan in
+    meshlm/layout/effective.py)."""
+    from meshlm.models import VLM, Llama, MoETransformer, llama_config, moe_config, vlm_config
     from meshlm.runtime.lowering import plan_params
 
     lay = load_layout(layout_name)
@@ -40,6 +43,8 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
         model = (
             VLM(vlm_config("vlm_tiny"), device="meta")
             if lay.scopes
+            else MoETransformer(moe_config("moe_tiny"), device="meta")
+            if "experts" in lay.compute
             else Llama(llama_config("llama_tiny"), device="meta")
         )
     out: dict[str, set[str]] = {}
@@ -54,7 +59,11 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
     for pp in plan_params(model, lay, mesh).values():
         storage, compute = axes_of(pp.storage), axes_of(pp.compute)
         add("sharded params", storage - compute)
-        add("tensor parallel", compute)
+        if "experts" in pp.axes:  # the experts' dim over ep, their width over tp
+            add("expert parallel", set(pp.compute[pp.axes.index("experts")]))
+            add("tensor parallel", compute - set(pp.compute[pp.axes.index("experts")]))
+        else:
+            add("tensor parallel", compute)
         if pp.grads is not None:
             add("sharded grads", axes_of(pp.grads) - storage)
         add("sharded optimizer", axes_of(pp.optimizer) - (storage if pp.grads is None else axes_of(pp.grads)))
@@ -78,7 +87,7 @@ def test_effective_kinds_are_what_the_lowering_does(name, mesh):
     live = {m for m, s in mesh.items() if s > 1}
     assert set(eff.unused) == live - {m for v in got.values() for m in v}
     # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
-    full = {m: 2 for m in ("dp", "fsdp", "tp", "pp")}
+    full = {m: 2 for m in ("dp", "fsdp", "tp", "pp", "ep")}
     assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
 
 
