@@ -64,6 +64,7 @@ from meshlm._torch_compat.dtensor_loss import (
     _on_class_submesh,
 )
 from meshlm._torch_compat.dtensor_scalar import local_scalar_handler
+from meshlm._torch_compat.dtensor_cp import cp_sdpa_rules
 from meshlm._torch_compat.dtensor_sdpa import sdpa_cpu_rules
 
 # ``wrap`` is re-exported: the lowering, the buckets and main_grad build DTensors through
@@ -109,7 +110,7 @@ def install() -> None:
         for op in dtensor_views.VIEW_OPS:
             _MINE[op] = dtensor_views.view_handler
         _MINE[aten._local_scalar_dense.default] = local_scalar_handler
-        _MINE.update(sdpa_cpu_rules())
+        _MINE.update(cp_sdpa_rules(sdpa_cpu_rules()))
 
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for op in _MINE:
