@@ -55,6 +55,7 @@ from meshlm._torch_compat import dtensor_replication, dtensor_scope, dtensor_vie
 from meshlm._torch_compat.dtensor_base import aten
 from meshlm._torch_compat.dtensor_base import default as _default
 from meshlm._torch_compat.dtensor_base import wrap as wrap
+from meshlm._torch_compat.dtensor_cp import cp_sdpa_rules
 from meshlm._torch_compat.dtensor_embedding import _embedding_backward_handler, _embedding_handler
 from meshlm._torch_compat.dtensor_loss import (
     _MEAN_LOSS_BACKWARD,
@@ -64,7 +65,6 @@ from meshlm._torch_compat.dtensor_loss import (
     _on_class_submesh,
 )
 from meshlm._torch_compat.dtensor_scalar import local_scalar_handler
-from meshlm._torch_compat.dtensor_cp import cp_sdpa_rules
 from meshlm._torch_compat.dtensor_sdpa import sdpa_cpu_rules
 
 # ``wrap`` is re-exported: the lowering, the buckets and main_grad build DTensors through
