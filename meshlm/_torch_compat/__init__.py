@@ -14,6 +14,7 @@ reads DCP's checkpoint metadata without running code.  Each file imports only fi
     dtensor_views.py        views of a local tensor laid out unlike its global strides, strided unflatten
     dtensor_loss.py         cross entropy on class-sharded logits, the backward of mean-reduced losses
     dtensor_embedding.py    vocab-parallel embedding
+    dtensor_cp.py           context-parallel attention on a cp-split sequence; balanced chunks
     dtensor_sdpa.py         CPU flash attention
     dtensor_scalar.py       a Python number read from a DTensor is the global value
     dtensor_scope.py        which DTensors are meshlm's: those on the meshes it made or sharded onto

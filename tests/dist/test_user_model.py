@@ -31,6 +31,8 @@ MESHES = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fs
           "tp": {"dp": 2, "tp": 2}, "tp_sp": {"tp": 4}, "fsdp_tp": {"fsdp": 2, "tp": 2},
           "fsdp_tp_sp": {"fsdp": 2, "tp": 2}, "single": {"dp": 4},
           # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/runtime/pipeline/
+          # context parallel: the sequence split over cp, attention over cp (docs/cp.md)
+          "fsdp_cp": {"fsdp": 2, "cp": 2}, "fsdp_tp_cp": {"tp": 2, "cp": 2},
           "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2}}
 TINY = {"_target_": "mymodels.TinyLM", "width": 32, "depth": 2, "heads": 4, "mlp": 64}
 

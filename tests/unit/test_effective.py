@@ -26,6 +26,8 @@ MESHES = [
     {"pp": 2},
     {"fsdp": 2, "pp": 2},
     {"fsdp": 2, "tp": 2, "pp": 2},
+    {"fsdp": 2, "cp": 2},
+    {"fsdp": 2, "tp": 2, "cp": 2},
 ]
 
 
@@ -65,7 +67,8 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
     for scope in [lay, *(s.layout for s in lay.scopes)]:  # activations inside each scope, and outside
         act = resolve(("batch", "seq", "embed"), scope.compute, mesh)
         add("data parallel", set(act[0]))
-        add("sequence parallel", set(act[1]))
+        add("sequence parallel", set(act[1]) - {"cp"})
+        add("context parallel", set(act[1]) & {"cp"})
     return out
 
 
@@ -78,7 +81,7 @@ def test_effective_kinds_are_what_the_lowering_does(name, mesh):
     live = {m for m, s in mesh.items() if s > 1}
     assert set(eff.unused) == live - {m for v in got.values() for m in v}
     # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
-    full = {m: 2 for m in ("dp", "fsdp", "tp", "pp")}
+    full = {m: 2 for m in ("dp", "fsdp", "tp", "cp", "pp")}
     assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
 
 

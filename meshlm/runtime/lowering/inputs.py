@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshlm._torch_compat import dtensor_cp
 from meshlm.core import tree
 from meshlm.core.axes import Axes
-from meshlm.core.errors import AnnotationError
+from meshlm.core.errors import AnnotationError, LayoutError
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import INPUT_MESH_AXES, Layout, load_layout, resolve
 from meshlm.runtime.hooks import original_class
@@ -80,7 +80,7 @@ def wrap_input(st, local: Tensor, axes: Axes) -> DTensor:
     )
 
 
-def balance_input(t: Tensor, pl, layout: Layout, mesh: DeviceMesh) -> Tensor:
+def balance_input(t: Tensor, pl, layout: Layout, mesh: DeviceMesh, what: str = "input") -> Tensor:
     """``t`` (a whole input) with a dim split over a balanced ``cp`` put in balanced order, so
     that the contiguous slice of it is this rank's two chunks (NOTE [balanced chunks] in
     meshlm/_torch_compat/dtensor_cp.py)."""
@@ -91,7 +91,14 @@ def balance_input(t: Tensor, pl, layout: Layout, mesh: DeviceMesh) -> Tensor:
     n = mesh.size(i)
     if n <= 1 or not isinstance(pl[i], Shard):
         return t
-    return dtensor_cp.to_balanced(t, pl[i].dim, n)
+    d = pl[i].dim
+    if t.shape[d] % (2 * n):
+        raise LayoutError(
+            f"{what} of shape {tuple(t.shape)}: dim {d} (size {t.shape[d]}) is split over cp={n} in balanced chunks "
+            f"({layout.source}: context.balance), so it must be a multiple of 2*cp = {2 * n}; pad or cut the "
+            "sequence, or set context.balance: false"
+        )
+    return dtensor_cp.to_balanced(t, d, n)
 
 
 def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axes | dict | None" = None) -> Any:
@@ -118,7 +125,7 @@ def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axe
             allow_mesh=INPUT_MESH_AXES,
         )
         pl = placements(plan, mesh)
-        return local_slice(balance_input(t, pl, layout, mesh), mesh, pl).contiguous()
+        return local_slice(balance_input(t, pl, layout, mesh, f"{where}{ax}"), mesh, pl).contiguous()
 
     return tree.map_tensors(batch, one)
 
@@ -144,6 +151,6 @@ def split_sequence(batch: Any, layout: "Layout | str", mesh: DeviceMesh) -> Any:
         if not isinstance(pl[i], Shard):
             return t
         only = tuple(pl[i] if j == i else Replicate() for j in range(len(pl)))
-        return local_slice(balance_input(t, pl, layout, mesh), mesh, only).contiguous()
+        return local_slice(balance_input(t, pl, layout, mesh, f"input `{path}`"), mesh, only).contiguous()
 
     return tree.map_tensors(batch, one)
