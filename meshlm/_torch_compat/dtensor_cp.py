@@ -2,7 +2,7 @@
 axis, and the balanced order of that split (private torch APIs: DTensor's dispatcher and
 ``redistribute_local_tensor``).
 
-NOTE [cp attention]
+NOTE [cp dispatch]
     Under a layout that maps ``seq`` to ``cp`` every activation holds this rank's slice of
     the sequence (NOTE [sequence stays split] in meshlm/runtime/lowering/state.py).  The
     only operation that needs other positions is attention, and it reaches DTensor as CPU
@@ -70,7 +70,7 @@ _MESHES: list[CpMesh] = []
 
 
 def register(spec: CpMesh) -> None:
-    """Run attention on ``spec.mesh`` as context-parallel attention (NOTE [cp attention]);
+    """Run attention on ``spec.mesh`` as context-parallel attention (NOTE [cp dispatch]);
     a later registration of an equal mesh replaces the earlier one."""
     _MESHES[:] = [m for m in _MESHES if m.mesh != spec.mesh] + [spec]
     _install_redistribute()

@@ -1,5 +1,5 @@
 """Context parallel for one sharded model: the layout's ``context`` section checked against
-the mesh, and meshlm's DTensor rules told how attention runs on it (NOTE [cp attention] in
+the mesh, and meshlm's DTensor rules told how attention runs on it (NOTE [cp dispatch] in
 meshlm/_torch_compat/dtensor_cp.py)."""
 
 from __future__ import annotations
