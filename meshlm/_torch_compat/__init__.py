@@ -278,6 +278,22 @@ def set_own_call(m, call: Optional[Callable]) -> None:
         m._compiled_call_impl = call
 
 
+def cpu_flash_attention() -> Optional[tuple[Callable, Callable]]:
+    """(forward, backward) of torch's CPU flash attention kernel, or None where torch has none.
+
+    ``forward(q, k, v, dropout_p, is_causal, *, scale)`` returns ``(out, logsumexp)``, the
+    logsumexp float32 of shape (batch, heads, seq) over the scaled scores; ``backward(dout,
+    q, k, v, out, logsumexp, dropout_p, is_causal, *, scale)`` returns ``(dq, dk, dv)``.  Both
+    take grouped-query inputs (fewer key/value heads than query heads, dk and dv returned
+    with the key/value heads) on every torch meshlm supports (2.11-2.13; the kernel reads key
+    head ``h // (hq // hkv)`` since grouped-query SDPA came to the CPU in 2.5)."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or bwd is None:
+        return None
+    return fwd.default, bwd.default
+
+
 def is_view(t: Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``)."""
     return t._is_view()
