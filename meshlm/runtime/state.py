@@ -107,7 +107,7 @@ INVENTORY: dict[str, tuple[str, str]] = {
     ),
     "meshlm/_torch_compat/dtensor_cp.py:_MESHES": (
         TABLE,
-        "the meshes with a cp axis of size > 1 and how attention runs on each (NOTE [cp attention]); one entry "
+        "the meshes with a cp axis of size > 1 and how attention runs on each (NOTE [cp dispatch]); one entry "
         "per distinct mesh, replaced when a model is sharded onto an equal mesh",
     ),
     "meshlm/_torch_compat/dtensor_cp.py:_ORIGINAL": (

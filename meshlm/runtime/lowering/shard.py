@@ -90,7 +90,7 @@ def shard(
         )
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    cp_attach(layout, mesh)  # NOTE [cp attention] in meshlm/_torch_compat/dtensor_cp.py
+    cp_attach(layout, mesh)  # NOTE [cp dispatch] in meshlm/_torch_compat/dtensor_cp.py
     materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep, after_block)
     if keep is not None:
         plans = {fqn: pp for fqn, pp in plans.items() if fqn in keep}
