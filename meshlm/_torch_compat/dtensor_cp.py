@@ -233,7 +233,13 @@ def cp_sdpa_handler(fallback: Optional[Callable]):
         (lq, lk, lv), pl = _common((q, k, v), cp, 3)
         group = q.device_mesh.get_group(cp.index)
         out, lse = cp.forward(
-            lq, lk, lv, group=group, causal=bool(causal), balanced=cp.balance, scale=kwargs.get("scale"),
+            lq,
+            lk,
+            lv,
+            group=group,
+            causal=bool(causal),
+            balanced=cp.balance,
+            scale=kwargs.get("scale"),
             variant=cp.variant,
         )
         o = DTensor.from_local(out, q.device_mesh, pl, run_check=False, shape=q.shape, stride=q.stride())
@@ -258,8 +264,17 @@ def cp_sdpa_backward_handler(fallback: Optional[Callable]):
         (ldo, lq, lk, lv, lo, lse), pl = _common(args[:6], cp, 6)
         group = q.device_mesh.get_group(cp.index)
         dq, dk, dv = cp.backward(
-            ldo, lq, lk, lv, lo, lse, group=group, causal=bool(causal), balanced=cp.balance,
-            scale=kwargs.get("scale"), variant=cp.variant,
+            ldo,
+            lq,
+            lk,
+            lv,
+            lo,
+            lse,
+            group=group,
+            causal=bool(causal),
+            balanced=cp.balance,
+            scale=kwargs.get("scale"),
+            variant=cp.variant,
         )
         k, v = args[2], args[3]
         return tuple(

@@ -38,7 +38,9 @@ def parse_context(data: Any, where: str, error: type = ConfigError) -> ContextSp
         raise error(f"{where}: expected a mapping with keys attention, balance; got {data!r}")
     unknown = set(data) - {"attention", "balance"}
     if unknown:
-        raise error(f"{where}: unknown key(s) {sorted(unknown)}; the keys are attention ({'|'.join(ATTENTION)}), balance")
+        raise error(
+            f"{where}: unknown key(s) {sorted(unknown)}; the keys are attention ({'|'.join(ATTENTION)}), balance"
+        )
     att = data.get("attention", "ring")
     if att not in ATTENTION:
         raise error(f"{where}.attention: {att!r} is not one of {', '.join(ATTENTION)}")

@@ -18,9 +18,21 @@ def context_of(layout: Layout) -> ContextSpec:
 
 
 def check_context(layout: Layout, sizes: dict) -> None:
-    """What balanced chunks need (NOTE [balanced chunks]): the sequence split over cp alone,
-    and no parameter stored over cp; a LayoutError naming the key otherwise."""
-    if sizes.get("cp", 1) <= 1 or not context_of(layout).balance:
+    """What cp needs: the vocabulary whole in compute (the vocab-parallel loss takes rows
+    split over one mesh axis only); under balanced chunks (NOTE [balanced chunks]) the
+    sequence split over cp alone and no parameter stored over cp.  A LayoutError naming the
+    key otherwise."""
+    if sizes.get("cp", 1) <= 1:
+        return
+    for lay in layout.all_layouts():
+        if any(sizes.get(a, 1) > 1 for a in lay.compute.get("vocab", ())):
+            raise LayoutError(
+                f"{layout.source}: compute.vocab: {list(lay.compute['vocab'])} with the sequence split over cp: the "
+                "vocab-parallel loss takes logits whose rows are split over one mesh axis, and under cp they are "
+                "split over the batch axes and cp; remove vocab from compute (and params) so the output layer is "
+                "gathered at use, as layouts/fsdp_tp_cp.yaml does"
+            )
+    if not context_of(layout).balance:
         return
     for lay in layout.all_layouts():
         for sec in ("params", "grads", "optimizer"):
@@ -55,6 +67,7 @@ def attach(layout: Layout, mesh: DeviceMesh) -> None:
     ctx = context_of(layout)
     names = tuple(mesh.mesh_dim_names or ())
     dtensor_cp.register(
-        dtensor_cp.CpMesh(mesh, names.index("cp"), n, ctx.balance, cp_attention_forward, cp_attention_backward,
-                          ctx.attention)
+        dtensor_cp.CpMesh(
+            mesh, names.index("cp"), n, ctx.balance, cp_attention_forward, cp_attention_backward, ctx.attention
+        )
     )

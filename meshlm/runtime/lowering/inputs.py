@@ -145,8 +145,15 @@ def split_sequence(batch: Any, layout: "Layout | str", mesh: DeviceMesh) -> Any:
 
     def one(path: str, t: Tensor) -> Tensor:
         ax = (("batch", "seq") + (None,) * t.ndim)[: t.ndim]
-        plan = resolve(ax, layout.compute, sizes, shape=None, what=f"input `{path}` {ax}", layout=layout,
-                       allow_mesh=INPUT_MESH_AXES)
+        plan = resolve(
+            ax,
+            layout.compute,
+            sizes,
+            shape=None,
+            what=f"input `{path}` {ax}",
+            layout=layout,
+            allow_mesh=INPUT_MESH_AXES,
+        )
         pl = placements(plan, mesh)
         if not isinstance(pl[i], Shard):
             return t

@@ -61,12 +61,21 @@ class ShardState:
         self.sizes = mesh_spec(self.mesh).as_dict()
         self.names = tuple(self.mesh.mesh_dim_names or ())
         self.coord = tuple(self.mesh.get_coordinate() or (0,) * len(self.names))
-        self.handler = rng.Handler(self.constrain, self.coord, tuple(self.sizes[n] for n in self.names))
+        self.handler = rng.Handler(
+            self.constrain, self.coord, tuple(self.sizes[n] for n in self.names), balanced=self.balanced_cp
+        )
 
     @property
     def cp_dim(self) -> Optional[int]:
         """The index of the ``cp`` mesh axis if it has more than one rank, else None."""
         return self.names.index("cp") if self.sizes.get("cp", 1) > 1 else None
+
+    @property
+    def balanced_cp(self) -> Optional[int]:
+        """The cp axis's index if its splits are balanced chunks (NOTE [balanced chunks] in
+        meshlm/_torch_compat/dtensor_cp.py), else None."""
+        ctx = self.layout.context
+        return self.cp_dim if ctx is not None and ctx.balance else None
 
     def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
         return placements(plan, self.names)
@@ -90,7 +99,9 @@ class ShardState:
 
     def scope_handler(self, layout: Layout) -> rng.Handler:
         """The constraint handler inside a scope whose rules are ``layout``."""
-        return rng.Handler(functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes)
+        return rng.Handler(
+            functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes, balanced=self.balanced_cp
+        )
 
     def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
         """Placements of an input given as each rank's local slice (any local size works:
