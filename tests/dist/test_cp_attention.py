@@ -2,7 +2,7 @@
 meshlm/runtime/cp/ring.py) on 2 and 4 gloo ranks against plain SDPA over the whole sequence
 on one process: the output and dq, dk, dv of every rank's chunks, for causal and not, with
 and without load balancing, ring and all-gather, grouped-query (4 query heads on 2 key/value
-heads) and multi-head; one bf16 case, one sequence of 2,048, one cp group that is not the
+heads) and multi-head (and a group of one); one bf16 case, one sequence of 2,048, one cp group that is not the
 world (global ranks differ from group ranks).  And the bytes: CommCounter counts exactly the
 analytic formula of NOTE [cp attention] for both variants.
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from harness import dist_pool_fixture
 from harness.tolerances import activation_tol, bf16_grad_tol, grad_tol
 
+pool1 = dist_pool_fixture(1, timeout_s=60)
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
@@ -103,6 +104,14 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_cp_attention_1(pool1, variant):
+    """A cp group of one: plain attention, no message."""
+    results = pool1.run(_run_cp, 32, 4, 2, True, True, variant)
+    ref = _reference(32, 4, 2, True)
+    _check(results, ref, _fp32_tols(ref))
+
+
 @pytest.mark.parametrize("causal, balanced, variant, hkv", CASES)
 def test_cp_attention_2(pool2, causal, balanced, variant, hkv):
     seq = 64
@@ -147,6 +156,39 @@ def test_cp_attention_bf16(pool4, variant):
     ref16 = _reference(seq, 4, 2, True, torch.bfloat16)
     ref32 = _reference(seq, 4, 2, True, torch.bfloat16, compute_dtype=torch.float32)
     _check(results, ref16, {name: bf16_grad_tol(ref16[name].float(), ref32[name], n) for name in ref16})
+
+
+def _bad_call(what: str) -> str:
+    from meshlm.core.errors import ConfigError
+    from meshlm.runtime.cp import cp_attention
+
+    q, k, v = torch.randn(1, 4, 6, D), torch.randn(1, 2, 6, D), torch.randn(1, 2, 6, D)
+    kwargs = {"group": dist.group.WORLD, "balanced": False, "variant": "ring"}
+    if what == "variant":
+        kwargs["variant"] = "ulysses"
+    elif what == "odd":
+        kwargs["balanced"], q, k, v = True, q[:, :, :5], k[:, :, :5], v[:, :, :5]
+    elif what == "heads":
+        k, v = torch.randn(1, 3, 6, D), torch.randn(1, 3, 6, D)
+    try:
+        cp_attention(q, k, v, **kwargs)
+    except (ConfigError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what, says",
+    [
+        ("variant", ["ConfigError", "'ulysses'", "ring, allgather"]),
+        ("odd", ["ValueError", "5 tokens", "multiple of 2 x cp (4)"]),
+        ("heads", ["ValueError", "k (1, 3, 6, 16)", "kv_heads dividing heads"]),
+    ],
+)
+def test_cp_attention_refuses_bad_input(pool2, what, says):
+    """A clear error on every rank, before any rank enters a collective (no hang)."""
+    for msg in pool2.run(_bad_call, what):
+        assert all(part in msg for part in says), msg
 
 
 # --------------------------------------------------------------------------- bytes
