@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshlm._torch_compat.dtensor_base import aten
 
@@ -156,8 +157,8 @@ def _balanced_redistribute(orig, cp: CpMesh, local, cur, tgt, kwargs):
     rank r holds chunks r and 2n-1-r of dim d."""
     i = cp.index
     a, b = cur.placements[i], tgt.placements[i]
-    leave = isinstance(a, Shard) and not (isinstance(b, Shard) and b.dim == a.dim)
-    enter = isinstance(b, Shard) and not (isinstance(a, Shard) and a.dim == b.dim)
+    leave = _split(a) and a != b
+    enter = _split(b) and a != b
     if not leave and not enter:
         return orig(local, cur, tgt, **kwargs)
     kw = dict(kwargs)
@@ -166,15 +167,34 @@ def _balanced_redistribute(orig, cp: CpMesh, local, cur, tgt, kwargs):
         mid = _with(cur, i, Replicate())
         local = orig(local, cur, mid, **kw)
         _check_whole(local, cur, a.dim)
-        local = from_balanced(local, a.dim, cp.size)
+        local = _reorder(local, a, cp.size, from_balanced)
         cur = mid
     if enter:
         mid = _with(tgt, i, cur.placements[i])
         local = orig(local, cur, mid, **kw)
         _check_whole(local, mid, b.dim)
-        local = to_balanced(local, b.dim, cp.size)
+        local = _reorder(local, b, cp.size, to_balanced)
         cur = mid
     return orig(local, cur, tgt, **kwargs)
+
+
+def _split(p) -> bool:
+    """A split of a dim: Shard, or _StridedShard (not a Shard subclass in torch 2.13)."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def _reorder(local, placement, n: int, fn):
+    """``fn`` (to or from balanced order) along the dim ``placement`` splits.  A
+    _StridedShard(d, split_factor=f) splits dim d seen as (f, L/f), the flattening of an
+    outer dim of f with a split inner one (rows of a sequence split over cp): the order
+    applies to the inner factor, row by row."""
+    d = placement.dim
+    f = getattr(placement, "split_factor", 1)
+    if f == 1:
+        return fn(local, d, n)
+    shape = local.shape
+    inner = local.reshape(*shape[:d], f, shape[d] // f, *shape[d + 1 :])
+    return fn(inner, d + 1, n).reshape(shape)
 
 
 def _check_whole(local, spec_, d: int) -> None:

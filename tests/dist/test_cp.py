@@ -1,6 +1,7 @@
 """Context parallel (``seq: cp``, docs/cp.md) against one device: the loss, the gradient each
 optimizer steps with and the parameters after three steps of two micro-batches, for every
-cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation checkpointing, and at 2,048 tokens; and
+cp layout, ring and all-gather attention, with and without the causal load balancing, eager
+and under aot_eager, with dropout and activation checkpointing, and at 2,048 tokens; and
 the bytes the attention moves against the formula of NOTE [cp attention]
 (meshlm/runtime/cp/ring.py).  GPT-2's learned positions and a user's own attention on
 ``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
@@ -76,24 +77,13 @@ def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
     assert_parity(res)
 
 
-def _compile_cp():
-    import meshlm
-    from meshlm.models import Llama, llama_config
-    from meshlm.runtime.compile import compile_blocks
-
-    model = meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_cp", meshlm.make_mesh("fsdp=2,cp=2"))
-    try:
-        compile_blocks(model, "aot_eager")
-    except meshlm.ConfigError as e:
-        return str(e)
-    return None
-
-
-def test_compiling_a_cp_layout_is_refused_with_the_key(pool4):
-    """Context-parallel attention does not compile yet (docs/cp.md, limits): a clear refusal
-    naming the layout and the setting, not a Dynamo traceback."""
-    for msg in pool4.run(_compile_cp):
-        assert msg is not None and "fsdp_cp" in msg and "train.compile=none" in msg, msg
+def test_cp_parity_compiled_aot_eager(pool4):
+    """Each block compiled with its context-parallel attention as one opaque call (NOTE [cp
+    ops] in meshlm/runtime/cp/ops.py)."""
+    res = pool4.run(
+        check_training, "fsdp_cp", "fsdp=2,cp=2", compile="aot_eager", optims=("sgd",), batches=TokenBatches(seq=32)
+    )
+    assert_parity(res)
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -171,3 +161,33 @@ def test_cp_attention_bytes_are_the_formula(pool4, tmp_path, attention):
     extras = {k: v for k, v in r["got"].items() if k[1] == "all_reduce"}
     assert extras.get(("forward", "all_reduce")) == 4, extras  # the loss: one float32
     assert set(extras) <= {("forward", "all_reduce"), ("backward", "all_reduce")}, extras
+
+
+def _balanced_moves():
+    """Moves between split and whole on a balanced cp axis (NOTE [balanced chunks]): a
+    sequence fed in balanced order comes back in natural order through a gather, a row-
+    parallel matmul and a flatten of (batch, seq) into _StridedShard rows."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshlm
+    from meshlm._torch_compat.dtensor_cp import to_balanced
+    from meshlm.models import Llama, llama_config
+
+    mesh = meshlm.make_mesh("tp=2,cp=2")
+    meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_tp_cp", mesh, seed=0)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 16, 64, generator=g), torch.randn(32, 64, generator=g)
+    hd = distribute_tensor(to_balanced(h, 1, 2), mesh, [Shard(2), Shard(1)])  # balanced: the permuted contiguous
+    wd = distribute_tensor(w, mesh, [Shard(1), Replicate()])
+    return {
+        "gather": float((hd.full_tensor() - h).abs().max()),
+        "linear": float((F.linear(hd, wd).full_tensor() - F.linear(h, w)).abs().max() / F.linear(h, w).abs().max()),
+        "flatten": float((hd.flatten(0, 1).full_tensor() - h.flatten(0, 1)).abs().max()),
+    }
+
+
+def test_balanced_moves_keep_natural_order(pool4):
+    for got in pool4.run(_balanced_moves):
+        assert got["gather"] == 0.0 and got["flatten"] == 0.0 and got["linear"] < 1e-6, got
