@@ -15,6 +15,7 @@ reads DCP's checkpoint metadata without running code.  Each file imports only fi
     dtensor_views.py        views of a local tensor laid out unlike its global strides, strided unflatten
     dtensor_loss.py         cross entropy on class-sharded logits, the backward of mean-reduced losses
     dtensor_embedding.py    vocab-parallel embedding
+    dtensor_cp.py           context-parallel attention on a cp-split sequence; balanced chunks
     dtensor_sdpa.py         CPU flash attention
     dtensor_scalar.py       a Python number read from a DTensor is the global value
     dtensor_scope.py        which DTensors are meshlm's: those on the meshes it made or sharded onto
@@ -276,6 +277,22 @@ def set_own_call(m, call: Optional[Callable]) -> None:
         m.__dict__.pop("_compiled_call_impl", None)
     else:
         m._compiled_call_impl = call
+
+
+def cpu_flash_attention() -> Optional[tuple[Callable, Callable]]:
+    """(forward, backward) of torch's CPU flash attention kernel, or None where torch has none.
+
+    ``forward(q, k, v, dropout_p, is_causal, *, scale)`` returns ``(out, logsumexp)``, the
+    logsumexp float32 of shape (batch, heads, seq) over the scaled scores; ``backward(dout,
+    q, k, v, out, logsumexp, dropout_p, is_causal, *, scale)`` returns ``(dq, dk, dv)``.  Both
+    take grouped-query inputs (fewer key/value heads than query heads, dk and dv returned
+    with the key/value heads) on every torch meshlm supports (2.11-2.13; the kernel reads key
+    head ``h // (hq // hkv)`` since grouped-query SDPA came to the CPU in 2.5)."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or bwd is None:
+        return None
+    return fwd.default, bwd.default
 
 
 def is_view(t: Tensor) -> bool:

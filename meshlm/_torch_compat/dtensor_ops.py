@@ -57,6 +57,7 @@ from meshlm._torch_compat import dtensor_alltoall, dtensor_replication, dtensor_
 from meshlm._torch_compat.dtensor_base import aten
 from meshlm._torch_compat.dtensor_base import default as _default
 from meshlm._torch_compat.dtensor_base import wrap as wrap
+from meshlm._torch_compat.dtensor_cp import cp_sdpa_rules
 from meshlm._torch_compat.dtensor_embedding import _embedding_backward_handler, _embedding_handler
 from meshlm._torch_compat.dtensor_loss import (
     _MEAN_LOSS_BACKWARD,
@@ -111,7 +112,7 @@ def install() -> None:
         for op in dtensor_views.VIEW_OPS:
             _MINE[op] = dtensor_views.view_handler
         _MINE[aten._local_scalar_dense.default] = local_scalar_handler
-        _MINE.update(sdpa_cpu_rules())
+        _MINE.update(cp_sdpa_rules(sdpa_cpu_rules()))
 
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for op in _MINE:

@@ -124,7 +124,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
     ds = open_dataset(cfg.data, t.seq_len, cfg.model, run_dir)  # text, tokens or images (meshlm/data/images.py)
     ds.check_vocab(model_vocab(model), cfg.model.label)
-    loader = ds.loader("train", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+    loader = setup.split_for_cp(
+        ds.loader("train", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed), layout, mesh, cfg.data.format
+    )
 
     # resume, save, stop on SIGTERM/SIGINT, and the lines that report them (meshlm/train/lifecycle.py)
     life = lifecycle.Lifecycle(
@@ -264,7 +266,9 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         if scaler is not None:
             row["loss_scale"] = scaler.scale
         if step == t.steps or (t.val_every and step % t.val_every == 0):
-            vl = ds.loader("val", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
+            vl = setup.split_for_cp(
+                ds.loader("val", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed), layout, mesh, cfg.data.format
+            )
             val_loss = evaluate(pipe or model, vl, t.val_batches, cfg.model, device)
             row["val_loss"] = val_loss
             log.info("step %d val_loss %.4f", step, val_loss)

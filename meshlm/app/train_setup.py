@@ -37,11 +37,6 @@ def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
         layout=layout,
         allow_mesh=INPUT_MESH_AXES,
     )
-    if plan[1]:
-        raise ConfigError(
-            f"layout {layout.name} shards the input sequence over {plan[1]} (context parallel); "
-            "meshlm train does not feed sequence-sharded inputs yet: use a layout without seq: cp"
-        )
     names = list(mesh.mesh_dim_names or ())
     rank, size = 0, 1
     for a in plan[0]:
@@ -49,6 +44,37 @@ def data_parallel_rank(layout, mesh, batch: int, seq: int) -> tuple[int, int]:
         rank = rank * mesh.size(i) + mesh.get_local_rank(i)
         size *= mesh.size(i)
     return rank, size
+
+
+class SequenceSplit:
+    """A loader whose batches are cut to this rank's share of the sequence under context
+    parallel (``split_sequence``: its chunk, or its two balanced chunks); everything else
+    (resume state, epochs) is the wrapped loader's."""
+
+    def __init__(self, loader, layout, mesh):
+        self.loader, self.layout, self.mesh = loader, layout, mesh
+
+    def next(self):
+        from meshlm.runtime.lowering.inputs import split_sequence
+
+        return split_sequence(self.loader.next(), self.layout, self.mesh)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+def split_for_cp(loader, layout, mesh, data_format: str):
+    """``loader`` as each rank must be fed: wrapped in ``SequenceSplit`` where the mesh has a
+    cp axis of more than one rank (token data only)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names or mesh.size(names.index("cp")) <= 1:
+        return loader
+    if data_format == "images":
+        raise ConfigError(
+            f"layout {layout.name} splits the sequence over cp (context parallel), which meshlm train feeds for "
+            "token data only (data.format=text or tokens); use a layout without seq: cp for image-caption data"
+        )
+    return SequenceSplit(loader, layout, mesh)
 
 
 def device_for(t: TrainConfig) -> torch.device:

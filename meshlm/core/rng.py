@@ -278,11 +278,13 @@ class Handler:
         coord: Sequence[int],
         sizes: Sequence[int],
         rows: tuple[int, int] | None = None,
+        balanced: int | None = None,
     ):
         self.constrain = constrain
         self.coord = tuple(coord)
         self.sizes = tuple(sizes)
         self.rows = rows
+        self.balanced = balanced  # the mesh index of a cp axis split in balanced chunks, if any
 
     def __call__(self, x: Tensor, axes: Axes) -> Tensor:
         return self.constrain(x, axes)
@@ -307,16 +309,40 @@ class Handler:
                 f"dropout: a DTensor on a {len(pl)}-D mesh inside a model lowered onto a {len(self.coord)}-D mesh"
             )
         local = x.to_local()
-        shape, off = _shard_offsets(tuple(x.shape), pl, self.coord, self.sizes)
+        b = self.balanced
+        if b is not None and pl[b].is_shard():
+            keep = self._balanced_keep(key, p, tuple(x.shape), pl, b, local.device)
+            shape = list(keep.shape)
+        else:
+            shape, off = _shard_offsets(tuple(x.shape), pl, self.coord, self.sizes)
+            keep = None
         if tuple(shape) != tuple(local.shape):
             raise AnnotationError(
                 f"dropout: local shape {tuple(local.shape)} of a DTensor of shape "
                 f"{tuple(x.shape)} with placements {pl}; expected {tuple(shape)}"
             )
-        keep = keep_mask(key, p, shape, off, tuple(x.shape), local.device)
+        if keep is None:
+            keep = keep_mask(key, p, shape, off, tuple(x.shape), local.device)
         scale = keep.to(local.dtype) if p >= 1.0 else keep.to(local.dtype) * (1.0 / (1.0 - p))
         mask = DTensor.from_local(scale, x.device_mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
         return x * mask
+
+    def _balanced_keep(self, key: Tensor, p: float, gshape, pl, b: int, device) -> Tensor:
+        """The keep-mask of this rank's two chunks of the dim split over a balanced cp (mesh
+        index ``b``; NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py): chunks r
+        and 2n-1-r of 2n, each drawn at its own global offsets."""
+        from torch.distributed.tensor import Replicate
+
+        d, n, r = pl[b].dim, self.sizes[b], self.coord[b]
+        whole = tuple(Replicate() if i == b else q for i, q in enumerate(pl))
+        shape, off = _shard_offsets(gshape, whole, self.coord, self.sizes)
+        c = shape[d] // (2 * n)
+        parts = []
+        for k in (r, 2 * n - 1 - r):
+            sh, of = list(shape), list(off)
+            sh[d], of[d] = c, off[d] + k * c
+            parts.append(keep_mask(key, p, sh, of, gshape, device))
+        return torch.cat(parts, dim=d)
 
 
 def rank_index(coord: Sequence[int], sizes: Sequence[int]) -> int:

@@ -14,7 +14,9 @@ NOTE [effective sharding]
         sharded grads      a ``grads`` rule whose axis ``params`` does not have (ZeRO-2)
         sharded optimizer  an ``optimizer`` rule whose axis ``grads`` does not have (ZeRO-1)
         tensor parallel    a ``compute`` rule of any other logical axis (heads, mlp, vocab ...)
-        sequence parallel  ``compute.seq`` / ``compute.kv_seq``
+        sequence parallel  ``compute.seq`` / ``compute.kv_seq`` over any axis but ``cp``
+        context parallel   ``compute.seq`` / ``compute.kv_seq`` over ``cp`` (the sequence split
+                           for the whole model, attention over cp: docs/cp.md)
         pipeline parallel  ``compute.layers`` (the stack of blocks cut into stages over pp,
                            NOTE [pipelined step] in meshlm/runtime/pipeline/pipe.py)
         expert parallel    ``compute.experts`` (whole experts over ep, NOTE [moe routing] in
@@ -48,6 +50,7 @@ KINDS = (
     "sharded optimizer",
     "tensor parallel",
     "sequence parallel",
+    "context parallel",
     "pipeline parallel",
     "expert parallel",
 )
@@ -79,7 +82,11 @@ def _kinds(layout: Layout, live) -> dict[str, set[str]]:
             if a == "experts"
             else "tensor parallel"
         )
-        out[kind] |= axes(compute, a)
+        got = axes(compute, a)
+        if kind == "sequence parallel" and "cp" in got:
+            out["context parallel"].add("cp")
+            got = got - {"cp"}
+        out[kind] |= got
     for a in params:
         out["sharded params"] |= axes(params, a) - axes(compute, a)
     if isinstance(grads, Mapping):

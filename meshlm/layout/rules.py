@@ -56,6 +56,7 @@ from meshlm.core.scopes import Scope, check_overlap, scope_of
 
 SECTIONS = ("params", "compute", "grads", "optimizer")
 OFFLOAD = "offload"  # the memory-tier section (meshlm/layout/offload.py), not axis rules
+CONTEXT = "context"  # how attention runs over cp (meshlm/layout/context.py), not axis rules
 YIELDING_AXES = ("seq", "kv_seq")
 #: ``batch`` yields a mesh axis to these only (NOTE [sequence yields]).
 BATCH_YIELDS_TO = ("experts",)
@@ -83,6 +84,8 @@ class Layout:
     offload: Any = None
     #: the ``scopes`` section: meshlm.core.scopes.Scope per submodule path (NOTE [scoped layouts])
     scopes: tuple = ()
+    #: the ``context`` section: a meshlm.layout.context.ContextSpec (ring or allgather, balanced)
+    context: Any = None
 
     def for_path(self, fqn: str) -> "Layout":
         """The rules for the parameter or module ``fqn``: its scope's, else these."""
@@ -193,12 +196,15 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         raise LayoutError(
             f"{source}: a layout is a mapping with sections {', '.join(SECTIONS)}; got {type(data).__name__}"
         )
-    unknown = set(data) - set(SECTIONS) - {OFFLOAD, SCOPES}
+    unknown = set(data) - set(SECTIONS) - {OFFLOAD, SCOPES, CONTEXT}
     if unknown:
         raise LayoutError(
             f"{source}: unknown section(s) {sorted(unknown)}; a layout has the sections "
-            f"{', '.join(SECTIONS)} (params and compute are the usual two), {SCOPES} and {OFFLOAD}"
+            f"{', '.join(SECTIONS)} (params and compute are the usual two), {SCOPES}, {OFFLOAD} and {CONTEXT}"
         )
+    from meshlm.layout.context import parse_context
+
+    context = parse_context(data.get(CONTEXT), f"{source}: {CONTEXT}", LayoutError)
     offload = None
     if data.get(OFFLOAD) is not None:
         from meshlm.layout.offload import parse_offload
@@ -255,6 +261,7 @@ def parse_layout(data: object, name: str = "<dict>", source: str = "<dict>", des
         optimizer=secs["optimizer"],  # type: ignore[arg-type]
         description=description,
         offload=offload,
+        context=context,
     )
     if data.get(SCOPES) is None:
         return top

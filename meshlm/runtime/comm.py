@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
 
@@ -185,6 +186,12 @@ class CommCounter(compat.TorchDispatchMode):
         )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # A DTensor's op: let DTensor run it with this mode still
+            # in force, so the collectives its handler issues (input redistributes, meshlm's
+            # context-parallel attention) are counted; returning the result here would run it
+            # with the mode popped.
+            return NotImplemented
         kwargs = kwargs or {}
         ns = func.namespace
         name = func._opname

@@ -110,6 +110,15 @@ INVENTORY: dict[str, tuple[str, str]] = {
         PATCH,
         "the dispatcher method meshlm's replication gate wraps, called for meshes meshlm did not make; set once",
     ),
+    "meshlm/_torch_compat/dtensor_cp.py:_MESHES": (
+        TABLE,
+        "the meshes with a cp axis of size > 1 and how attention runs on each (NOTE [cp dispatch]); one entry "
+        "per distinct mesh, replaced when a model is sharded onto an equal mesh",
+    ),
+    "meshlm/_torch_compat/dtensor_cp.py:_ORIGINAL": (
+        PATCH,
+        "torch's redistribute_local_tensor, wrapped once for meshes with balanced cp chunks (NOTE [balanced chunks])",
+    ),
     "meshlm/_torch_compat/dtensor_scope.py:_MESHES": (
         TABLE,
         "the device meshes meshlm made or sharded onto, weakly held: meshlm's DTensor rules act on these only "

@@ -30,9 +30,11 @@ EMBED, HEADS, VOCAB = 64, 4, 256
 
 
 def _two_rank_mesh(layout: str) -> str:
-    """As tests/dist/test_nn_models.py: over tp if the layout uses tp, else over fsdp if it
+    """As tests/dist/test_nn_models.py: over cp if the layout uses cp, else over tp if it uses tp, else over fsdp if it
     stores parameters sharded over fsdp, else over dp."""
     lay = load_layout(layout)
+    if "cp" in lay.mesh_axes_used():
+        return "cp=2"  # context parallel: the sequence split, attention over cp (docs/cp.md)
     if "tp" in lay.mesh_axes_used():
         return "tp=2"
     return "fsdp=2" if any("fsdp" in v for v in lay.params.values()) else "dp=2"

@@ -135,9 +135,11 @@ BATCHES = TokenBatches(vocab=GPTConfig.vocab, batch=8, seq=16)
 
 
 def _two_rank_mesh(layout: str) -> str:
-    """The 2-rank mesh a layout is tested on: over tp if it uses tp, else over fsdp if it
+    """The 2-rank mesh a layout is tested on: over cp if it uses cp, else over tp if it uses tp, else over fsdp if it
     stores parameters sharded over fsdp, else over dp."""
     lay = load_layout(layout)
+    if "cp" in lay.mesh_axes_used():
+        return "cp=2"  # context parallel: the sequence split, attention over cp (docs/cp.md)
     if "tp" in lay.mesh_axes_used():
         return "tp=2"
     return "fsdp=2" if any("fsdp" in v for v in lay.params.values()) else "dp=2"

@@ -54,6 +54,8 @@ def _mesh(layout: str, world: int) -> dict[str, int]:
 
     lay = load_layout(layout)
     data = "fsdp" if any("fsdp" in v for v in lay.params.values()) else "dp"
+    if "cp" in lay.mesh_axes_used():  # context parallel: the sequence split over cp
+        return {"cp": 2} if world == 2 else {data: 2, "cp": 2}
     if "tp" in lay.mesh_axes_used():
         return {"tp": 2} if world == 2 else ({data: 2, "tp": 2} if data in lay.mesh_axes_used() else {"tp": 4})
     if layout == "hsdp" and world == 4:

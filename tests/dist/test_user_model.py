@@ -32,6 +32,8 @@ MESHES = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fs
           "fsdp_tp_sp": {"fsdp": 2, "tp": 2}, "single": {"dp": 4},
           # expert parallel: a dense model's batch split over ep as over a data axis
           "fsdp_ep": {"fsdp": 2, "ep": 2}, "fsdp_tp_ep": {"tp": 2, "ep": 2},
+          # context parallel: the sequence split over cp, attention over cp (docs/cp.md)
+          "fsdp_cp": {"fsdp": 2, "cp": 2}, "fsdp_tp_cp": {"tp": 2, "cp": 2},
           # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/runtime/pipeline/
           "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2}}
 TINY = {"_target_": "mymodels.TinyLM", "width": 32, "depth": 2, "heads": 4, "mlp": 64}

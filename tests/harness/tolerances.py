@@ -42,6 +42,7 @@ from meshlm.train.tolerances import (  # noqa: F401 (the library's tolerances, u
     STEP_ULPS,
     StepBounds,
     U,
+    activation_tol,
     bf16_grad_tol,
     bf16_loss_tols,
     bf16_split_factor,
@@ -122,3 +123,30 @@ INVARIANCE_NORM_RTOL = 7e-3  # the gradient-norm curve (not NORM_RTOL: one norm,
 INVARIANCE_RTOL = 3e-4
 FIRST_NORM_RTOL = 3e-4
 INVARIANCE_NORM_RTOL = 7e-3  # the gradient-norm curve (not NORM_RTOL: one norm, one step)
+
+
+# NOTE [cp attention tolerance]
+#     Context-parallel attention (meshlm/runtime/cp/, tests/dist/test_cp_attention.py) against
+#     plain SDPA over the whole sequence on one process, float32.  Both compute the same
+#     softmax; the cp side cuts the keys into blocks (one per source rank, NOTE [cp attention]
+#     in meshlm/runtime/cp/ring.py) and merges them by logsumexp.  What differs: (a) the order
+#     of the sums over keys (an output is sum_j p_ij v_j, dq a sum over keys, dk and dv sums
+#     over queries that now lie on n ranks), about 2 log2(S) u of the summed magnitudes for
+#     pairwise sums, 1.3e-6 at S = 2048; (b) the merge weights exp(lse_j - lse), whose
+#     exponents carry the rounding of lse (a few u times |lse|, and |lse| <= log S + the
+#     largest score, about 10 here), about 2e-6 relative per weight, and the same error
+#     enters the backward's P = exp(scores - lse).  Together a few 1e-6 of the magnitudes
+#     involved: the output is held to ``activation_tol`` and dq, dk, dv to ``grad_tol``
+#     (1e-5 relative plus 1e-5 of the tensor's largest entry, meshlm/train/tolerances.py).
+#     bfloat16: a row's keys are split over at most n blocks, each rounded once to bf16, then
+#     merged in float32 and cast once; dk, dv, dq are n shares rounded to bf16 and added in
+#     float32: at most 2n - 1 roundings where the reference rounds once, the split-sum bound
+#     of NOTE [mixed-precision parity] with R = n (``bf16_grad_tol``, its scale measured as
+#     plain bf16 SDPA against float32 SDPA on the same bf16 inputs).
+#     Measured (worst |cp - sdpa| / tolerance over every case of the test, both variants):
+#     float32 0.036 (2 ranks, S = 64), 0.045 (4 ranks, S = 96), 0.028 (4 ranks, S = 2,048);
+#     bf16 0.19 (4 ranks, S = 128).  Bugs: the head and tail chunks of another rank swapped
+#     in the balanced schedule, blocks merged without the logsumexp rule (the last block
+#     overwriting the others), the ring's dk/dv accumulator not brought home, the all-gather's
+#     dk/dv not reduce-scattered: each fails every case it reaches (on 4 ranks, causal and
+#     balanced: 6e4, 3e5, 1e5 and 4e4 times the tolerance).

@@ -28,6 +28,8 @@ MESHES = [
     {"fsdp": 2, "tp": 2, "pp": 2},
     {"fsdp": 2, "ep": 2},
     {"tp": 2, "ep": 2},
+    {"fsdp": 2, "cp": 2},
+    {"fsdp": 2, "tp": 2, "cp": 2},
 ]
 
 
@@ -74,7 +76,8 @@ def _lowered_kinds(layout_name: str, mesh: dict) -> dict[str, set[str]]:
     for scope in [lay, *(s.layout for s in lay.scopes)]:  # activations inside each scope, and outside
         act = resolve(("batch", "seq", "embed"), scope.compute, mesh)
         add("data parallel", set(act[0]))
-        add("sequence parallel", set(act[1]))
+        add("sequence parallel", set(act[1]) - {"cp"})
+        add("context parallel", set(act[1]) & {"cp"})
     return out
 
 
@@ -87,7 +90,7 @@ def test_effective_kinds_are_what_the_lowering_does(name, mesh):
     live = {m for m, s in mesh.items() if s > 1}
     assert set(eff.unused) == live - {m for v in got.values() for m in v}
     # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
-    full = {m: 2 for m in ("dp", "fsdp", "tp", "pp", "ep")}
+    full = {m: 2 for m in ("dp", "fsdp", "tp", "cp", "pp", "ep")}
     assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
 
 

@@ -190,7 +190,7 @@ PARSE_ERRORS = [
         {"parms": {}},
         LayoutError,
         f"s.yaml: unknown section(s) ['parms']; a layout has the sections {SECTIONS_TEXT} "
-        "(params and compute are the usual two), scopes and offload",
+        "(params and compute are the usual two), scopes, offload and context",
     ),
     (
         {"offload": {"optimzer": "disk"}},

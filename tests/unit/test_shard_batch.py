@@ -69,7 +69,9 @@ def test_each_rank_gets_its_block_of_rows(layout, shape, block_of):
 
 
 def test_context_parallel_splits_the_sequence_too():
-    layout = parse_layout({"params": {}, "compute": {"batch": ["dp"], "seq": "cp"}}, name="dp_cp")
+    layout = parse_layout(
+        {"params": {}, "compute": {"batch": ["dp"], "seq": "cp"}, "context": {"balance": False}}, name="dp_cp"
+    )
     full = torch.arange(8 * 6).view(8, 6)
     for rank in range(4):
         dp, cp = divmod(rank, 2)
@@ -78,6 +80,21 @@ def test_context_parallel_splits_the_sequence_too():
         # one tuple of axes for every leaf
         (one,) = meshlm.shard_batch([full[:, 0]], layout, _mesh({"dp": 2, "cp": 2}, rank), ("batch",))
         assert torch.equal(one, full[dp * 4 : dp * 4 + 4, 0])
+
+
+def test_balanced_context_parallel_gives_each_rank_a_head_and_a_tail_chunk():
+    """NOTE [balanced chunks]: of 2*cp chunks, cp rank r gets chunks r and 2*cp-1-r."""
+    layout = parse_layout({"params": {}, "compute": {"batch": ["dp"], "seq": "cp"}}, name="dp_cp")
+    full = torch.arange(4 * 16).view(4, 16)
+    for rank in range(4):
+        dp, cp = divmod(rank, 2)
+        got = meshlm.shard_batch(full, layout, _mesh({"dp": 2, "cp": 2}, rank))
+        rows = full[dp * 2 : dp * 2 + 2]
+        want = torch.cat([rows[:, cp * 4 : cp * 4 + 4], rows[:, (3 - cp) * 4 : (4 - cp) * 4]], dim=1)
+        assert torch.equal(got, want) and got.is_contiguous()
+    with pytest.raises(meshlm.LayoutError) as e:
+        meshlm.shard_batch(torch.zeros(4, 6), layout, _mesh({"dp": 2, "cp": 2}, 0))
+    assert "multiple of 2*cp = 4" in str(e.value) and "context.balance" in str(e.value)
 
 
 def test_a_batch_the_mesh_does_not_divide_is_refused_by_leaf():

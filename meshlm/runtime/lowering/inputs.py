@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from meshlm._torch_compat import dtensor_cp
 from meshlm.core import tree
 from meshlm.core.axes import Axes
-from meshlm.core.errors import AnnotationError
+from meshlm.core.errors import AnnotationError, LayoutError
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import INPUT_MESH_AXES, Layout, load_layout, resolve
 from meshlm.runtime.hooks import original_class
@@ -79,6 +80,27 @@ def wrap_input(st, local: Tensor, axes: Axes) -> DTensor:
     )
 
 
+def balance_input(t: Tensor, pl, layout: Layout, mesh: DeviceMesh, what: str = "input") -> Tensor:
+    """``t`` (a whole input) with a dim split over a balanced ``cp`` put in balanced order, so
+    that the contiguous slice of it is this rank's two chunks (NOTE [balanced chunks] in
+    meshlm/_torch_compat/dtensor_cp.py)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names or layout.context is None or not layout.context.balance:
+        return t
+    i = names.index("cp")
+    n = mesh.size(i)
+    if n <= 1 or not isinstance(pl[i], Shard):
+        return t
+    d = pl[i].dim
+    if t.shape[d] % (2 * n):
+        raise LayoutError(
+            f"{what} of shape {tuple(t.shape)}: dim {d} (size {t.shape[d]}) is split over cp={n} in balanced chunks "
+            f"({layout.source}: context.balance), so it must be a multiple of 2*cp = {2 * n}; pad or cut the "
+            "sequence, or set context.balance: false"
+        )
+    return dtensor_cp.to_balanced(t, d, n)
+
+
 def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axes | dict | None" = None) -> Any:
     """This rank's slice of a global input batch, as the sharded model expects it: split
     over the layout's ``batch`` (and, with context parallel, ``seq``) rules; ranks that
@@ -102,6 +124,40 @@ def shard_batch(batch: Any, layout: "Layout | str", mesh: DeviceMesh, axes: "Axe
             layout=layout,
             allow_mesh=INPUT_MESH_AXES,
         )
-        return local_slice(t, mesh, placements(plan, mesh)).contiguous()
+        pl = placements(plan, mesh)
+        return local_slice(balance_input(t, pl, layout, mesh, f"{where}{ax}"), mesh, pl).contiguous()
+
+    return tree.map_tensors(batch, one)
+
+
+def split_sequence(batch: Any, layout: "Layout | str", mesh: DeviceMesh) -> Any:
+    """This rank's share of the ``cp`` split of a batch whose rows are already this rank's
+    (``meshlm train``'s loader splits the rows over dp/fsdp): each leaf's dim that the
+    layout's compute rules put on ``cp`` (its ``seq``, as ``shard_batch`` reads the leaf's
+    axes) cut to this rank's chunk, or its two chunks under ``context.balance`` (NOTE
+    [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py).  Other leaves pass as given."""
+    layout = load_layout(layout)
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names or mesh.size(names.index("cp")) <= 1:
+        return batch
+    i = names.index("cp")
+    sizes = mesh_spec(mesh).as_dict()
+
+    def one(path: str, t: Tensor) -> Tensor:
+        ax = (("batch", "seq") + (None,) * t.ndim)[: t.ndim]
+        plan = resolve(
+            ax,
+            layout.compute,
+            sizes,
+            shape=None,
+            what=f"input `{path}` {ax}",
+            layout=layout,
+            allow_mesh=INPUT_MESH_AXES,
+        )
+        pl = placements(plan, mesh)
+        if not isinstance(pl[i], Shard):
+            return t
+        only = tuple(pl[i] if j == i else Replicate() for j in range(len(pl)))
+        return local_slice(balance_input(t, pl, layout, mesh, f"input `{path}`"), mesh, only).contiguous()
 
     return tree.map_tensors(batch, one)

@@ -17,6 +17,7 @@ from meshlm.layout import precision
 from meshlm.layout.mesh import mesh_spec
 from meshlm.layout.rules import Layout, load_layout
 from meshlm.runtime import hooks, in_flight
+from meshlm.runtime.cp.attach import attach as cp_attach
 from meshlm.runtime.lowering import root
 from meshlm.runtime.lowering.atuse import UseSpec, at_use_key, make_getter, tied_getter
 from meshlm.runtime.lowering.blocks import (
@@ -89,6 +90,7 @@ def shard(
         )
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
+    cp_attach(layout, mesh)  # NOTE [cp dispatch] in meshlm/_torch_compat/dtensor_cp.py
     materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep, after_block)
     if keep is not None:
         plans = {fqn: pp for fqn, pp in plans.items() if fqn in keep}

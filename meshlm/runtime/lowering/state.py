@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from meshlm.core import annotate, rng
 from meshlm.core.axes import Axes
@@ -61,7 +61,21 @@ class ShardState:
         self.sizes = mesh_spec(self.mesh).as_dict()
         self.names = tuple(self.mesh.mesh_dim_names or ())
         self.coord = tuple(self.mesh.get_coordinate() or (0,) * len(self.names))
-        self.handler = rng.Handler(self.constrain, self.coord, tuple(self.sizes[n] for n in self.names))
+        self.handler = rng.Handler(
+            self.constrain, self.coord, tuple(self.sizes[n] for n in self.names), balanced=self.balanced_cp
+        )
+
+    @property
+    def cp_dim(self) -> Optional[int]:
+        """The index of the ``cp`` mesh axis if it has more than one rank, else None."""
+        return self.names.index("cp") if self.sizes.get("cp", 1) > 1 else None
+
+    @property
+    def balanced_cp(self) -> Optional[int]:
+        """The cp axis's index if its splits are balanced chunks (NOTE [balanced chunks] in
+        meshlm/_torch_compat/dtensor_cp.py), else None."""
+        ctx = self.layout.context
+        return self.cp_dim if ctx is not None and ctx.balance else None
 
     def placements(self, plan: DimPlan) -> tuple[Placement, ...]:
         return placements(plan, self.names)
@@ -85,7 +99,9 @@ class ShardState:
 
     def scope_handler(self, layout: Layout) -> rng.Handler:
         """The constraint handler inside a scope whose rules are ``layout``."""
-        return rng.Handler(functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes)
+        return rng.Handler(
+            functools.partial(self.constrain, layout=layout), self.coord, self.handler.sizes, balanced=self.balanced_cp
+        )
 
     def input_placements(self, axes: Axes) -> tuple[Placement, ...]:
         """Placements of an input given as each rank's local slice (any local size works:
@@ -106,11 +122,29 @@ class ShardState:
             return x
         annotate.check_axes_count(x, axes)
         pl = self.activation_placements(axes, x.shape, layout)
+        if self.cp_dim is not None:
+            pl = keep_sequence_split(x.placements, pl, self.cp_dim)
         # Always through redistribute, even when the placements already agree: its backward
         # puts the gradient at the same placements, so a Partial gradient is reduced here
         # (Megatron's "f" operator at the input of a tensor-parallel block) rather than
         # carried through the residual stream and reduced later per weight.
         return x.redistribute(x.device_mesh, pl)
+
+
+def keep_sequence_split(have, want, i: int) -> tuple:
+    """NOTE [sequence stays split]: a ``constrain`` that leaves a dim whole keeps the
+    sequence split over ``cp`` (mesh index ``i``) where the tensor has it.
+
+    Under context parallel every activation holds this rank's slice of the sequence for the
+    whole model; attention is the one operation that needs other ranks' positions, and it
+    gets them itself (ring or all-gather attention, meshlm/_torch_compat/dtensor_cp.py).
+    A model's constrain that names no logical axis for its positions (``WHOLE``, as inside
+    tensor-parallel attention, where Megatron sequence parallelism is gathered) must not
+    gather them over cp, or cp would hold every position again.  A constrain that maps some
+    dim to ``cp`` (Ulysses-style heads over cp, say) is done as asked."""
+    if isinstance(want[i], Replicate) and isinstance(have[i], Shard):
+        return (*want[:i], have[i], *want[i + 1 :])
+    return tuple(want)
 
 
 def shard_state(model: nn.Module) -> ShardState:

@@ -1,0 +1,90 @@
+"""The context-parallel attention kernels as two custom operators, so that a compiled block
+records each as one opaque call (its collectives run eagerly inside it) instead of tracing
+their point-to-point sends.
+
+NOTE [cp ops]
+    ``torch.compile`` traces a block through DTensor's dispatch down to the local tensors;
+    there the ring's isend/irecv on fake tensors cannot be traced.  ``meshlm::cp_attention``
+    and ``meshlm::cp_attention_backward`` take the local tensors and the cp group's name and
+    return what ``cp_attention_forward`` / ``cp_attention_backward`` (ring.py) return; their
+    fake implementations give the shapes only.  Autograd is not involved: DTensor's handlers
+    for CPU flash attention and its backward call the two ops (NOTE [cp dispatch] in
+    meshlm/_torch_compat/dtensor_cp.py), and autograd sees only the aten ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from meshlm import _torch_compat as compat
+from meshlm.runtime.cp.ring import cp_attention_backward, cp_attention_forward
+
+
+@torch.library.custom_op("meshlm::cp_attention", mutates_args=())
+def cp_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool, balanced: bool, scale: Optional[float], variant: str
+) -> tuple[Tensor, Tensor]:
+    out, lse = cp_attention_forward(
+        q,
+        k,
+        v,
+        group=compat.resolve_process_group(group),
+        causal=causal,
+        balanced=balanced,
+        scale=scale,
+        variant=variant,
+    )
+    return out, lse
+
+
+@cp_attention_op.register_fake
+def _(q, k, v, group, causal, balanced, scale, variant):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("meshlm::cp_attention_backward", mutates_args=())
+def cp_attention_backward_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group: str,
+    causal: bool,
+    balanced: bool,
+    scale: Optional[float],
+    variant: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = cp_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        group=compat.resolve_process_group(group),
+        causal=causal,
+        balanced=balanced,
+        scale=scale,
+        variant=variant,
+    )
+    return dq, dk, dv
+
+
+@cp_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, group, causal, balanced, scale, variant):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def forward(q, k, v, *, group, causal, balanced, scale, variant):
+    """``cp_attention_forward``'s signature, through the custom op (``group``: a ProcessGroup)."""
+    return cp_attention_op(q, k, v, group.group_name, causal, balanced, scale, variant)
+
+
+def backward(dout, q, k, v, out, lse, *, group, causal, balanced, scale, variant):
+    """``cp_attention_backward``'s signature, through the custom op."""
+    return cp_attention_backward_op(dout, q, k, v, out, lse, group.group_name, causal, balanced, scale, variant)

@@ -1,0 +1,193 @@
+"""Context parallel (``seq: cp``, docs/cp.md) against one device: the loss, the gradient each
+optimizer steps with and the parameters after three steps of two micro-batches, for every
+cp layout, ring and all-gather attention, with and without the causal load balancing, eager
+and under aot_eager, with dropout and activation checkpointing, and at 2,048 tokens; and
+the bytes the attention moves against the formula of NOTE [cp attention]
+(meshlm/runtime/cp/ring.py).  GPT-2's learned positions and a user's own attention on
+``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
+test_hf_gpt2.py and test_user_model.py.  The checks run in the workers
+(harness.parity.check_training; tolerances in meshlm/train/tolerances.py)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness import dist_pool_fixture
+from harness.parity import LlamaBuild, TokenBatches, assert_parity, check_training
+
+pool4 = dist_pool_fixture(4, timeout_s=120)
+pool8 = dist_pool_fixture(8, timeout_s=180)
+
+LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
+
+
+def _variant(tmp_path: Path, base: str, **context) -> str:
+    """A copy of shipped layout ``base`` with its ``context`` section changed."""
+    data = yaml.safe_load((LAYOUTS / f"{base}.yaml").read_text())
+    data["context"] = {**data.get("context", {}), **context}
+    name = f"{base}_" + "_".join(f"{k}{v}" for k, v in context.items())
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _dtensor_root(res, layout):
+    """A cp layout runs its root under DTensor (the sequence is split: not pure data parallel)."""
+    forwards = sum(len(v) for v in res[0]["loss"].values())
+    assert all(r["root"] == {"local": 0, "dtensor": forwards} for r in res), (layout, [r["root"] for r in res])
+
+
+@pytest.mark.parametrize(
+    "attention,balance,mesh",
+    [
+        ("ring", True, "fsdp=2,cp=2"),
+        ("ring", False, "fsdp=2,cp=2"),
+        ("allgather", True, "fsdp=2,cp=2"),
+        ("allgather", False, "cp=4"),
+        ("ring", True, "cp=4"),
+    ],
+)
+def test_fsdp_cp_parity(pool4, tmp_path, attention, balance, mesh):
+    layout = _variant(tmp_path, "fsdp_cp", attention=attention, balance=balance)
+    res = pool4.run(check_training, layout, mesh, batches=TokenBatches(seq=32))
+    assert_parity(res)
+    _dtensor_root(res, layout)
+
+
+def test_fsdp_tp_cp_parity_on_4(pool4):
+    res = pool4.run(check_training, "fsdp_tp_cp", "tp=2,cp=2", batches=TokenBatches(seq=32), optims=("sgd",))
+    assert_parity(res)
+
+
+def test_fsdp_tp_cp_parity_on_8(pool8):
+    """The shipped 3-D mesh fsdp=2 x tp=2 x cp=2 (8 processes on this machine's cores: two
+    steps, and more time than a job of 4 gets)."""
+    pool8.job_timeout_s = 420
+    res = pool8.run(
+        check_training, "fsdp_tp_cp", "fsdp=2,tp=2,cp=2", batches=TokenBatches(seq=32), optims=("sgd",), steps=2
+    )
+    assert_parity(res)
+
+
+@pytest.mark.parametrize("layout,mesh", [("fsdp_cp", "fsdp=2,cp=2"), ("fsdp_tp_cp", "tp=2,cp=2")])
+def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
+    """Sequences of 2,048 tokens, as long-context training runs them (2 rows a micro-batch)."""
+    res = pool4.run(check_training, layout, mesh, batches=TokenBatches(batch=2, seq=2048), optims=("sgd",), steps=2)
+    assert_parity(res)
+
+
+def test_cp_parity_compiled_aot_eager(pool4):
+    """Each block compiled with its context-parallel attention as one opaque call (NOTE [cp
+    ops] in meshlm/runtime/cp/ops.py)."""
+    res = pool4.run(
+        check_training, "fsdp_cp", "fsdp=2,cp=2", compile="aot_eager", optims=("sgd",), batches=TokenBatches(seq=32)
+    )
+    assert_parity(res)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_cp_parity_with_dropout(pool4, ac):
+    """Residual dropout draws each element's one-device mask on the rank that holds it, balanced
+    chunks included (NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py), and
+    activation checkpointing recomputes the same masks."""
+    res = pool4.run(
+        check_training,
+        "fsdp_cp",
+        "fsdp=2,cp=2",
+        build=LlamaBuild(overrides=(("dropout", 0.1),)),
+        batches=TokenBatches(seq=32),
+        optims=("sgd",),
+        activation_checkpointing=ac,
+    )
+    assert_parity(res)
+
+
+def _attention_bytes(layout: str, mesh_shape: str, seq: int) -> dict:
+    """Bytes on the cp axis of one forward and backward of llama_tiny, by phase and kind,
+    and the local bytes K of one layer's keys (NOTE [cp attention])."""
+    import torch
+
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.runtime.comm import CommCounter
+
+    cfg = llama_config("llama_tiny")
+    mesh = meshlm.make_mesh(mesh_shape)
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (4, seq), generator=g), torch.randint(0, 256, (4, seq), generator=g))
+    tokens, labels = meshlm.shard_batch(batch, layout, mesh)
+    cc = CommCounter(mesh)
+    with cc:
+        with cc.phase("forward"):
+            loss = model(tokens, labels)
+        loss.backward()
+    got: dict = {}
+    for r in cc.records:
+        if r.axes == ("cp",):
+            got[(r.phase, r.kind)] = got.get((r.phase, r.kind), 0) + r.bytes
+    sizes = dict(kv.split("=") for kv in mesh_shape.split(","))
+    rows = 4 // int(sizes.get("fsdp", 1))
+    k_bytes = rows * cfg.kv_heads * (seq // int(sizes["cp"])) * cfg.hd * 4
+    return {"got": got, "K": k_bytes, "layers": cfg.layers, "n": int(sizes["cp"])}
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+def test_cp_attention_bytes_are_the_formula(pool4, tmp_path, attention):
+    """Keys and values cross the cp group with their kv heads (Llama's 4 of 8: GQA is not
+    repeated before the exchange), as NOTE [cp attention] counts them, per layer; the other
+    bytes on cp are the named extras: the gradients' all-reduce (parameters are replicated
+    over cp) and the loss's scalar."""
+    layout = _variant(tmp_path, "fsdp_cp", attention=attention)
+    r = pool4.run(_attention_bytes, layout, "fsdp=2,cp=2", 64)[0]
+    K, L, n = r["K"], r["layers"], r["n"]
+    F = K  # the float32 accumulator of dk (or dv): k's numel in float32, k being float32 here
+    if attention == "ring":
+        want = {
+            ("forward", "send"): L * 2 * (n - 1) * K,
+            ("forward", "recv"): L * 2 * (n - 1) * K,
+            ("backward", "send"): L * (2 * (n - 1) * K + 2 * n * F),
+            ("backward", "recv"): L * (2 * (n - 1) * K + 2 * n * F),
+        }
+    else:
+        want = {
+            ("forward", "all_gather"): L * 2 * n * K,
+            ("backward", "all_gather"): L * 2 * n * K,
+            ("backward", "reduce_scatter"): L * 2 * n * F,
+        }
+    got = {k: v for k, v in r["got"].items() if k[1] != "all_reduce"}
+    assert got == want, (got, want)
+    extras = {k: v for k, v in r["got"].items() if k[1] == "all_reduce"}
+    assert extras.get(("forward", "all_reduce")) == 4, extras  # the loss: one float32
+    assert set(extras) <= {("forward", "all_reduce"), ("backward", "all_reduce")}, extras
+
+
+def _balanced_moves():
+    """Moves between split and whole on a balanced cp axis (NOTE [balanced chunks]): a
+    sequence fed in balanced order comes back in natural order through a gather, a row-
+    parallel matmul and a flatten of (batch, seq) into _StridedShard rows."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshlm
+    from meshlm._torch_compat.dtensor_cp import to_balanced
+    from meshlm.models import Llama, llama_config
+
+    mesh = meshlm.make_mesh("tp=2,cp=2")
+    meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_tp_cp", mesh, seed=0)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 16, 64, generator=g), torch.randn(32, 64, generator=g)
+    hd = distribute_tensor(to_balanced(h, 1, 2), mesh, [Shard(2), Shard(1)])  # balanced: the permuted contiguous
+    wd = distribute_tensor(w, mesh, [Shard(1), Replicate()])
+    return {
+        "gather": float((hd.full_tensor() - h).abs().max()),
+        "linear": float((F.linear(hd, wd).full_tensor() - F.linear(h, w)).abs().max() / F.linear(h, w).abs().max()),
+        "flatten": float((hd.flatten(0, 1).full_tensor() - h.flatten(0, 1)).abs().max()),
+    }
+
+
+def test_balanced_moves_keep_natural_order(pool4):
+    for got in pool4.run(_balanced_moves):
+        assert got["gather"] == 0.0 and got["flatten"] == 0.0 and got["linear"] < 1e-6, got
