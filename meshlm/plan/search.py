@@ -157,6 +157,8 @@ def candidates(
         if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
             continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/core/scopes.py)
         used = load_layout(lay).mesh_axes_used()
+        if used & {"cp", "ep"}:
+            continue  # the search does not factor cp or ep yet: on its meshes these are other layouts
         axes = ("dp", "fsdp", "tp", "pp") if piped else ("dp", "fsdp", "tp")
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
         # plain data-parallel one is kept
