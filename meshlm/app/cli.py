@@ -75,8 +75,8 @@ def _train_task(dc) -> None:
     _SWEEP["jobs"] += 1
     run_dir = Path(hc.runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (model_overrides)
-    over = [o.removeprefix("++") if o.startswith("++model.") else o for o in hc.overrides.task]
+    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (open_overrides)
+    over = [o.removeprefix("++") if o.startswith(("++model.", "++optim.")) else o for o in hc.overrides.task]
     job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": over}
     try:
         raw = OmegaConf.to_container(dc, resolve=True)
@@ -154,11 +154,11 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.app.config import check_overrides, conf_dir, model_overrides, register_defaults
+    from meshlm.app.config import check_overrides, conf_dir, open_overrides, register_defaults
 
     argv = list(argv)
     check_overrides(argv)
-    argv = model_overrides(argv)
+    argv = open_overrides(argv)
     if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")

@@ -3,8 +3,9 @@
 ``run(cfg, run_dir)`` is what each worker runs: it joins the process group (torchrun's or
 the one ``meshlm.app.launch`` started), builds the mesh, lowers the ``model`` node's model built
 on the meta device under the layout (NOTE [model node] in meshlm/models/node.py), and
-trains it with a sharded AdamW (warmup + cosine LR, global-norm clipping, gradient
-accumulation, mixed precision, activation checkpointing and torch.compile per block),
+trains it with any optimizer (``optim``, sharded; warmup and a schedule: meshlm/train/schedule.py;
+global-norm clipping, gradient accumulation, mixed precision, activation checkpointing and
+torch.compile per block),
 logging to the run directory from rank 0.
 
 ``python -m meshlm.app.train key=value ...`` under torchrun is ``meshlm train`` joining that
@@ -31,12 +32,13 @@ import meshlm.runtime.compile  # noqa: F401  (compile_blocks, referenced as mesh
 from meshlm import _torch_compat as compat
 from meshlm.app import train_setup as setup
 from meshlm.app.config import RunConfig, check_batch, offload_spec
+from meshlm.app.optimizer import impl_kwargs, make_optimizer
 from meshlm.app.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
 from meshlm.app.train_setup import check_world, data_parallel_rank  # noqa: F401 (meshlm.app.train's API)
 from meshlm.layout.mesh import MeshSpec
 from meshlm.layout.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.app.train's API)
 from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.app.train's API)
-from meshlm.runtime.offload.runtime import adamw_impl, open_offload
+from meshlm.runtime.offload.runtime import open_offload
 from meshlm.runtime.pipeline import is_pipelined
 from meshlm.train import lifecycle
 from meshlm.train.checkpoint import lock as _ckpt_lock
@@ -56,7 +58,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.layout.mesh import make_mesh
     from meshlm.layout.rules import load_layout
     from meshlm.runtime.comm import CommCounter
-    from meshlm.runtime.optim.sharded import ShardedOptimizer
     from meshlm.train.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss, read_metrics
 
     t = cfg.train
@@ -105,13 +106,13 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         meshlm.runtime.compile.compile_blocks(model, t.compile, comms=comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/layout/precision.py)
-    opt = ShardedOptimizer(
+    # any optimizer class (optim._target_), its no-decay groups (NOTE [optim node] in meshlm/app/optimizer.py)
+    opt = make_optimizer(
+        cfg,
         model,
-        torch.optim.AdamW,
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        weight_decay=t.weight_decay,
-        **adamw_impl(t, offload, device),
+        lr=lr_at(1, t),
+        pipelined=pipelined,
+        **impl_kwargs(cfg.optim, t, offload, device),
         offload=offload.optimizer if offload else None,
         offload_params=offload.attach(model) if offload else None,
         offload_grads=offload.grads if offload else None,
