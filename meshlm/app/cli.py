@@ -83,6 +83,8 @@ def _train_task(dc) -> None:
         if isinstance(raw.get("mesh"), dict):
             prestart(raw["mesh"])  # the workers' imports overlap this process's (docs/train.md, "Start-up time")
         cfg = resolve_auto(from_dict(raw))
+        if multirun and cfg.logger.group is None:  # a sweep's runs are one group (NOTE [experiment tracking])
+            cfg = dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, group=str(hc.sweep.dir)))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
         if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)

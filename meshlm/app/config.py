@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from meshlm.app.optimizer import OptimConfig, check_optim
+from meshlm.app.tracking import check_loggers
 from meshlm.core.axes import MESH_AXES
 from meshlm.core.errors import ConfigError
 from meshlm.data.config import FORMATS, DataConfig, check_images
@@ -172,6 +173,22 @@ class OffloadConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """``logger``: experiment trackers fed from rank 0 (NOTE [experiment tracking] in
+    meshlm/app/tracking.py); the group ``logger=tensorboard|wandb|mlflow`` (a list for
+    several: ``logger=[tensorboard,wandb]``) turns them on."""
+
+    tensorboard: bool = False  #: torch's SummaryWriter (extra: tensorboard)
+    wandb: bool = False  #: Weights & Biases (extra: wandb)
+    mlflow: bool = False  #: MLflow (extra: mlflow)
+    project: str = "meshlm"  #: the W&B project and the MLflow experiment
+    dir: Optional[str] = None  #: where the trackers write; null: checkpoint.dir if set, else the run directory
+    group: Optional[str] = None  #: the group of a sweep's runs; null: the sweep directory under -m, else none
+    wandb_mode: Optional[str] = None  #: online | offline | disabled; null: W&B's own (WANDB_MODE, else online)
+    mlflow_uri: Optional[str] = None  #: the MLflow tracking URI; null: the local store <dir>/mlruns
+
+
+@dataclass
 class RunConfig:
     """The whole run; each component receives only its own section."""
 
@@ -185,6 +202,7 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict :func:`from_dict` takes back (the model node in its YAML form)."""
@@ -309,7 +327,7 @@ def _check_key(key: str, value: str, groups: bool = True) -> None:
         return
     from meshlm.core.axes import closest
 
-    for v in value.split(","):
+    for v in value.strip("[]").split(","):  # a sweep's options, or a list of several (logger=[a,b])
         if v not in options:
             raise ConfigError(
                 f"{key}={v}: no option {v!r} in the config group {key} (conf/{key}/){closest(v, options, n=3)}; "
@@ -401,6 +419,7 @@ def validate(cfg: RunConfig) -> None:
     if sizes.count(-1) > 1:
         raise ConfigError(f"mesh {m}: at most one axis may be -1")
     check_optim(cfg.optim)
+    check_loggers(cfg.logger)
     t = cfg.train
     _choice("train.schedule", t.schedule, SCHEDULES)
     if not 0 <= t.decay_frac <= 1:

@@ -34,6 +34,7 @@ from meshlm.app import train_setup as setup
 from meshlm.app.config import RunConfig, check_batch, offload_spec
 from meshlm.app.optimizer import impl_kwargs, make_optimizer
 from meshlm.app.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
+from meshlm.app.tracking import Tracker, chosen
 from meshlm.app.train_setup import check_world, data_parallel_rank  # noqa: F401 (meshlm.app.train's API)
 from meshlm.layout.mesh import MeshSpec
 from meshlm.layout.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.app.train's API)
@@ -162,6 +163,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         if not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    tracking = bool(chosen(cfg.logger))  # the same on every rank: all take part in the memory gather
+    tracker = Tracker(cfg, run_dir, life.run_id, eff.label()) if tracking and is_main else None
     if start >= t.steps:
         life.close()
         if offload is not None:
@@ -170,6 +173,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         log.info(msg)
         if is_main:
             writer.close()
+            if tracker is not None:
+                tracker.close()
             print(f"meshlm train: {msg}", flush=True)
         return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
@@ -214,8 +219,12 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 if m is not None:
                     measuring.enter_context(m)
             out = train_step(passes, opt, t, step, lr, scaler, memory.after_backward if memory else None)
+        ranks_memory = None
         if memory:
             mem_kinds = memory.result
+            if tracking:  # every rank's memory, for the trackers (NOTE [experiment tracking])
+                ranks_memory = [None] * world if is_main else None
+                dist.gather_object(mem_kinds, ranks_memory, dst=0)
         if out.skipped:
             skipped += 1
             if writer:
@@ -271,13 +280,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             log.info("step %d val_loss %.4f", step, val_loss)
             if bar is not None:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
-        if step % t.log_every == 0 or "val_loss" in row:
+        logged = step % t.log_every == 0 or "val_loss" in row
+        if logged:
             log.info(
                 "step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s",
                 *(step, out.loss, lr, out.grad_norm, tps, fmt_bytes(mem)),
             )
             if writer:
                 writer.write(row)
+        if tracker is not None and (logged or ranks_memory):
+            tracker.log(row, ranks_memory)
         if bar is not None:
             bar.set_postfix_str(f"loss {out.loss:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
             bar.update(1)
@@ -315,6 +327,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if is_main:
         assert writer is not None
         writer.close()
+        if tracker is not None:
+            tracker.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_loss(
             read_metrics(run_dir / "metrics.jsonl"),
