@@ -124,6 +124,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     micro = t.batch_size // t.grad_accum
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
+    cfg = setup.with_resumed_tokenizer(cfg)  # NOTE [run tokenizer] in meshlm/train/checkpoint/assets.py
     ds = open_dataset(cfg.data, t.seq_len, cfg.model, run_dir)  # text, tokens or images (meshlm/data/images.py)
     ds.check_vocab(model_vocab(model), cfg.model.label)
     loader = ds.loader("train", t.seq_len, micro, dp_rank, dp_size, seed=cfg.data.seed)
@@ -141,6 +142,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         run_dir=str(run_dir),
     )
     start = life.resume(loader, scaler)
+    resumed = (life.ckpt.resumed or {}).get("path") if life.ckpt is not None else None
+    setup.record_assets(setup.run_assets(cfg, resumed), run_dir, life, is_main)
     clock.mark("build")
 
     # global sizes (DTensor numel); a pipeline stage holds part of the model: the probe counted all of it
