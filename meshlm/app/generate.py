@@ -51,8 +51,12 @@ def parser() -> argparse.ArgumentParser:
         help="auto (the source's tokenizer.json if it has one, else UTF-8 bytes), bytes, or a "
         "directory or file holding tokenizer.json",
     )
-    p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
-    p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    p.add_argument(
+        "--layout",
+        default="single",
+        help="the alias of layout=NAME: tp for tensor parallel (a layout that leaves the batch whole)",
+    )
+    p.add_argument("--mesh", default=None, help="the alias of mesh=NAME or mesh.tp=2: e.g. tp=2 (default: one process)")
     p.add_argument(
         "--max-memory-per-device",
         default=None,
@@ -315,6 +319,24 @@ def _worker(argv: list[str]) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
+    """``meshlm generate``: its flags, or ``layout=... mesh=... model.init_from=...`` and
+    Hydra's ``-m``, ``--cfg job``, ``--config-dir`` (NOTE [one grammar] in meshlm/app/grammar.py)."""
+    from meshlm.app.grammar import inference_argv
+
+    flags, runs = inference_argv(argv, "meshlm generate")
+    rc = 0
+    for over, args in runs:
+        if flags.cfg:
+            a = parser().parse_args(args)
+            print(f"source: {a.source}\nlayout: {a.layout}\nmesh: {a.mesh or 'dp=1'}")
+            continue
+        if flags.multirun:
+            print(f"# meshlm generate {' '.join(over)}", flush=True)
+        rc = max(rc, _generate_one(args))
+    return rc
+
+
+def _generate_one(argv: list[str]) -> int:
     from meshlm.app.launch import in_torchrun
     from meshlm.layout.mesh import MeshSpec
 
