@@ -42,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="the model's name in responses (default: the source's)")
     p.add_argument("--tokenizer", default="auto", help="as meshlm generate's --tokenizer")
     p.add_argument("--layout", default="single", help="the alias of layout=NAME: tp for tensor parallel")
-    p.add_argument("--mesh", default=None, help="the alias of mesh=NAME: e.g. tp=2, or pp=N with --max-memory-per-device")
+    p.add_argument(
+        "--mesh", default=None, help="the alias of mesh=NAME: e.g. tp=2, or pp=N with --max-memory-per-device"
+    )
     p.add_argument("--max-memory-per-device", default=None, help="as meshlm generate's (placement for --max-batch)")
     p.add_argument("--context", type=int, default=None, help="the longest prompt + max_tokens served (default: 2048)")
     add_compile(p)
@@ -181,8 +183,8 @@ def _worker(argv: list[str]) -> int:
 
 def serve_main(argv: list[str]) -> int:
     from meshlm.app.generate import stopped_line
-    from meshlm.app.launch import check_local, in_torchrun, run_workers
     from meshlm.app.grammar import inference_argv
+    from meshlm.app.launch import check_local, in_torchrun, run_workers
     from meshlm.layout.mesh import MeshSpec
 
     # layout=... mesh=... model.init_from=... and Hydra's flags (NOTE [one grammar] in meshlm/app/grammar.py)
