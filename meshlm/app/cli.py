@@ -3,10 +3,11 @@ DictConfig into a typed :class:`meshlm.app.config.RunConfig` at once.
 
     meshlm train [key=value ...]          train (a Hydra app over conf/); -m for a sweep
     meshlm plan [key=value ...]           rank layouts and meshes for a model and hardware
+                                          (every command: layout=... mesh=... model=..., --config-dir DIR, -m, --cfg job)
     meshlm plan generate SOURCE --max-memory-per-device SIZE   inference placement, KV cache
     meshlm convert ...                    Hugging Face <-> meshlm checkpoints
-    meshlm generate SOURCE --prompt TEXT  text from a Hugging Face directory or a checkpoint
-    meshlm serve SOURCE [--port 8000]     an OpenAI-compatible completions server
+    meshlm generate SOURCE --prompt TEXT [layout=tp mesh=tp2]   text from a Hugging Face directory or a checkpoint
+    meshlm serve SOURCE [--port 8000] [layout=... mesh=...]     an OpenAI-compatible completions server
     meshlm layout show LAYOUT --model NAME --mesh fsdp=2,tp=2 [model.KEY=VALUE ...]
     meshlm layout list                    the layouts by name, and the files they are in
     meshlm diff [KEY=VALUE] [a.KEY=VALUE] [b.KEY=VALUE]   one step under two configurations: where they disagree
@@ -75,14 +76,16 @@ def _train_task(dc) -> None:
     _SWEEP["jobs"] += 1
     run_dir = Path(hc.runtime.output_dir)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (model_overrides)
-    over = [o.removeprefix("++") if o.startswith("++model.") else o for o in hc.overrides.task]
+    # as the user wrote them: model.KEY=VALUE reaches Hydra as ++model.KEY=VALUE (open_overrides)
+    over = [o.removeprefix("++") if o.startswith(("++model.", "++optim.")) else o for o in hc.overrides.task]
     job = {"num": hc.job.get("num", 0) if multirun else 0, "overrides": over}
     try:
         raw = OmegaConf.to_container(dc, resolve=True)
         if isinstance(raw.get("mesh"), dict):
             prestart(raw["mesh"])  # the workers' imports overlap this process's (docs/train.md, "Start-up time")
         cfg = resolve_auto(from_dict(raw))
+        if multirun and cfg.logger.group is None:  # a sweep's runs are one group (NOTE [experiment tracking])
+            cfg = dataclasses.replace(cfg, logger=dataclasses.replace(cfg.logger, group=str(hc.sweep.dir)))
         eff = _effective(cfg)  # under layout.strict=true, a degenerate layout stops here
         if main_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,11 +157,11 @@ def train_main(argv: list[str]) -> int:
     """``meshlm train``: Hydra parses ``argv`` (overrides, ``-m``, ``--cfg job`` ...)."""
     import hydra
 
-    from meshlm.app.config import check_overrides, conf_dir, model_overrides, register_defaults
+    from meshlm.app.config import check_overrides, conf_dir, open_overrides, register_defaults
 
     argv = list(argv)
     check_overrides(argv)
-    argv = model_overrides(argv)
+    argv = open_overrides(argv)
     if os.environ.get("RANK") is not None and not any(a.startswith("hydra.run.dir=") for a in argv):
         # Under torchrun every rank must agree on the run directory; its run id is shared.
         rid = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -192,10 +195,24 @@ def plan_cmd(argv: list[str]) -> int:
         from meshlm.app.infer_plan import plan_generate_main
 
         return plan_generate_main(argv[1:])
-    from meshlm.app.config import load_config
+    from meshlm.app.config import compose, load_config
+    from meshlm.app.grammar import split_hydra, sweep
     from meshlm.app.plan import plan_main
 
-    return int(plan_main(load_config(argv), argv) or 0)
+    # Hydra's flags, as meshlm train takes them (NOTE [one grammar] in meshlm/app/grammar.py)
+    flags = split_hydra(argv, "meshlm plan")
+    rc = 0
+    for over in sweep(flags.rest, flags.multirun):
+        if flags.multirun:
+            print(f"# meshlm plan {' '.join(over)}", flush=True)
+        full = [*over, *flags.searchpath()]
+        if flags.cfg:  # what would be planned, and nothing else
+            import yaml
+
+            print(yaml.safe_dump(compose(full), sort_keys=False), end="")
+            continue
+        rc = max(rc, int(plan_main(load_config(full), over) or 0))
+    return rc
 
 
 def convert_cmd(argv: list[str]) -> int:

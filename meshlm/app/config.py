@@ -28,12 +28,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from meshlm.app.optimizer import OptimConfig, check_optim
+from meshlm.app.tracking import check_loggers
 from meshlm.core.axes import MESH_AXES
 from meshlm.core.errors import ConfigError
 from meshlm.data.config import FORMATS, DataConfig, check_images
 from meshlm.models.node import ModelConfig, model_overrides
 from meshlm.runtime import COMPILE_COMMS  # train.compile_comms
 from meshlm.train.checkpoint.config import CheckpointConfig, check_checkpoint_dir, check_resume  # noqa: F401 (API)
+from meshlm.train.schedule import SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPILE_BACKENDS = ("none", "aot_eager", "inductor")
@@ -92,15 +95,14 @@ class TrainConfig:
     batch_size: int = 8  #: global sequences per optimizer step (all ranks, all micro-batches)
     seq_len: int = 128
     grad_accum: int = 1  #: micro-batches per step; each is batch_size // grad_accum sequences
-    lr: float = 3e-3
-    min_lr: float = 3e-4  #: the cosine schedule ends here
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    lr: float = 3e-3  #: the schedule's peak learning rate (the optimizer is the optim section)
+    min_lr: float = 3e-4  #: the cosine, linear and wsd schedules end here
+    warmup_steps: int = 10  #: linear warmup from 0 to lr over these steps, before any schedule
+    schedule: str = "cosine"  #: cosine | linear | constant | wsd (warmup-stable-decay); NOTE [lr schedules]
+    decay_frac: float = 0.2  #: wsd: the fraction of train.steps spent decaying to min_lr, at the end
     grad_clip: float = 1.0  #: max global gradient norm; 0 disables clipping
-    #: AdamW's implementation: auto (torch's default; fused when the optimizer state is
-    #: offloaded and the step runs on the CPU) | for_loop | foreach | fused
+    #: the optimizer's implementation: auto (torch's default; AdamW/Adam fused when the optimizer
+    #: state is offloaded and the step runs on the CPU) | for_loop | foreach | fused
     optimizer_impl: str = "auto"
     #: dtype parameters are used in (compute); storage, gradients and optimizer state stay
     #: float32 (NOTE [mixed precision] in meshlm/layout/precision.py); float16 adds loss scaling
@@ -171,6 +173,22 @@ class OffloadConfig:
 
 
 @dataclass
+class LoggerConfig:
+    """``logger``: experiment trackers fed from rank 0 (NOTE [experiment tracking] in
+    meshlm/app/tracking.py); the group ``logger=tensorboard|wandb|mlflow`` (a list for
+    several: ``logger=[tensorboard,wandb]``) turns them on."""
+
+    tensorboard: bool = False  #: torch's SummaryWriter (extra: tensorboard)
+    wandb: bool = False  #: Weights & Biases (extra: wandb)
+    mlflow: bool = False  #: MLflow (extra: mlflow)
+    project: str = "meshlm"  #: the W&B project and the MLflow experiment
+    dir: Optional[str] = None  #: where the trackers write; null: checkpoint.dir if set, else the run directory
+    group: Optional[str] = None  #: the group of a sweep's runs; null: the sweep directory under -m, else none
+    wandb_mode: Optional[str] = None  #: online | offline | disabled; null: W&B's own (WANDB_MODE, else online)
+    mlflow_uri: Optional[str] = None  #: the MLflow tracking URI; null: the local store <dir>/mlruns
+
+
+@dataclass
 class RunConfig:
     """The whole run; each component receives only its own section."""
 
@@ -178,18 +196,21 @@ class RunConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain dict :func:`from_dict` takes back (the model node in its YAML form)."""
-        return {**dataclasses.asdict(self), "model": self.model.to_dict()}
+        return {**dataclasses.asdict(self), "model": self.model.to_dict(), "optim": self.optim.to_dict()}
 
 
 _SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+OPEN_NODES = ("model", "optim")  #: sections whose keys are a target's arguments (NOTE [model node], [optim node])
 
 
 def _coerce(key: str, value: Any, typ: str, default: Any = dataclasses.MISSING) -> Any:
@@ -228,6 +249,9 @@ def _coerce(key: str, value: Any, typ: str, default: Any = dataclasses.MISSING) 
 RETIRED_KEYS = {
     "train.compute_dtype": "train.param_dtype is the compute dtype (parameters are stored in float32 and used in "
     "train.param_dtype): set train.param_dtype={value} and drop train.compute_dtype",
+    "train.weight_decay": "the optimizer's arguments are the optim section's: set optim.weight_decay={value}",
+    "train.beta1": "the optimizer's arguments are the optim section's: set optim.betas=[{value},BETA2]",
+    "train.beta2": "the optimizer's arguments are the optim section's: set optim.betas=[BETA1,{value}]",
 }
 
 
@@ -258,8 +282,8 @@ def _near_keys(key: str) -> list[str]:
 
     section, _, rest = key.partition(".")
     name = rest.split(".")[0]
-    keys = [f"{s}.{f}" for s in _SECTIONS if s != "model" for f in _fields_of(s)]
-    if section in _SECTIONS and section != "model" and name:
+    keys = [f"{s}.{f}" for s in _SECTIONS if s not in OPEN_NODES for f in _fields_of(s)]
+    if section in _SECTIONS and section not in OPEN_NODES and name:
         near = difflib.get_close_matches(name, _fields_of(section), n=3, cutoff=0.6)
         if near:
             return [f"{section}.{n}" for n in near]
@@ -278,7 +302,9 @@ def _check_key(key: str, value: str, groups: bool = True) -> None:
             f"{key} is not a config key{did_you_mean(_near_keys(key))}; the config sections are: "
             f"{', '.join(_SECTIONS)} (e.g. train.steps=5, or a group: model=llama_tiny)"
         )
-    if section == "model":  # an open node: its keys are the target's (check_args)
+    if section == "model" or (
+        section in OPEN_NODES and dot
+    ):  # an open node: its keys are the target's (check_args, check_optim)
         return
     if dot:
         name = rest.split(".")[0]
@@ -301,7 +327,7 @@ def _check_key(key: str, value: str, groups: bool = True) -> None:
         return
     from meshlm.core.axes import closest
 
-    for v in value.split(","):
+    for v in value.strip("[]").split(","):  # a sweep's options, or a list of several (logger=[a,b])
         if v not in options:
             raise ConfigError(
                 f"{key}={v}: no option {v!r} in the config group {key} (conf/{key}/){closest(v, options, n=3)}; "
@@ -310,8 +336,8 @@ def _check_key(key: str, value: str, groups: bool = True) -> None:
 
 
 def _section(name: str, cls: type, data: Any) -> Any:
-    if cls is ModelConfig:  # an open node: the target's arguments are checked against its signature
-        return ModelConfig.from_dict(data)
+    if cls in (ModelConfig, OptimConfig):  # open nodes: the target's arguments are checked against its signature
+        return cls.from_dict(data)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -392,7 +418,12 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"mesh.{a}={s} must be a positive integer, or -1 for 'the rest of the world'")
     if sizes.count(-1) > 1:
         raise ConfigError(f"mesh {m}: at most one axis may be -1")
+    check_optim(cfg.optim)
+    check_loggers(cfg.logger)
     t = cfg.train
+    _choice("train.schedule", t.schedule, SCHEDULES)
+    if not 0 <= t.decay_frac <= 1:
+        raise ConfigError(f"train.decay_frac={t.decay_frac} must be within [0, 1] (the fraction of the steps decaying)")
     _choice("train.compile", t.compile, COMPILE_BACKENDS)
     _choice("train.compile_comms", t.compile_comms, COMPILE_COMMS)
     _choice("train.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING)
@@ -478,6 +509,22 @@ def offload_spec(cfg: RunConfig, layout: Any):
     return spec
 
 
+def open_overrides(overrides: "list[str]") -> list[str]:
+    """Command-line overrides rewritten for the open nodes ``model`` and ``optim`` (NOTE
+    [model node], NOTE [optim node]): ``model.KEY=VALUE`` and ``optim.KEY=VALUE`` become
+    ``++...`` (set, or add), and a ``_target_`` given without its group selects ``custom``."""
+    out = model_overrides(overrides)
+    rewritten = []
+    for o in out:
+        key, eq, _ = o.partition("=")
+        rewritten.append(f"++{o}" if eq and key.startswith("optim.") else o)
+    group = any(o.split("=", 1)[0].lstrip("+~") == "optim" for o in overrides)
+    target = any(o.split("=", 1)[0].lstrip("+~") == "optim._target_" for o in overrides)
+    if target and not group:
+        rewritten.append("optim=custom")
+    return rewritten
+
+
 def conf_dir() -> Path:
     """The Hydra config directory: $MESHLM_CONF, else the shipped one (an installed meshlm's
     ``meshlm/conf``, else a checkout's ``conf/``; pyproject.toml maps one onto the other)."""
@@ -514,7 +561,7 @@ def compose(overrides: "list[str] | None" = None) -> dict[str, Any]:
     register_defaults()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            dc = hydra_compose(config_name="config", overrides=model_overrides(list(overrides or [])))
+            dc = hydra_compose(config_name="config", overrides=open_overrides(list(overrides or [])))
     except HydraException as e:  # what check_overrides could not see: its first line, on one line
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     return OmegaConf.to_container(dc, resolve=True)  # type: ignore[return-value]

@@ -161,11 +161,15 @@ def micro_batches(cfg: RunConfig, batch: tuple, rank: int = 0, size: int = 1, de
 
 
 def _adamw(cfg: RunConfig) -> dict:
-    """``meshlm train``'s AdamW at its first step."""
+    """``meshlm train``'s AdamW at its first step (the optim node's betas and weight decay, else torch's)."""
     from meshlm.train.step import lr_at
 
-    t = cfg.train
-    return {"lr": lr_at(1, t), "betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay}
+    t, o = cfg.train, cfg.optim.args
+    return {
+        "lr": lr_at(1, t),
+        "betas": tuple(o.get("betas", (0.9, 0.999))),
+        "weight_decay": o.get("weight_decay", 0.01),
+    }
 
 
 def _meta(side: Side) -> dict:

@@ -51,8 +51,12 @@ def parser() -> argparse.ArgumentParser:
         help="auto (the source's tokenizer.json if it has one, else UTF-8 bytes), bytes, or a "
         "directory or file holding tokenizer.json",
     )
-    p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
-    p.add_argument("--mesh", default=None, help="e.g. tp=2 (default: one process)")
+    p.add_argument(
+        "--layout",
+        default="single",
+        help="the alias of layout=NAME: tp for tensor parallel (a layout that leaves the batch whole)",
+    )
+    p.add_argument("--mesh", default=None, help="the alias of mesh=NAME or mesh.tp=2: e.g. tp=2 (default: one process)")
     p.add_argument(
         "--max-memory-per-device",
         default=None,
@@ -77,11 +81,20 @@ def source_dir(arg: str) -> Path:
 
 
 def _tokenizer(name: str, source: Path) -> Any:
+    """``--tokenizer``: auto is the source's own: a Hugging Face directory's tokenizer.json,
+    or the one a checkpoint recorded (NOTE [run tokenizer] in meshlm/train/checkpoint/assets.py);
+    bytes where it has none (a run on UTF-8 bytes records none)."""
     from meshlm.data.text import ByteTokenizer, HFTokenizer
+    from meshlm.train.checkpoint.assets import asset_dir
 
-    if name == "bytes" or (name == "auto" and not (source / "tokenizer.json").is_file()):
+    if name == "auto":
+        d = asset_dir(source)
+        if d is None or not (d / "tokenizer.json").is_file():
+            return ByteTokenizer()
+        return HFTokenizer(str(d), key="--tokenizer")
+    if name == "bytes":
         return ByteTokenizer()
-    return HFTokenizer(str(source) if name == "auto" else name, key="--tokenizer")
+    return HFTokenizer(name, key="--tokenizer")
 
 
 def load_model(source: Path, layout: str = "single", mesh_shape: str = "dp=1") -> Any:
@@ -176,13 +189,12 @@ def _placed(a: argparse.Namespace, source: Path, batch: int, context: int, out, 
 
 
 def default_stops(source: Path) -> list[int]:
-    """The end-of-sequence token(s) the source's ``config.json`` names (none for a checkpoint)."""
-    import json
+    """The end-of-sequence token(s) the source's config names: a Hugging Face directory's
+    ``config.json``, a checkpoint's recorded ``hf_config.json`` (NOTE [run tokenizer]); none
+    for a checkpoint of a run that recorded no config."""
+    from meshlm.train.checkpoint.assets import source_config
 
-    cfg = source / "config.json"
-    if not cfg.is_file():
-        return []
-    eos = json.loads(cfg.read_text()).get("eos_token_id")
+    eos = source_config(source).get("eos_token_id")
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
@@ -307,6 +319,24 @@ def _worker(argv: list[str]) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
+    """``meshlm generate``: its flags, or ``layout=... mesh=... model.init_from=...`` and
+    Hydra's ``-m``, ``--cfg job``, ``--config-dir`` (NOTE [one grammar] in meshlm/app/grammar.py)."""
+    from meshlm.app.grammar import inference_argv
+
+    flags, runs = inference_argv(argv, "meshlm generate")
+    rc = 0
+    for over, args in runs:
+        if flags.cfg:
+            a = parser().parse_args(args)
+            print(f"source: {a.source}\nlayout: {a.layout}\nmesh: {a.mesh or 'dp=1'}")
+            continue
+        if flags.multirun:
+            print(f"# meshlm generate {' '.join(over)}", flush=True)
+        rc = max(rc, _generate_one(args))
+    return rc
+
+
+def _generate_one(argv: list[str]) -> int:
     from meshlm.app.launch import in_torchrun
     from meshlm.layout.mesh import MeshSpec
 

@@ -43,8 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together, at most")
     p.add_argument("--name", default=None, help="the model's name in responses (default: the source's)")
     p.add_argument("--tokenizer", default="auto", help="as meshlm generate's --tokenizer")
-    p.add_argument("--layout", default="single", help="tp for tensor parallel (a layout that leaves the batch whole)")
-    p.add_argument("--mesh", default=None, help="e.g. tp=2, or pp=N with --max-memory-per-device")
+    p.add_argument("--layout", default="single", help="the alias of layout=NAME: tp for tensor parallel")
+    p.add_argument(
+        "--mesh", default=None, help="the alias of mesh=NAME: e.g. tp=2, or pp=N with --max-memory-per-device"
+    )
     p.add_argument("--max-memory-per-device", default=None, help="as meshlm generate's (placement for --max-batch)")
     p.add_argument(
         "--context",
@@ -259,10 +261,19 @@ def _worker(argv: list[str]) -> int:
 
 def serve_main(argv: list[str]) -> int:
     from meshlm.app.generate import stopped_line
+    from meshlm.app.grammar import inference_argv
     from meshlm.app.launch import check_local, in_torchrun, run_workers
     from meshlm.layout.mesh import MeshSpec
 
+    # layout=... mesh=... model.init_from=... and Hydra's flags (NOTE [one grammar] in meshlm/app/grammar.py)
+    flags, runs = inference_argv(argv, "meshlm serve")
+    if len(runs) != 1:
+        raise ConfigError("meshlm serve: -m would serve one model after another; give one layout and one mesh")
+    argv = runs[0][1]
     a = parser().parse_args(argv)
+    if flags.cfg:
+        print(f"source: {a.source}\nlayout: {a.layout}\nmesh: {a.mesh or 'dp=1'}")
+        return 0
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

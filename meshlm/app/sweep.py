@@ -9,11 +9,14 @@ failed, its error in one line) and, if it ran, ``summary.json`` and ``metrics.js
   (the overrides the sweep varies, nothing else), the layout as it ran on the mesh (NOTE
   [effective sharding] in meshlm/layout/effective.py), tokens/s, memory by kind per rank, measured
   and planned (NOTE [run memory] in meshlm/train/metrics.py), communication per step, final
-  losses, wall time, and the error of a job that failed;
-- ``summary.png``: per run, tokens/s, memory stacked by kind beside the plan, bytes per
-  step and final losses;
+  losses, wall time split into start-up (to the end of the first step, compilation
+  included) and steady steps (NOTE [start-up and steady steps]), and the error of a job
+  that failed;
+- ``summary.png``: per run, labelled with the layout as it ran: tokens/s, memory stacked by
+  kind beside the plan, bytes per step, final losses and wall time stacked as start-up and
+  steady steps;
 - ``curves.png``: train (lines) and validation (markers) loss of every run on one figure,
-  against step, tokens and wall time.
+  against step, tokens and the wall time of the steady steps (from the end of the first).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ COLUMNS = (
     ("comm_bytes_per_step", "comm/step", MiB, None),
     ("final_train_loss", "train loss", None, None),
     ("final_val_loss", "val loss", None, None),
+    ("startup_total_s", "start-up s", None, None),
+    ("steady_s", "steady s", None, None),
     ("wall_s", "wall s", None, None),
     ("rss_bytes_per_rank", "RSS (process)", MiB, None),
     ("error", "error", None, None),
@@ -79,10 +84,28 @@ def runs(sweep_dir: "str | os.PathLike") -> list[dict[str, Any]]:
         row["mem_state_bytes"] = sum(state) if all(v is not None for v in state) else None
         planned = [row.get(f"planned_{k}_bytes") for k in KINDS]
         row["planned_state_bytes"] = sum(planned) if all(v is not None for v in planned) else None
+        row.update(wall_split(row))
         out.append(row)
     out.sort(key=lambda r: r["num"])
     _label(out)
     return out
+
+
+def wall_split(summary: dict) -> dict[str, Optional[float]]:
+    """NOTE [start-up and steady steps]
+    A run's wall time in two: ``startup_total_s``, from the launch to the end of the first
+    step (processes, imports, the process group, the model's build, the first step with
+    any compilation and warm-up: summary.json's ``startup_s``), and ``steady_s``, the steps
+    after the first (``wall_s`` less the first step).  A layout whose first step compiles
+    for 20 s is then not taken for the slowest, when its steady steps are the fastest."""
+    st = summary.get("startup_s") or {}
+    wall = summary.get("wall_s")
+    if not st or wall is None:
+        return {"startup_total_s": None, "steady_s": None}
+    return {
+        "startup_total_s": round(sum(st.values()), 3),
+        "steady_s": round(max(0.0, wall - st.get("first_step", 0.0)), 3),
+    }
 
 
 def _label(rows: list[dict]) -> None:

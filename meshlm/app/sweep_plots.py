@@ -36,10 +36,13 @@ def curves_figure(runs: list[dict[str, Any]]):
     """Train loss (lines) and validation loss (markers, same colour) of every run against
     step, tokens and wall time: one line per run and panel."""
     plt = _plt()
-    xs = (("step", "step"), ("tokens", "tokens"), ("wall_s", "wall time (s)"))
+    xs = (("step", "step"), ("tokens", "tokens"), ("steady_s", "wall time after the first step (s)"))
     fig, axes = plt.subplots(1, len(xs), figsize=(5 * len(xs), 4), squeeze=False)
     for n, run in enumerate(runs):
         rows = _curve_rows(run)
+        t1 = next((r["wall_s"] for r in rows if r.get("wall_s") is not None), None)
+        for r in rows:  # from the end of the first step: start-up and compilation left out
+            r["steady_s"] = None if t1 is None or r.get("wall_s") is None else r["wall_s"] - t1
         color = f"C{n % 10}"
         for ax, (key, _title) in zip(axes[0], xs):
             tr = [(r[key], r["loss"]) for r in rows if r.get("loss") is not None and r.get(key) is not None]
@@ -57,13 +60,28 @@ def curves_figure(runs: list[dict[str, Any]]):
     return fig
 
 
+def bar_label(run: dict[str, Any]) -> str:
+    """A bar's label: the run, and the layout as it ran where that says more (``tp (runs
+    as: data parallel over fsdp=4)``), as the table does."""
+    import textwrap
+
+    label = run["run"].replace(",", ", ") + (" (failed)" if run.get("error") else "")
+    eff = run.get("layout_effective")
+    if eff and eff != run.get("layout"):
+        label += "\n" + eff.replace(" (runs as: ", "\n(runs as: ")
+    return "\n".join(textwrap.fill(line, 26) for line in label.split("\n"))
+
+
 def bars_figure(runs: list[dict[str, Any]]):
-    """Per run: tokens/s, memory per rank stacked by kind (measured; planned model state
-    and planned total as markers), communication per step, final losses."""
+    """Per run, labelled with the layout as it ran: tokens/s, memory per rank stacked by
+    kind (measured; planned model state and planned total as markers), communication per
+    step, final losses, and wall time stacked as start-up (to the end of the first step,
+    compilation included) and steady steps (NOTE [start-up and steady steps] in
+    meshlm/app/sweep.py)."""
     plt = _plt()
-    labels = [r["run"] + (" (failed)" if r.get("error") else "") for r in runs]
+    labels = [bar_label(r) for r in runs]
     idx = range(len(runs))
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    fig, axes = plt.subplots(1, 5, figsize=(4 + 3.6 * max(5, len(runs)), 6.5))
 
     def bar(ax, key, title, scale=1):
         ax.bar(idx, [(r.get(key) or 0) / scale for r in runs], color="tab:blue")
@@ -97,9 +115,15 @@ def bars_figure(runs: list[dict[str, Any]]):
     ax.bar([i + w / 2 for i in idx], [r.get("final_val_loss") or 0 for r in runs], w, label="validation")
     ax.set_title("final loss", fontsize=9)
     ax.legend(fontsize=7)
+    ax = axes[4]
+    up = [r.get("startup_total_s") or 0 for r in runs]
+    ax.bar(idx, up, color="tab:orange", label="start-up and first step (compile)")
+    ax.bar(idx, [r.get("steady_s") or 0 for r in runs], bottom=up, color="tab:blue", label="steady steps")
+    ax.set_title("wall time (s)", fontsize=9)
+    ax.legend(fontsize=7)
     for ax in axes:
         ax.set_xticks(list(idx))
-        ax.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
+        ax.set_xticklabels(labels, fontsize=6, rotation=90, va="top")
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig

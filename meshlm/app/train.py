@@ -3,8 +3,9 @@
 ``run(cfg, run_dir)`` is what each worker runs: it joins the process group (torchrun's or
 the one ``meshlm.app.launch`` started), builds the mesh, lowers the ``model`` node's model built
 on the meta device under the layout (NOTE [model node] in meshlm/models/node.py), and
-trains it with a sharded AdamW (warmup + cosine LR, global-norm clipping, gradient
-accumulation, mixed precision, activation checkpointing and torch.compile per block),
+trains it with any optimizer (``optim``, sharded; warmup and a schedule: meshlm/train/schedule.py;
+global-norm clipping, gradient accumulation, mixed precision, activation checkpointing and
+torch.compile per block),
 logging to the run directory from rank 0.
 
 ``python -m meshlm.app.train key=value ...`` under torchrun is ``meshlm train`` joining that
@@ -31,12 +32,14 @@ import meshlm.runtime.compile  # noqa: F401  (compile_blocks, referenced as mesh
 from meshlm import _torch_compat as compat
 from meshlm.app import train_setup as setup
 from meshlm.app.config import RunConfig, check_batch, offload_spec
+from meshlm.app.optimizer import impl_kwargs, make_optimizer
 from meshlm.app.run_report import done_line, effective_layout, fmt_bytes, gather_memory, planned_memory, run_summary
+from meshlm.app.tracking import Tracker, chosen
 from meshlm.app.train_setup import check_world, data_parallel_rank  # noqa: F401 (meshlm.app.train's API)
 from meshlm.layout.mesh import MeshSpec
 from meshlm.layout.precision import LossScaler, shard_dtypes  # noqa: F401 (shard_dtypes: meshlm.app.train's API)
 from meshlm.runtime.activation_checkpointing import apply_activation_checkpointing  # noqa: F401 (meshlm.app.train's API)
-from meshlm.runtime.offload.runtime import adamw_impl, open_offload
+from meshlm.runtime.offload.runtime import open_offload
 from meshlm.runtime.pipeline import is_pipelined
 from meshlm.train import lifecycle
 from meshlm.train.checkpoint import lock as _ckpt_lock
@@ -56,7 +59,6 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     from meshlm.layout.mesh import make_mesh
     from meshlm.layout.rules import load_layout
     from meshlm.runtime.comm import CommCounter
-    from meshlm.runtime.optim.sharded import ShardedOptimizer
     from meshlm.train.metrics import MetricsWriter, StepMemory, peak_memory_bytes, plot_loss, read_metrics
 
     t = cfg.train
@@ -105,13 +107,13 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         meshlm.runtime.compile.compile_blocks(model, t.compile, comms=comms)
     # fp32 storage is the master copy, or (ZeRO-1/2) the optimizer's sharded fp32 master
     # (NOTE [mixed precision] in meshlm/layout/precision.py)
-    opt = ShardedOptimizer(
+    # any optimizer class (optim._target_), its no-decay groups (NOTE [optim node] in meshlm/app/optimizer.py)
+    opt = make_optimizer(
+        cfg,
         model,
-        torch.optim.AdamW,
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        weight_decay=t.weight_decay,
-        **adamw_impl(t, offload, device),
+        lr=lr_at(1, t),
+        pipelined=pipelined,
+        **impl_kwargs(cfg.optim, t, offload, device),
         offload=offload.optimizer if offload else None,
         offload_params=offload.attach(model) if offload else None,
         offload_grads=offload.grads if offload else None,
@@ -122,6 +124,7 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
 
     micro = t.batch_size // t.grad_accum
     dp_rank, dp_size = data_parallel_rank(layout, mesh, micro, t.seq_len)
+    cfg = setup.with_resumed_tokenizer(cfg)  # NOTE [run tokenizer] in meshlm/train/checkpoint/assets.py
     ds = open_dataset(cfg.data, t.seq_len, cfg.model, run_dir)  # text, tokens or images (meshlm/data/images.py)
     ds.check_vocab(model_vocab(model), cfg.model.label)
     loader = setup.split_for_cp(
@@ -141,6 +144,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         run_dir=str(run_dir),
     )
     start = life.resume(loader, scaler)
+    resumed = (life.ckpt.resumed or {}).get("path") if life.ckpt is not None else None
+    setup.record_assets(setup.run_assets(cfg, resumed), run_dir, life, is_main)
     clock.mark("build")
 
     # global sizes (DTensor numel); a pipeline stage holds part of the model: the probe counted all of it
@@ -163,6 +168,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         if not (run_dir / "config.json").exists():
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    tracking = bool(chosen(cfg.logger))  # the same on every rank: all take part in the memory gather
+    tracker = Tracker(cfg, run_dir, life.run_id, eff.label()) if tracking and is_main else None
     if start >= t.steps:
         life.close()
         if offload is not None:
@@ -171,6 +178,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
         log.info(msg)
         if is_main:
             writer.close()
+            if tracker is not None:
+                tracker.close()
             print(f"meshlm train: {msg}", flush=True)
         return {"steps": t.steps, "start_step": start, "steps_run": 0, "global_step": start, "run_id": life.run_id}
 
@@ -215,8 +224,12 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
                 if m is not None:
                     measuring.enter_context(m)
             out = train_step(passes, opt, t, step, lr, scaler, memory.after_backward if memory else None)
+        ranks_memory = None
         if memory:
             mem_kinds = memory.result
+            if tracking:  # every rank's memory, for the trackers (NOTE [experiment tracking])
+                ranks_memory = [None] * world if is_main else None
+                dist.gather_object(mem_kinds, ranks_memory, dst=0)
         if out.skipped:
             skipped += 1
             if writer:
@@ -274,13 +287,16 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
             log.info("step %d val_loss %.4f", step, val_loss)
             if bar is not None:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
-        if step % t.log_every == 0 or "val_loss" in row:
+        logged = step % t.log_every == 0 or "val_loss" in row
+        if logged:
             log.info(
                 "step %d loss %.4f lr %.3g grad_norm %s tok/s %.0f mem %s",
                 *(step, out.loss, lr, out.grad_norm, tps, fmt_bytes(mem)),
             )
             if writer:
                 writer.write(row)
+        if tracker is not None and (logged or ranks_memory):
+            tracker.log(row, ranks_memory)
         if bar is not None:
             bar.set_postfix_str(f"loss {out.loss:.3f} tok/s {tps:,.0f} mem {fmt_bytes(mem)}", refresh=False)
             bar.update(1)
@@ -318,6 +334,8 @@ def run(cfg: RunConfig, run_dir: "str | os.PathLike") -> dict[str, Any]:
     if is_main:
         assert writer is not None
         writer.close()
+        if tracker is not None:
+            tracker.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_loss(
             read_metrics(run_dir / "metrics.jsonl"),

@@ -132,3 +132,58 @@ def ckpt_state(step: int, loader, scaler) -> dict[str, Any]:
     if scaler is not None:
         state["loss_scaler"] = scaler.state_dict()
     return state
+
+
+def with_resumed_tokenizer(cfg: RunConfig) -> RunConfig:
+    """``data.tokenizer=auto`` resuming a checkpoint that recorded a tokenizer (NOTE [run
+    tokenizer] in meshlm/train/checkpoint/assets.py), with no ``model.init_from`` whose own
+    tokenizer it would mean: that checkpoint's tokenizer."""
+    import dataclasses
+
+    from meshlm.train import lifecycle
+
+    if cfg.data.tokenizer != "auto" or cfg.data.format != "text":
+        return cfg
+    init = cfg.model.init_from
+    if init and (Path(init.removeprefix("hf:")) / "tokenizer.json").is_file():
+        return cfg
+    path = lifecycle.resume_path(cfg)
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(Path(path) / "tokenizer.json")))
+
+
+def run_assets(cfg: RunConfig, resumed: "str | None") -> dict[str, str]:
+    """The files the run records beside its tensors (NOTE [run tokenizer] in
+    meshlm/train/checkpoint/assets.py): name -> where they are now."""
+    from meshlm.data.text import HFTokenizer
+    from meshlm.train.checkpoint.assets import TOKENIZER_FILES, dir_assets, hf_assets, tokenizer_assets
+
+    out: dict[str, str] = {}
+    init = cfg.model.init_from
+    if init and Path(init.removeprefix("hf:")).is_dir():
+        out.update(hf_assets(init.removeprefix("hf:"), tokenizer=cfg.data.tokenizer == "auto"))
+    if resumed:
+        out.update(dir_assets(resumed))
+    tok = cfg.data.tokenizer
+    if tok == "bytes" or cfg.data.format == "images":
+        for name in TOKENIZER_FILES:
+            out.pop(name, None)
+    elif tok != "auto":
+        for name in TOKENIZER_FILES:
+            out.pop(name, None)
+        out.update(tokenizer_assets(HFTokenizer(tok).path))
+    return out
+
+
+def record_assets(assets: dict[str, str], run_dir: Path, life, is_main: bool) -> None:
+    """Rank 0 copies ``assets`` into the run directory; every checkpoint the run saves copies
+    them from there."""
+    import shutil
+
+    if is_main:
+        for name, src in assets.items():
+            if Path(src).resolve() != (run_dir / name).resolve():
+                shutil.copyfile(src, run_dir / name)
+    if life.ckpt is not None:
+        life.ckpt.assets = {name: str(run_dir / name) for name in assets}

@@ -112,6 +112,7 @@ def stream(
     compile: Optional[str] = None,
     freeze: Optional[bool] = None,
     inputs: Optional[dict[str, Tensor]] = None,
+    rows: Optional[Sequence[int]] = None,
 ) -> Iterator[list[tuple[int, int]]]:
     """Yield, after each decode step, ``(row, token)`` for every row still generating.
 
@@ -120,7 +121,9 @@ def stream(
     first decode step; the prefill runs eagerly.  ``freeze``: with inductor, the weights
     frozen into the compiled step (NOTE [frozen decode]): None where it can, True (an error
     where it cannot), False never.  ``inputs``: more keyword inputs of the model's prefill, one row per
-    prompt (a vision-language model's ``images``, for the image tokens of its prompts)."""
+    prompt (a vision-language model's ``images``, for the image tokens of its prompts).
+    ``rows``: the index of each prompt's sampling stream (NOTE [row streams] in
+    meshlm/infer/sample.py; default its position, 0, 1, ...)."""
     longest = _check(model, prompts, max_new_tokens)
     b = len(prompts)
     dev = _device(model)
@@ -135,7 +138,7 @@ def stream(
         compiled = decode_step(model, compile, freeze)
     elif freeze:
         raise ConfigError("generate: freeze=True freezes the weights of a compiled decode step: set compile='inductor'")
-    gens = generators(sampling, b)
+    gens = generators(sampling, b if rows is None else list(rows))
     stops = set(int(t) for t in stop)
     live = [True] * b
     was = model.training
@@ -169,7 +172,7 @@ def stream(
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], **options: Any) -> list[list[int]]:
     """The new tokens of each prompt (its stop token included, when it was reached);
     ``options`` are :func:`stream`'s (``max_new_tokens``, ``sampling``, ``stop``, ``pad``,
-    ``compile``, ``freeze``, ``inputs``)."""
+    ``compile``, ``freeze``, ``inputs``, ``rows``)."""
     new: list[list[int]] = [[] for _ in prompts]
     it = stream(model, prompts, **options)
     for step in it:

@@ -60,10 +60,24 @@ def filter_logits(logits: Tensor, s: Sampling) -> Tensor:
     return x
 
 
-def generators(s: Sampling, rows: int) -> Optional[list[torch.Generator]]:
-    """One generator per row, each seeded with ``s.seed``: a row draws what it would draw
-    alone, whichever batch it is decoded in (None when greedy)."""
-    return None if s.greedy else [torch.Generator().manual_seed(s.seed) for _ in range(rows)]
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s stream under ``seed`` (NOTE [row streams])."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{row}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def generators(s: Sampling, rows: "int | list[int]") -> Optional[list[torch.Generator]]:
+    """NOTE [row streams]
+    One generator per row, row ``i`` seeded from ``(s.seed, i)`` (``row_seed``, a hash of
+    both): each prompt of a batch draws from its own stream, so two prompts under one
+    ``--seed`` do not take the same random draws (they did, and continued alike), and
+    prompt ``i`` draws the same whatever the other prompts are.  ``rows``: how many (their
+    indices 0, 1, ...), or the indices themselves.  None when greedy."""
+    if s.greedy:
+        return None
+    index = range(rows) if isinstance(rows, int) else rows
+    return [torch.Generator().manual_seed(row_seed(s.seed, i)) for i in index]
 
 
 def choose(logits: Tensor, s: Sampling, gens: Optional[list[torch.Generator]]) -> Tensor:

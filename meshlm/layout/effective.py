@@ -26,7 +26,10 @@ NOTE [effective sharding]
     are those left with an axis of size > 1.  The layout **degenerates** on the mesh when
     a kind it names has no axis left: then it does not do what its name says, and
     ``meshlm train`` warns (an error under ``layout.strict=true``).  Dropping some of a
-    kind's axes (``batch: [dp, fsdp]`` on a mesh with ``dp`` only) is not degeneracy.
+    kind's axes (``batch: [dp, fsdp]`` on a mesh with ``dp`` only) is not degeneracy, nor is
+    dropping data parallelism while another kind stays (``tp`` on a ``tp=2`` mesh: one
+    replica, split by tensor parallelism; every layout splits the batch over whatever data
+    axes the mesh has, and a mesh with none is one replica by choice).
 
     The other way round, a mesh axis of size > 1 that no rule of the layout names (``ddp``
     on a ``tp=2`` mesh) runs the same computation on each of its ranks: duplicated work,
@@ -178,6 +181,8 @@ def effective(layout: Layout, mesh: Mapping[str, int]) -> Effective:
     named = _kinds(layout, lambda m: True)
     live = _kinds(layout, lambda m: sizes.get(m, 1) > 1)
     dropped = {k: _ordered(v) for k, v in named.items() if k not in live}
+    if any(k != "data parallel" for k in live):  # one replica of a model still split: not degeneracy
+        dropped.pop("data parallel", None)
     used = {m for v in live.values() for m in v}
     unused = [m for m in _ordered(sizes) if sizes[m] > 1 and m not in used]
     return Effective(

@@ -115,7 +115,7 @@ def locate(cfg: ModelConfig) -> Callable[..., Any]:
             "model._target_ is not set: pick a shipped model (model=llama_tiny) or name the callable "
             "that builds yours (model._target_=mypkg.MyModel)"
         )
-    fn = _import(cfg.target)
+    fn = import_object(cfg.target)
     if not callable(fn):
         raise ConfigError(
             f"model._target_={cfg.target} is a {type(fn).__name__}, not a callable that returns a torch.nn.Module"
@@ -123,8 +123,9 @@ def locate(cfg: ModelConfig) -> Callable[..., Any]:
     return fn
 
 
-def _import(path: str) -> Any:
-    """The object at dotted ``path``: its longest importable module prefix, then attributes."""
+def import_object(path: str, key: str = "model._target_") -> Any:
+    """The object at dotted ``path``: its longest importable module prefix, then attributes
+    (errors name ``key``)."""
     import importlib
 
     how = "check the dotted path and that its package is importable (on PYTHONPATH)"
@@ -136,16 +137,15 @@ def _import(path: str) -> Any:
         except ModuleNotFoundError as e:
             if e.name == mod or (e.name and mod.startswith(e.name + ".")):
                 continue  # this prefix is no module: try a shorter one
-            raise ConfigError(f"model._target_={path}: importing {mod} failed ({e})") from e
+            raise ConfigError(f"{key}={path}: importing {mod} failed ({e})") from e
         for a in parts[i:]:
             if not hasattr(obj, a):
                 raise ConfigError(
-                    f"model._target_={path} cannot be imported: {getattr(obj, '__name__', mod)} has "
-                    f"no attribute {a!r}; {how}"
+                    f"{key}={path} cannot be imported: {getattr(obj, '__name__', mod)} has no attribute {a!r}; {how}"
                 )
             obj = getattr(obj, a)
         return obj
-    raise ConfigError(f"model._target_={path} cannot be imported: no module named {parts[0]!r}; {how}")
+    raise ConfigError(f"{key}={path} cannot be imported: no module named {parts[0]!r}; {how}")
 
 
 def takes_device(sig: Optional[inspect.Signature]) -> bool:

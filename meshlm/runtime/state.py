@@ -180,6 +180,8 @@ READ_ONLY: dict[str, str] = {
     "meshlm/app/config.py": "_SECTIONS RETIRED_KEYS",
     "meshlm/app/infer_plan.py": "DTYPES",
     "meshlm/app/run_report.py": "BUILDS",
+    "meshlm/app/grammar.py": "VALUED SWITCHES",
+    "meshlm/app/tracking.py": "BACKENDS",
     "meshlm/core/axes.py": "LOGICAL_AXES",
     "meshlm/core/state.py": "DEFAULTS",
     "meshlm/data/shapes.py": "COLOURS PLACES CORNERS",

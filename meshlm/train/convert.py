@@ -45,11 +45,27 @@ def export_checkpoint(
     """Export a meshlm training checkpoint (a ``step_*`` directory, or a run directory: its
     latest) to a Hugging Face directory.  Run under torchrun to split the work: every rank
     loads and writes only its ``layout`` shard of each tensor."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+
     from meshlm.train.checkpoint import load_checkpoint
+    from meshlm.train.checkpoint.assets import GENERATION_CONFIG, HF_CONFIG, TOKENIZER_FILES, dir_assets
 
     ckpt, model = model_for_checkpoint(ckpt, layout, mesh)
     load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
-    return save_hf(model, out, dtype=dtype)
+    assets = dir_assets(ckpt)  # NOTE [run tokenizer] in meshlm/train/checkpoint/assets.py
+
+    def _json(name):
+        return json.loads(open(assets[name]).read()) if name in assets else None
+
+    path = save_hf(model, out, dtype=dtype, source_config=_json(HF_CONFIG), source_generation=_json(GENERATION_CONFIG))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name in TOKENIZER_FILES:
+            if name in assets:
+                shutil.copyfile(assets[name], os.path.join(out, name))
+    return path
 
 
 def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] = None) -> str:
@@ -58,12 +74,14 @@ def import_hf(path: str, out: str, *, layout: str = "fsdp", mesh: Optional[str] 
 
     from meshlm.layout.mesh import make_mesh
     from meshlm.train.checkpoint import CheckpointConfig, Checkpointer
+    from meshlm.train.checkpoint.assets import hf_assets
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     m = make_mesh(mesh or (f"fsdp={world}" if world > 1 else "dp=1"))
     model = load_hf(path, layout if world > 1 or mesh else "single", m)
     # a run of its own (step 0): `meshlm train checkpoint.dir=OUT checkpoint.resume=auto` continues it
     ck = Checkpointer(CheckpointConfig(dir=out, keep=0), model=model, run_meta={"converted_from": strip_scheme(path)})
+    ck.assets = hf_assets(strip_scheme(path))  # its tokenizer and config travel (NOTE [run tokenizer])
     try:
         return ck.save(0, {"step": 0, "init_from": f"hf:{strip_scheme(path)}"})
     finally:

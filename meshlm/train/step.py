@@ -1,6 +1,6 @@
 """One optimizer step of ``meshlm train``: the micro-batches' forward and backward, the
-non-finite-loss check, float16 loss scaling, global-norm clipping and the update; the
-learning-rate schedule and the validation loss.
+non-finite-loss check, float16 loss scaling, global-norm clipping and the update, and the
+validation loss (the learning-rate schedules: meshlm/train/schedule.py).
 
 ``train_step`` is what the loop in meshlm/app/train.py calls once per step; what runs the
 micro-batches is a ``Passes`` (``accumulate``: one forward and backward per micro-batch,
@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from meshlm.core.errors import ConfigError, MeshlmError
+from meshlm.train.schedule import lr_at  # noqa: F401 (meshlm.train.step's API)
 
 log = logging.getLogger("meshlm.app.train")
 
@@ -42,25 +43,6 @@ class StepOutcome:
     grad_norm: Optional[float] = None
     skipped: Optional[str] = None  # "nonfinite" (train.skip_nonfinite) or "overflow" (float16)
     loss_scale: Optional[float] = None  # float16: the scale this step ran at
-
-
-class Schedule(Protocol):
-    """The learning-rate schedule's fields (the app's ``train`` config section has them)."""
-
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    steps: int
-
-
-def lr_at(step: int, t: Schedule) -> float:
-    """Linear warmup to ``t.lr`` over ``t.warmup_steps`` steps, then cosine to ``t.min_lr``
-    at ``t.steps``.  ``step`` counts from 1."""
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    frac = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * frac))
 
 
 def model_inputs(batch: tuple, device) -> tuple[tuple[Tensor, Tensor], dict[str, Tensor]]:

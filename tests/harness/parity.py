@@ -68,7 +68,11 @@ from meshlm.core.weighting import rescale
 OPTIMS: dict[str, tuple[type, dict]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}),
+    # Adam without weight decay steps as AdamW with none: its bounds are AdamW's at weight_decay 0
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}),
 }
+#: the update rule whose bounds an optimizer's error follows (NOTE [tolerances after steps])
+BOUNDS = {"adam": ("adamw", {"weight_decay": 0.0})}
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,9 @@ def check_training(
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
     after: Callable[..., Any] | None = None,
+    no_decay: Sequence[str] = (),
+    ref_no_decay: Callable[[str, Tensor], bool] | None = None,
+    lr_factor: Callable[[int], float] | None = None,
 ) -> dict:
     """Train ``build``'s model sharded under ``layout`` on ``mesh_shape`` and on one device
     side by side and check them (module docstring).
@@ -189,7 +196,11 @@ def check_training(
     is called once each optimizer's steps are done and checked, with the sharded model, the
     reference, each parameter's bound on |sharded - reference| by FQN (every parameter,
     gathered over pipeline stages) and the job (its ``batches``, ``build``, ``_shard``,
-    ``runner``); what it returns is reported under ``after``, by optimizer.
+    ``runner``); what it returns is reported under ``after``, by optimizer.  ``no_decay``:
+    meshlm's no-decay rules (``meshlm.train.param_groups``) for the sharded optimizer's
+    groups, ``ref_no_decay(name, param)`` the reference's own choice of the parameters
+    stepped with ``weight_decay=0``; ``lr_factor(k)``: the learning rate of step ``k``, as a
+    multiple of the optimizer's ``lr``, in every group of both optimizers (a schedule).
 
     Returns per optimizer the worst error/tolerance ratio of each checked quantity
     (``worst``), this rank's sharded losses (``loss``), and how many sharded forwards ran
@@ -218,6 +229,9 @@ def check_training(
         strict,
         recipe,
         _OneByOne(),
+        no_decay=tuple(no_decay),
+        ref_no_decay=ref_no_decay,
+        lr_factor=lr_factor,
     )
     dtypes = recipe.shard_dtypes(layout, mesh, compile, comms)
     roots = {"local": 0, "dtensor": 0}
@@ -303,6 +317,9 @@ class _Job:
     runner: Any = None  # how a step's micro-batches run: _OneByOne, or parity_pp.Piped (pipeline layouts)
     param_bounds: dict = field(default_factory=dict)  # after train: FQN -> bound on |param - reference| (held here)
     grad_factor: float = 1.0  # what the step's micro-batch weights rescale the gradients by (one_by_one)
+    no_decay: tuple = ()  # meshlm's no-decay rules for the sharded optimizer
+    ref_no_decay: Callable | None = None  # (name, param) -> True: the reference steps it without weight decay
+    lr_factor: Callable | None = None  # step -> learning rate of every group, as a multiple of the optimizer's
 
     def plain(self, weights: dict[str, Tensor], seed: int, slot: dict, key: str) -> nn.Module:
         """A plain torch copy of the model holding ``weights`` (built once per ``key`` in ``slot``)."""
@@ -341,11 +358,21 @@ class _Job:
         self, name: str, cls: type, hp: dict, model: nn.Module, ref: nn.Module, seed: int, steps: int
     ) -> tuple[dict, list]:
         from meshlm.runtime.optim.sharded import ShardedOptimizer
+        from meshlm.train.param_groups import no_decay_groups
 
-        opt = ShardedOptimizer(model, cls, **hp)
+        piped = not isinstance(self.runner, _OneByOne)
+        groups = no_decay_groups(model, self.no_decay, check_unmatched=not piped) or None
+        opt = ShardedOptimizer(model, cls, param_groups=groups, **hp)
         self.runner.setup(opt)
-        ref_opt = cls(ref.parameters(), **hp)
         refp = dict(ref.named_parameters())
+        if self.ref_no_decay is None:
+            ref_opt = cls(ref.parameters(), **hp)
+        else:  # the reference's own groups, chosen on the plain model
+            off = [p for n, p in refp.items() if self.ref_no_decay(n, p)]
+            on = [p for n, p in refp.items() if not self.ref_no_decay(n, p)]
+            ref_opt = cls([g for g in ({"params": on}, {"params": off, "weight_decay": 0.0}) if g["params"]], **hp)
+        group_of = {id(p): g for g in ref_opt.param_groups for p in g["params"]}
+        kind, fixed = BOUNDS.get(name, (name, {}))
         bounds = {n: tol.StepBounds() for n in refp}
         plain: dict = {}  # the probe, and whatever plain copies the recipe needs
         worst: dict = {}
@@ -356,6 +383,9 @@ class _Job:
                 m, refp[n].detach(), rtol=0, atol=tol.INIT_ATOL, msg=lambda s, n=n: f"initial master of {n}: {s}"
             )
         for k in range(1, steps + 1):
+            if self.lr_factor is not None:
+                for g in [*ref_opt.param_groups, *opt.param_groups]:
+                    g["lr"] = hp["lr"] * self.lr_factor(k)
             micro = [self.batches(k, j) for j in range(self.grad_accum)]
             weights = self.runner.everywhere(rcp.probe_weights(model, opt))
             ref_losses = rcp.accumulate(ref, micro, self.grad_accum, seed, k)
@@ -419,7 +449,9 @@ class _Job:
                     continue
                 st = ref_opt.state[p]
                 if p.grad is not None:  # else the optimizer skipped it: its weights and state stay as they were
-                    bounds[n].update(name, hp, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
+                    g = group_of[id(p)]  # this parameter's group: its lr at this step, its weight decay
+                    php = {**hp, **{h: g[h] for h in ("lr", "weight_decay") if h in g}, **fixed}
+                    bounds[n].update(kind, php, k, p.grad, probe_grads[n], st, old[n], p.detach(), grad_tols[n])
                 bound = {"param": torch.zeros_like(p), **bounds[n].bound}
                 stored = after[("param", n)]
                 self._check(

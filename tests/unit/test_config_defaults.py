@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 DEFAULTS = RunConfig().to_dict()
 #: what a group option is, rather than a value it sets: the layout it names, the model it builds
-IDENTITY = {("layout", "name"), ("model", "_target_"), ("model", "name")}
+IDENTITY = {("layout", "name"), ("model", "_target_"), ("model", "name"), ("optim", "_target_")}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
 

@@ -15,7 +15,7 @@ from meshlm.app.config import RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-SECTIONS = "model|layout|mesh|train|data|checkpoint|plan|pipeline|offload"
+SECTIONS = "model|optim|layout|mesh|train|data|checkpoint|plan|pipeline|offload|logger"
 OVERRIDE = re.compile(rf"^(?:{SECTIONS})(?:\.\w+)*=\S+$")
 
 

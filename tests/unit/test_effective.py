@@ -89,9 +89,13 @@ def test_effective_kinds_are_what_the_lowering_does(name, mesh):
     assert got == _lowered_kinds(name, mesh)
     live = {m for m, s in mesh.items() if s > 1}
     assert set(eff.unused) == live - {m for v in got.values() for m in v}
-    # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left
+    # degenerate exactly when a kind the layout names on a mesh of every axis has no axis left,
+    # data parallelism aside while another kind stays (one replica, split another way)
     full = {m: 2 for m in ("dp", "fsdp", "tp", "cp", "pp", "ep")}
-    assert eff.degenerate == bool(set(_lowered_kinds(name, full)) - set(got))
+    lost = set(_lowered_kinds(name, full)) - set(got)
+    if set(got) - {"data parallel"}:
+        lost.discard("data parallel")
+    assert eff.degenerate == bool(lost)
 
 
 def test_tp_on_a_data_mesh_says_what_ran():
@@ -137,3 +141,16 @@ def test_a_pipeline_axis_no_layout_uses_is_duplicated_work():
         check(load_layout("fsdp_tp"), {"fsdp": 2, "tp": 2, "pp": 2}, strict=True)
     with pytest.raises(LayoutError, match=r"'tp' \(size 2\)"):
         check(load_layout("ddp"), {"dp": 1, "fsdp": 2, "tp": 2}, strict=True)
+
+
+@pytest.mark.parametrize("layout,mesh", [("tp", {"tp": 2}), ("tp_sp", {"tp": 4}), ("pp", {"pp": 2})])
+def test_one_replica_split_another_way_is_not_degenerate(layout, mesh):
+    """The docs' own spelling, ``layout=tp mesh=tp2``: no data axis, one replica; what the
+    layout is for (tensor, sequence, pipeline parallelism) stays, so there is nothing to warn of."""
+    eff = effective(load_layout(layout), mesh)
+    assert eff.problems() == [] and not eff.dropped, eff.problems()
+
+
+def test_tp_on_a_data_mesh_still_warns():
+    (msg,) = effective(load_layout("tp"), {"dp": 2}).problems()
+    assert "tensor parallel (tp) drops out" in msg and "data parallel" not in msg.split("drops out")[0]

@@ -12,7 +12,7 @@ import torch
 from harness import tolerances as tol
 from meshlm.core.errors import ConfigError
 from meshlm.infer import KVCache, Sampling, generate, stream
-from meshlm.infer.sample import choose, filter_logits
+from meshlm.infer.sample import choose, filter_logits, generators
 from meshlm.models.gpt2 import GPT2, GPT2Config
 from meshlm.models.llama import Llama, LlamaConfig
 
@@ -150,7 +150,9 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     model = MODELS["llama"]()
     s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=5)
     batch = generate(model, PROMPTS, max_new_tokens=8, sampling=s)
-    assert [generate(model, [p], max_new_tokens=8, sampling=s)[0] for p in PROMPTS] == batch  # a row draws as alone
+    # prompt i draws from stream (seed, i) whatever the batch: alone, given its index, it draws the same
+    alone = [generate(model, [p], max_new_tokens=8, sampling=s, rows=[i])[0] for i, p in enumerate(PROMPTS)]
+    assert alone == batch
     assert generate(model, PROMPTS, max_new_tokens=8, sampling=s) == generate(
         model, PROMPTS, max_new_tokens=8, sampling=s
     )
@@ -207,3 +209,22 @@ def test_compiled_decode_is_traced_once(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1
     assert generate(model, PROMPTS, max_new_tokens=64, compile="aot_eager") == eager
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
+def test_each_prompt_draws_from_its_own_stream():
+    """NOTE [row streams]: one prompt twice in a batch under one seed, sampled at temperature 1
+    from a flat distribution, continues differently in each row (one shared stream made the
+    rows take the same draws, so different prompts continued nearly alike); each row's
+    draws are torch.multinomial's with a generator seeded from (seed, row) alone."""
+    from meshlm.infer.sample import row_seed
+
+    model = MODELS["llama"]()
+    s = Sampling(temperature=1.0, seed=1)
+    a, b = generate(model, [PROMPTS[0], PROMPTS[0]], max_new_tokens=12, sampling=s)
+    assert a != b
+    assert len({row_seed(1, i) for i in range(1000)} | {row_seed(2, 0)}) == 1001
+    logits = torch.zeros(2, 50)
+    got = choose(logits, s, generators(s, 2))
+    want = [torch.multinomial(torch.full((50,), 0.02), 1, generator=torch.Generator().manual_seed(row_seed(1, i)))
+            for i in range(2)]  # fmt: skip
+    assert got.tolist() == torch.cat(want).tolist()

@@ -63,10 +63,41 @@ def _write_block(fd: int, file_off: int, shape: tuple[int, ...], box: list[tuple
         os.pwrite(fd, rows[r].tobytes(), file_off + start * esz)
 
 
-def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) -> str:
+def faithful_config(derived: dict, source: Optional[dict]) -> dict:
+    """NOTE [faithful config]
+    ``config.json`` of an export: the keys the architecture fixes, from the model
+    (``config_to_hf``), over every key of the config the model came from (``source``: the
+    Hugging Face ``config.json`` a run started from, NOTE [run tokenizer] in
+    meshlm/train/checkpoint/assets.py), so its special-token ids (``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id``), ``max_position_embeddings`` and anything else it
+    says survive the round trip; without a source, the model's keys alone."""
+    if not source:
+        return dict(derived)
+    keep = {"max_position_embeddings"}  # not fixed by the weights: the source's word stands
+    return {**source, **{k: v for k, v in derived.items() if k not in keep or k not in source}}
+
+
+def generation_config(config: dict, source: Optional[dict]) -> dict:
+    """``generation_config.json``: the source's, else the special-token ids of ``config``."""
+    if source:
+        return dict(source)
+    out = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    return {"_from_model_config": True, **out}
+
+
+def save_hf(
+    model: nn.Module,
+    out: str,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    source_config: Optional[dict] = None,
+    source_generation: Optional[dict] = None,
+) -> str:
     """Write ``model`` (a meshlm Llama or GPT2, sharded or plain) as a Hugging Face
-    directory: ``config.json`` + one consolidated ``model.safetensors``.  Collective when
-    the model is sharded; each rank writes only the blocks it stores (one replica each)."""
+    directory: ``config.json`` (NOTE [faithful config]: ``source_config`` is the config the
+    model came from), ``generation_config.json`` (``source_generation``, else the config's
+    special-token ids) and one consolidated ``model.safetensors``.  Collective when the
+    model is sharded; each rank writes only the blocks it stores (one replica each)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -77,7 +108,7 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
     rank = dist.get_rank() if distributed else 0
     params = [(fqn, p) for fqn, _m, _n, p in iter_params(model)]
     dt = dtype or params[0][1].dtype
-    config = fam.config_to_hf(cfg, dt)  # raises, on every rank, before anything is written
+    config = faithful_config(fam.config_to_hf(cfg, dt), source_config)  # raises, on every rank, before any write
     names = {fqn: fam.hf_tensor(cfg, fqn, tuple(p.shape)) for fqn, p in params}
     entries = sorted((*names[fqn], math.prod(p.shape) * torch.empty((), dtype=dt).element_size()) for fqn, p in params)
     header, offsets = _st_header([(n, _DT_TO_ST[dt], s, b) for n, s, b in entries], {"format": "pt"})
@@ -87,6 +118,8 @@ def save_hf(model: nn.Module, out: str, *, dtype: Optional[torch.dtype] = None) 
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)
+        with open(os.path.join(out, "generation_config.json"), "w") as fh:
+            json.dump(generation_config(config, source_generation), fh, indent=1)
         with open(fname, "wb") as fh:
             fh.write(header)
             fh.truncate(total)

@@ -22,6 +22,15 @@ NOTE [fused and views]
 
     NOTE [optimizer chunks] in meshlm/runtime/optim/chunks.py: the chunks of the step's flat
     collectives, and masters that are views of the parameter.
+
+NOTE [parameter groups]
+    ``param_groups=[{"params": [fqn, ...], "weight_decay": 0.0}, ...]`` gives torch's
+    parameter groups, each naming parameters by FQN (or the parameter objects), with the
+    options that differ from the keyword arguments.  The groups hold the masters (the
+    parameter itself where it is its own), so a group's options (its learning rate, weight
+    decay) apply to the shards as to the whole tensor on one device.  A parameter no group
+    names goes into a first group with the defaults.  ``meshlm.train.param_groups`` makes
+    the groups of a no-weight-decay rule (``optim.no_decay``).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ class ShardedOptimizer:
         offload: Any = None,
         offload_params: Any = None,
         offload_grads: Any = None,
+        param_groups: Optional[list[dict]] = None,
         **kwargs: Any,
     ):
         if bucket_mb is not None and not bucket_mb > 0:
@@ -109,7 +119,7 @@ class ShardedOptimizer:
         self._keys = chunk_keys(
             model, [p for _f, p, _m in self._pairs], None if bucket_mb is None else int(bucket_mb * 2**20)
         )
-        self.inner = optim_cls(masters, **kwargs)
+        self.inner = optim_cls(_groups(param_groups, self._pairs), **kwargs)
         # NOTE [unused parameters] in meshlm/runtime/unused.py: where ranks may disagree on what they used
         self._usage_groups = unused.local_reductions(model, st)
         self._ready = False
@@ -359,6 +369,37 @@ class ShardedOptimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.inner.load_state_dict(sd)
+
+
+def _groups(spec: Optional[list[dict]], pairs: list) -> list[dict]:
+    """torch's parameter groups of the masters (NOTE [parameter groups])."""
+    masters = [m for _f, _p, m in pairs]
+    if spec is None:
+        return [{"params": masters}]
+    by_name = {f: m for f, _p, m in pairs}
+    by_param = {id(p): m for _f, p, m in pairs}
+    out, taken = [], set()
+    for i, g in enumerate(spec):
+        if "params" not in g:
+            raise ValueError(f"ShardedOptimizer(param_groups=...): group {i} has no 'params' entry")
+        ms = []
+        for x in g["params"]:
+            m = by_name.get(x) if isinstance(x, str) else by_param.get(id(x))
+            if m is None:
+                what = (
+                    repr(x) if isinstance(x, str) else f"a {type(x).__name__} that is not one of the model's parameters"
+                )
+                raise ValueError(
+                    f"ShardedOptimizer(param_groups=...): group {i} names {what}; name the model's trainable "
+                    "parameters by FQN (model.named_parameters()) or pass the parameters themselves"
+                )
+            if id(m) in taken:
+                raise ValueError(f"ShardedOptimizer(param_groups=...): a parameter is in two groups (group {i})")
+            taken.add(id(m))
+            ms.append(m)
+        out.append({**g, "params": ms})
+    rest = [m for m in masters if id(m) not in taken]
+    return ([{"params": rest}] if rest else []) + [g for g in out if g["params"]]
 
 
 # Optimizers whose update of each element depends only on that element's parameter,

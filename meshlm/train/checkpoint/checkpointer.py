@@ -75,6 +75,8 @@ class Checkpointer:
         self.run_meta = dict(run_meta or {})
         self.say = say
         self.last_saved: Optional[str] = None
+        #: name -> path: files each save copies in beside the tensors (NOTE [run tokenizer] in assets.py)
+        self.assets: dict[str, str] = {}
         self.run_id: Optional[str] = None
         self.resumed: Optional[dict] = None
         self.skipped: list[tuple[str, str, str]] = []  # (damaged checkpoint, why, where it was set aside)
@@ -222,6 +224,7 @@ class Checkpointer:
             run_meta=self.run_meta,
             keep=self.cfg.keep,
             run_id=self.run_id,
+            assets=self.assets,
         )
         return self.last_saved
 

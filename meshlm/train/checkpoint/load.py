@@ -220,6 +220,9 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 elif size == ():
                     if cur is None or cur.ndim != 0 or isinstance(cur, DTensor):
                         cur = torch.zeros((), dtype=km.properties.dtype)
+                elif _whole(m):  # NOTE [whole-tensor step]: state of its own shape (Adafactor's row_var), whole
+                    if cur is None or tuple(cur.shape) != size:
+                        cur = _replicated_zeros(m, size, km.properties.dtype)
                 else:
                     raise CheckpointError(
                         f"checkpoint {path}: optimizer state `{name}` of `{fqn}` has shape "
@@ -233,6 +236,20 @@ def _plan_load(path: str, md, model: nn.Module, optimizer: Any, meta: dict) -> t
                 f"checkpoint {path}: `{k}` is not stored as a tensor there; it was not written by meshlm"
             )
     return sd, post
+
+
+def _whole(m: Tensor) -> bool:
+    """A master every rank holds whole (a plain tensor, or a DTensor replicated on every
+    mesh axis: NOTE [whole-tensor step] in meshlm/runtime/optim/chunks.py)."""
+    return not isinstance(m, DTensor) or all(p.is_replicate() for p in m.placements)
+
+
+def _replicated_zeros(m: Tensor, size: tuple, dtype: torch.dtype) -> Tensor:
+    """Zeros of ``size`` placed as master ``m`` is (whole on every rank)."""
+    if not isinstance(m, DTensor):
+        return torch.zeros(size, dtype=dtype, device=m.device)
+    local = torch.zeros(size, dtype=dtype, device=m.to_local().device)
+    return DTensor.from_local(local, m.device_mesh, m.placements, run_check=False)
 
 
 def _meta_everywhere(path: str) -> tuple[Optional[dict], Optional[str]]:

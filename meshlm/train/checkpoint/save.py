@@ -98,12 +98,15 @@ def save_checkpoint(
     run_meta: Optional[dict] = None,
     keep: int = 0,
     run_id: Optional[str] = None,
+    assets: Optional[dict[str, str]] = None,
 ) -> str:
     """Save a complete checkpoint of step ``step`` under ``root`` (collective: every rank
     calls it) and return its directory.  See NOTE [commit protocol].  ``run_id`` goes into
     meta.json; ``keep`` > 0 deletes the oldest checkpoints of that run only, and a complete
     ``step_<N>`` that exists already is never replaced (NOTE [one run per checkpoint
-    directory] in meshlm/train/checkpoint/runs.py)."""
+    directory] in meshlm/train/checkpoint/runs.py).  ``assets``: name -> path of files rank 0
+    copies into the checkpoint beside the tensors (the run's tokenizer: NOTE [run tokenizer]
+    in meshlm/train/checkpoint/assets.py), checked by CRC-32 like every other file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
@@ -163,6 +166,7 @@ def save_checkpoint(
     what = failed[0] if failed else None
     if what is None and rank == 0:
         try:
+            _copy_files(tmp, dict(assets or {}), files)
             _commit(root, step, tmp, final, files, model, extra, opt_extra, run_meta, run_id)
         except OSError as e:
             what = _describe(e)
@@ -174,6 +178,14 @@ def save_checkpoint(
             pass
     _barrier()
     return final
+
+
+def _copy_files(tmp: str, sources: dict[str, str], files: dict[str, dict]) -> None:
+    """Rank 0: ``sources`` (name -> path) copied into the checkpoint, each listed in ``files``."""
+    for name, src in sources.items():
+        dst = os.path.join(tmp, name)
+        shutil.copyfile(src, dst)
+        files[name] = {"bytes": os.path.getsize(dst), "crc32": _crc32(dst)}
 
 
 def _commit(root, step, tmp, final, files, model, extra, opt_extra, run_meta, run_id) -> None:
