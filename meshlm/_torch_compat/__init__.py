@@ -26,6 +26,8 @@ a private torch API.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -179,6 +181,38 @@ def fake_tensor_mode(**kwargs):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+@contextlib.contextmanager
+def dtensor_index_math_outside_fake():
+    """While open, DTensor computes a strided shard's indices (``_StridedShard``'s
+    ``local_shard_size_and_offset``: an ``arange`` split and read back with ``.tolist()``)
+    outside any FakeTensorMode.  They are sizes, not data: under the planner's fake step the
+    ``arange`` would be fake and its read-back raise ``DataDependentOutputException`` (e.g.
+    a user's einsum attention under fsdp_tp: its ``bmm`` operands sharded over the batch and
+    the flattened heads).  Outside a fake mode the wrapper changes nothing; restored on exit."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # no strided shards in this torch: nothing to do
+        yield
+        return
+    orig = _StridedShard.__dict__.get("local_shard_size_and_offset")
+    if orig is None:
+        yield
+        return
+
+    fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
+
+    @functools.wraps(fn)
+    def real_indices(*args, **kwargs):
+        with outside_fake():
+            return fn(*args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = type(orig)(real_indices) if fn is not orig else real_indices
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = orig
 
 
 def fake_unsupported_errors() -> tuple[type, ...]:

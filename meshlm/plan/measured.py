@@ -33,8 +33,8 @@ def plan_model(
 ) -> Plan:
     """Measure ``build`` under ``layout`` on ``mesh`` (:func:`meshlm.plan.measure.measure`)
     and report it as a :class:`Plan`: ``memory`` holds ``params``, ``grads``,
-    ``optimizer``, ``activations`` (held from forward to backward, at-use parameter copies
-    included) and ``peak`` (the most storage alive at once in the step); ``total`` is the
+    ``optimizer``, ``activations`` (held from forward to backward), ``gathered`` (the
+    parameter copies held with them: NOTE [parameter copies] in measure.py) and ``peak`` (the most storage alive at once in the step); ``total`` is the
     peak, the figure ``layout=auto`` compares with the limit.  A pipeline layout on a mesh
     with pp > 1 is planned per pp rank (:func:`meshlm.plan.pipeline.plan_pipeline`, with
     ``pipeline``: the ``schedule``, ``stages_per_rank`` and ``split`` of the run).
@@ -80,6 +80,7 @@ def plan_model(
         activation_checkpointing=activation_checkpointing,
         shard_kw=kw,
         offload=tiers if tiers.active else None,
+        name=name,
     )
     memory = dict(m.memory, total=m.memory["peak"])
     comm: dict[tuple, CommEntry] = {}
