@@ -48,12 +48,44 @@ def torch_at_least(major: int, minor: int) -> bool:
 
 
 # --------------------------------------------------------------------------- Dynamo
-#: mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
-allow_in_graph = torch._dynamo.allow_in_graph
+# NOTE [lazy dynamo]
+#     Importing torch._dynamo costs about a second of CPU, and ``meshlm plan`` by formula,
+#     the layout tools and every command's start never compile.  So meshlm imports it on
+#     first use: ``compiler_disable`` is torch's lazy ``disable`` (it imports Dynamo when the
+#     function is first called), ``mark_dynamic`` reaches it when called, and
+#     ``allow_in_graph`` registers its functions with Dynamo at once when Dynamo is loaded,
+#     else at ``dynamo_ready()``, which ``meshlm.shard`` calls before it returns a model that
+#     anything could compile (the functions it marks run only inside sharded models).
+_PENDING_IN_GRAPH: list = []
 
 
-#: a tensor's dim is a symbol from the first trace (a decode step's growing KV length)
-mark_dynamic = torch._dynamo.mark_dynamic
+def allow_in_graph(fn: Callable) -> Callable:
+    """Mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
+    (NOTE [lazy dynamo])."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        return torch._dynamo.allow_in_graph(fn)
+    _PENDING_IN_GRAPH.append(fn)
+    return fn
+
+
+def dynamo_ready() -> None:
+    """Register the functions ``allow_in_graph`` deferred (NOTE [lazy dynamo])."""
+    while _PENDING_IN_GRAPH:
+        torch._dynamo.allow_in_graph(_PENDING_IN_GRAPH.pop())
+
+
+def compiler_disable(fn: Callable) -> Callable:
+    """``torch.compiler.disable`` without importing Dynamo until ``fn`` is first called
+    (NOTE [lazy dynamo]); older torch without the lazy form: the eager one."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def mark_dynamic(t: Tensor, dim: int) -> None:
+    """A tensor's dim is a symbol from the first trace (a decode step's growing KV length)."""
+    torch._dynamo.mark_dynamic(t, dim)
 
 
 def dynamo_reset() -> None:

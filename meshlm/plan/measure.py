@@ -21,12 +21,14 @@ NOTE [fake measurement]
       NOTE [parameter copies]) and the rest;
     - ``peak``: the most storage alive at once during the step, model state included
       (``meshlm.runtime.memory.PeakStorage``);
-    - ``comm``: every collective of the step (``meshlm.runtime.comm.CommCounter``);
+    - ``comm``: every collective of the step (``meshlm.runtime.comm.CommCounter``), as
+      count, logical bytes and wire bytes per (kind, mesh axes, phase);
     - ``flops``: this rank's floating-point operations in a step (counted in the first)
       (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
       included).
 
-    Storages are told apart by their storage object, never by data pointers (a fake
+    A model of many identical blocks is measured on a few and the rest counted (NOTE
+    [counted blocks] in repeats.py).  Storages are told apart by their storage object, never by data pointers (a fake
     tensor has none).  This process plays rank 0; every rank holds the same shapes except
     where a dim does not divide evenly, where rank 0 holds the largest shard.
 """
@@ -54,8 +56,9 @@ Build = Callable[[str], torch.nn.Module]
 class Measured:
     """One fake step's figures, per rank (NOTE [fake measurement])."""
 
-    memory: dict[str, int]  # params, grads, optimizer, activations, peak
-    comm: CommCounter
+    memory: dict[str, int]  # params, grads, optimizer, activations, gathered, peak
+    #: (kind, mesh axes, phase) -> {count, bytes (logical), wire_bytes}
+    comm: dict[tuple, dict[str, float]]
     flops: int
     psi: int  # parameters of the model
     #: offloaded kinds: {kind: {bytes, in_bytes, out_bytes}} per rank (NOTE [planned offload])
@@ -195,19 +198,23 @@ def measure(
     try:
         mesh = make_mesh(dict(mesh_sizes), fake=True)
         with compat.dtensor_index_math_outside_fake():
-            return _measure(
-                build,
-                layout,
-                mesh,
-                global_batch // grad_accum,
-                seq,
-                grad_accum,
-                activation_checkpointing,
-                shard_kw,
-                offload,
-                name,
-                where,
-            )
+
+            def run(built: Build) -> Measured:
+                return _measure(
+                    built,
+                    layout,
+                    mesh,
+                    global_batch // grad_accum,
+                    seq,
+                    grad_accum,
+                    activation_checkpointing,
+                    shard_kw,
+                    offload,
+                    name,
+                    where,
+                )
+
+            return _counted(build, run, layout, offload)
     except Exception as e:
         # a step that runs for real but not on fake tensors (an op that reads data back to
         # Python): say so in the model's terms, never a raw torch traceback
@@ -338,7 +345,46 @@ def _measure(
         "gathered": held[1],
         "peak": peak.peak,
     }
-    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds, scopes)
+    comm: dict[tuple, dict[str, float]] = {}
+    for r in cc.records:
+        e = comm.setdefault((r.kind, r.axes, r.phase), {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+        e["count"] += 1
+        e["bytes"] += r.bytes
+        e["wire_bytes"] += r.wire_bytes
+    return Measured(memory, comm, int(flops.get_total_flops()), psi, kinds, scopes)
+
+
+def _counted(build: Build, run: Callable[[Build], Measured], layout, offload) -> Measured:
+    """``run(build)``, or, for a model with long lists of identical blocks, the figures of
+    a few blocks measured and the rest counted (NOTE [counted blocks] in repeats.py)."""
+    from meshlm.layout.rules import is_pipelined, load_layout
+    from meshlm.plan.repeats import count, cut, repeats
+    from meshlm.plan.where import _fake_cause
+
+    lay = load_layout(layout)
+    if is_pipelined(lay) or lay.scopes or offload is not None:
+        return run(build)
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True):
+        whole = build("meta")
+        lists = repeats(whole)
+        psi = sum(p.numel() for p in whole.parameters())
+    del whole
+    if not lists:
+        return run(build)
+    two = {r.path: 2 for r in lists}
+    try:
+        base = run(cut(build, two))
+        more = [(run(cut(build, {**two, r.path: 3})), r.n - 2) for r in lists]
+    except Exception as e:  # a model whose forward needs every block (it counts them): measure it whole
+        if _fake_cause(e) is not None:
+            raise  # the whole model cannot run it either (NOTE [unmeasurable step] in where.py)
+        return run(build)
+    fig = count(
+        {"memory": base.memory, "comm": base.comm, "flops": base.flops},
+        [({"memory": m.memory, "comm": m.comm, "flops": m.flops}, k) for m, k in more],
+    )
+    comm = {key: {f: v[f] for f in ("count", "bytes", "wire_bytes")} for key, v in fig["comm"].items() if v["count"]}
+    return Measured({k: int(v) for k, v in fig["memory"].items()}, comm, int(fig["flops"]), psi)
 
 
 def _example_inputs(model, batch: int, seq: int, layout, mesh) -> dict:

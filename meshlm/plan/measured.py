@@ -83,12 +83,10 @@ def plan_model(
         name=name,
     )
     memory = dict(m.memory, total=m.memory["peak"])
-    comm: dict[tuple, CommEntry] = {}
-    for r in m.comm.records:
-        e = comm.setdefault((r.kind, r.axes, r.phase), CommEntry(r.kind, r.axes, r.phase, 0, 0, 0.0, "counted"))
-        e.count += 1
-        e.bytes += r.bytes
-        e.wire_bytes += r.wire_bytes
+    comm = {
+        (kind, axes, phase): CommEntry(kind, axes, phase, int(v["count"]), int(v["bytes"]), v["wire_bytes"], "counted")
+        for (kind, axes, phase), v in m.comm.items()
+    }
     sd = kw.get("param_dtype") or torch.float32
     cd = kw.get("compute_dtype") or sd
     rd = kw.get("reduce_dtype") or (torch.float32 if cd != torch.float32 or sd != torch.float32 else sd)
