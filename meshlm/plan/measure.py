@@ -260,12 +260,15 @@ def _measure(
             model, torch.optim.AdamW, lr=1e-3, offload=tier, offload_params=poff, offload_grads=gtier
         )
         psi = sum(p.numel() for p in model.parameters())
-        toks = torch.zeros(micro, seq + 1, dtype=torch.long)
-        x = shard_batch(toks[:, :-1], layout, mesh)
-        y = shard_batch(toks[:, 1:], layout, mesh)
-        extras = _example_inputs(model, micro, seq, layout, mesh)
         lay, scopes = load_layout(layout), {}
-        inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
+
+        def batch():
+            """This rank's tokens, targets and extra inputs of a micro-batch, made in the step
+            as train's loader makes them (their storages count in the step's peak)."""
+            toks = torch.zeros(micro, seq + 1, dtype=torch.long)
+            x, y = shard_batch(toks[:, :-1], layout, mesh), shard_batch(toks[:, 1:], layout, mesh)
+            return x, y, _example_inputs(model, micro, seq, layout, mesh)
+
         moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
         on_tier = [0]  # bytes of gradients on their tier at the step (offload.grads)
 
@@ -275,12 +278,14 @@ def _measure(
             held = (0, 0)
             for i in range(grad_accum):
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
+                x, y, extras = batch()
                 with acts.context() if acts is not None else contextlib.nullcontext():
                     where.phase = "forward"
                     with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
                         # as train reads it: the output's other entries (a dict's logits) die here
                         loss = loss_of(model(x, y, **extras), label)
                     if made is not None and i == 0:
+                        inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
                         held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
                         moved[0] = acts.out_bytes if acts is not None else 0
                     where.phase = "backward"

@@ -179,7 +179,10 @@ def _real(layout: str, mesh_shape: dict, ac: str, model_name: str = "gpt2"):
             opt.step()
     opt.zero_grad()
     held_slack = held.backend_slack()
+    del x, y
     with StepMemory(model, opt, torch.device("cpu")) as mem:
+        # this rank's batch made in the step, as train's loader makes it (it counts in the peak)
+        x, y = (meshlm.shard_batch(t, layout, mesh) for t in (toks[:, :-1], toks[:, 1:]))
         loss = loss_of(model(x, y), ModelConfig(name=model_name))  # held through backward, as train holds it
         (loss / 1).backward()  # train's loss / train.grad_accum
         mem.after_backward()
