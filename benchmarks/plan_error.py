@@ -11,6 +11,8 @@ default) against ``meshlm train`` on the CPU mesh, on the two figures a run repo
     python benchmarks/plan_error.py [--models llama_tiny,gpt2_tiny] [--layouts ddp,fsdp] [--out rows.jsonl]
     python benchmarks/plan_error.py --table rows.jsonl     # the table of rows run in parts
 
+The rows of the table in docs/plan.md are in benchmarks/results/plan_error.jsonl.
+
 Each row runs ``meshlm plan`` and a 3-step ``meshlm train`` (global batch 8 x seq 32,
 ``train.grad_clip=0``: the plan does not model clipping's norm, NOTE [planned offload] in
 meshlm/plan/offload.py) in processes of their own, and prints a markdown table with the
@@ -32,7 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = ["train.batch_size=8", "train.seq_len=32", "train.grad_clip=0"]
 TRAIN = ["train.steps=3", "train.val_every=0", "train.val_batches=1", "train.progress=false", "train.pg_timeout_s=120"]
 MODELS = ["llama_tiny", "llama_small", "gpt2_tiny", "vlm_tiny"]
-MESHES = {  # one CPU mesh per layout: 2 ranks, or 4 where the layout uses two mesh axes
+#: what a model trains on besides the default text (the vision-language model: images and captions)
+MODEL_ARGS = {"vlm_tiny": ["data.format=images", "train.seq_len=48"]}  # 16 image tokens and a caption
+MESHES = {  # one CPU mesh per layout (2 ranks, 4 for two mesh axes, 8 for three), and what it needs
     "single": "mesh.dp=1 mesh.fsdp=1 mesh.tp=1",
     "ddp": "mesh=dp2",
     "zero1": "mesh=dp2",
@@ -43,9 +47,9 @@ MESHES = {  # one CPU mesh per layout: 2 ranks, or 4 where the layout uses two m
     "tp_sp": "mesh=tp2",
     "fsdp_tp": "mesh=fsdp2_tp2",
     "fsdp_tp_sp": "mesh=fsdp2_tp2",
-    "pp": "mesh=pp2",
-    "fsdp_pp": "mesh=fsdp2_pp2",
-    "fsdp_tp_pp": "mesh=fsdp2_tp2_pp2",
+    "pp": "mesh=pp2 train.grad_accum=2",  # 1F1B: a micro-batch per stage at least
+    "fsdp_pp": "mesh=fsdp2_pp2 train.grad_accum=2",
+    "fsdp_tp_pp": "mesh=fsdp2_tp2_pp2 train.grad_accum=2",
     "vlm_fsdp_tp": "mesh=fsdp2_tp2",
 }
 
@@ -74,15 +78,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def row(model: str, layout: str) -> dict:
     mesh = MESHES[layout].split()
-    args = [f"model={model}", f"layout={layout}", *mesh, *RUN]
+    args = [f"model={model}", f"layout={layout}", *mesh, *RUN, *MODEL_ARGS.get(model, [])]
     p = _cli("plan", *args, "plan.format=json", "plan.profile=cpu")
     if p.returncode:
-        return {"model": model, "layout": layout, "mesh": " ".join(mesh), "error": p.stderr.strip().splitlines()[-1]}
+        err = "not planned: " + p.stderr.strip().splitlines()[-1].removeprefix("meshlm plan: error: ")
+        return {"model": model, "layout": layout, "mesh": " ".join(mesh), "error": err}
     plan = json.loads(p.stdout)
     with tempfile.TemporaryDirectory() as d:
         t = _cli("train", *args, *TRAIN, f"hydra.run.dir={d}")
         if t.returncode:
-            return {"model": model, "layout": layout, "mesh": " ".join(mesh), "error": t.stderr.strip()[-300:]}
+            err = "meshlm train failed: " + t.stderr.strip()[-300:]
+            return {"model": model, "layout": layout, "mesh": " ".join(mesh), "error": err}
         s = json.loads((Path(d) / "summary.json").read_text())
     return {
         "model": model,
@@ -108,9 +114,12 @@ def table(rows: list[dict]) -> str:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     worst = None
+    order = {**{m: i for i, m in enumerate(MODELS)}}
+    rows = sorted(rows, key=lambda r: (order.get(r["model"], 99), list(MESHES).index(r["layout"])))
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['layout']} | {r['mesh']} | {r['error']} | | | | | |")
+            why = r["error"].removeprefix("not planned: meshlm plan: error: ").split(";")[0]
+            out.append(f"| {r['model']} | {r['layout']} | {r['mesh']} | {why} | | | | | |")
             continue
         ep, ec = _err(r["planned_peak"], r["peak"]), _err(r["planned_comm"], r["comm"])
         for what, e in (("peak", ep), ("bytes sent", ec)):
