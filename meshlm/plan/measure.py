@@ -125,12 +125,17 @@ class _Made(TorchDispatchMode):
     def __init__(self, params):
         super().__init__()
         self.made: dict[int, StorageWeakRef] = {}
-        self.copies: set[int] = set(_nbytes(params))  # the parameters' storages, then what is made of them alone
+        # the parameters' storages, then what is made of them alone; weakly, so that a storage
+        # freed since and its address reused by one made elsewhere (the step's inputs) is not a copy
+        self.copies: dict[int, StorageWeakRef] = {}
+        for t in params:
+            st = _local(t).untyped_storage()
+            self.copies[compat.storage_key(st)] = StorageWeakRef(st)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ins = [_key(t) for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        copy = bool(ins) and all(k in self.copies for k in ins)
+        copy = bool(ins) and all(self._is_copy(k) for k in ins)
         for t in compat.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = _local(t).untyped_storage()
@@ -138,10 +143,14 @@ class _Made(TorchDispatchMode):
                 old = self.made.get(key)
                 if old is None or old.expired():  # a storage freed since may have left its address
                     self.made[key] = StorageWeakRef(st)
-                    self.copies.discard(key)
+                    self.copies.pop(key, None)
                 if copy:
-                    self.copies.add(key)
+                    self.copies[key] = StorageWeakRef(st)
         return out
+
+    def _is_copy(self, key: int) -> bool:
+        ref = self.copies.get(key)
+        return ref is not None and not ref.expired()
 
     def alive(self, exclude: set[int]) -> tuple[int, int]:
         """Bytes of the noted storages still alive, at their size now, less ``exclude``:
@@ -149,7 +158,7 @@ class _Made(TorchDispatchMode):
         n = [0, 0]
         for key, ref in list(self.made.items()):
             if not ref.expired() and key not in exclude:
-                n[key in self.copies] += compat.storage_nbytes_if_alive(ref)
+                n[self._is_copy(key)] += compat.storage_nbytes_if_alive(ref)
         return n[0], n[1]
 
 
