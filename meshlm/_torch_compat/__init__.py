@@ -28,6 +28,8 @@ a private torch API.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -48,12 +50,44 @@ def torch_at_least(major: int, minor: int) -> bool:
 
 
 # --------------------------------------------------------------------------- Dynamo
-#: mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
-allow_in_graph = torch._dynamo.allow_in_graph
+# NOTE [lazy dynamo]
+#     Importing torch._dynamo costs about a second of CPU, and ``meshlm plan`` by formula,
+#     the layout tools and every command's start never compile.  So meshlm imports it on
+#     first use: ``compiler_disable`` is torch's lazy ``disable`` (it imports Dynamo when the
+#     function is first called), ``mark_dynamic`` reaches it when called, and
+#     ``allow_in_graph`` registers its functions with Dynamo at once when Dynamo is loaded,
+#     else at ``dynamo_ready()``, which ``meshlm.shard`` calls before it returns a model that
+#     anything could compile (the functions it marks run only inside sharded models).
+_PENDING_IN_GRAPH: list = []
 
 
-#: a tensor's dim is a symbol from the first trace (a decode step's growing KV length)
-mark_dynamic = torch._dynamo.mark_dynamic
+def allow_in_graph(fn: Callable) -> Callable:
+    """Mark a function as one opaque node for Dynamo, traced by AOTAutograd instead
+    (NOTE [lazy dynamo])."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        return torch._dynamo.allow_in_graph(fn)
+    _PENDING_IN_GRAPH.append(fn)
+    return fn
+
+
+def dynamo_ready() -> None:
+    """Register the functions ``allow_in_graph`` deferred (NOTE [lazy dynamo])."""
+    while _PENDING_IN_GRAPH:
+        torch._dynamo.allow_in_graph(_PENDING_IN_GRAPH.pop())
+
+
+def compiler_disable(fn: Callable) -> Callable:
+    """``torch.compiler.disable`` without importing Dynamo until ``fn`` is first called
+    (NOTE [lazy dynamo]); older torch without the lazy form: the eager one."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+def mark_dynamic(t: Tensor, dim: int) -> None:
+    """A tensor's dim is a symbol from the first trace (a decode step's growing KV length)."""
+    torch._dynamo.mark_dynamic(t, dim)
 
 
 def dynamo_reset() -> None:
@@ -181,6 +215,38 @@ def fake_tensor_mode(**kwargs):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+@contextlib.contextmanager
+def dtensor_index_math_outside_fake():
+    """While open, DTensor computes a strided shard's indices (``_StridedShard``'s
+    ``local_shard_size_and_offset``: an ``arange`` split and read back with ``.tolist()``)
+    outside any FakeTensorMode.  They are sizes, not data: under the planner's fake step the
+    ``arange`` would be fake and its read-back raise ``DataDependentOutputException`` (e.g.
+    a user's einsum attention under fsdp_tp: its ``bmm`` operands sharded over the batch and
+    the flattened heads).  Outside a fake mode the wrapper changes nothing; restored on exit."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # no strided shards in this torch: nothing to do
+        yield
+        return
+    orig = _StridedShard.__dict__.get("local_shard_size_and_offset")
+    if orig is None:
+        yield
+        return
+
+    fn = orig.__func__ if isinstance(orig, (staticmethod, classmethod)) else orig
+
+    @functools.wraps(fn)
+    def real_indices(*args, **kwargs):
+        with outside_fake():
+            return fn(*args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = type(orig)(real_indices) if fn is not orig else real_indices
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = orig
 
 
 def fake_unsupported_errors() -> tuple[type, ...]:

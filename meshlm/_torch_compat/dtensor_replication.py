@@ -50,6 +50,7 @@ import threading
 import torch
 from torch.distributed.tensor import Replicate
 
+from meshlm._torch_compat import compiler_disable as _compiler_disable
 from meshlm._torch_compat.dtensor_scope import owns
 
 _KEY = "meshlm_dtensor_stock_implicit_replication"
@@ -101,7 +102,7 @@ def _set_stock_flag(_dispatcher, value) -> None:
         clear_dtensor_caches()
 
 
-@torch.compiler.disable  # thread state, not graph: run as is where a compiled root's forward calls it
+@_compiler_disable  # thread state, not graph: run as is where a compiled root's forward calls it
 def hold() -> None:
     """Let DTensor treat plain tensors as replicated on meshlm's meshes in this thread, in
     forward and in every later backward (NOTE [implicit replication])."""

@@ -32,6 +32,7 @@ Modules, each importing only those above it (and the layers below the planner, n
     activations the activation formula for our Llama block
     comm_model  the collectives predicted per parameter; textbook volumes
     analytic    plan(): the analytic planner for our Llama
+    where       where a fake step stopped, in the model's terms (NOTE [unmeasurable step])
     measure     measure(): one fake training step of any model, measured
     measured    plan_model(): a Plan from a measurement
     plot        the memory picture of the candidates

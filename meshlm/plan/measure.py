@@ -15,17 +15,20 @@ NOTE [fake measurement]
       more), ``optimizer`` (after the step):
       the storages of parameters, gradients (``.grad``, main gradients, the masters'),
       masters and optimizer state, each counted once;
-    - ``activations``: the storages the first forward made that are still alive when it
-      returns, less the parameters, the inputs and the loss: what autograd and
-      checkpointing hold for backward, at-use parameter copies included;
+    - ``activations`` and ``gathered``: the storages the first forward made that are still
+      alive when it returns, less the parameters, the inputs and the loss: what autograd
+      and checkpointing hold for backward, split into the parameter copies (``gathered``,
+      NOTE [parameter copies]) and the rest;
     - ``peak``: the most storage alive at once during the step, model state included
       (``meshlm.runtime.memory.PeakStorage``);
-    - ``comm``: every collective of the step (``meshlm.runtime.comm.CommCounter``);
+    - ``comm``: every collective of the step (``meshlm.runtime.comm.CommCounter``), as
+      count, logical bytes and wire bytes per (kind, mesh axes, phase);
     - ``flops``: this rank's floating-point operations in a step (counted in the first)
       (``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention, recompute
       included).
 
-    Storages are told apart by their storage object, never by data pointers (a fake
+    A model of many identical blocks is measured on a few and the rest counted (NOTE
+    [counted blocks] in repeats.py).  Storages are told apart by their storage object, never by data pointers (a fake
     tensor has none).  This process plays rank 0; every rank holds the same shapes except
     where a dim does not divide evenly, where rank 0 holds the largest shard.
 """
@@ -43,6 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import TorchDispatchMode
 from meshlm.core.errors import ConfigError
+from meshlm.plan.where import Where, unmeasurable
 from meshlm.runtime.comm import CommCounter
 
 Build = Callable[[str], torch.nn.Module]
@@ -52,8 +56,9 @@ Build = Callable[[str], torch.nn.Module]
 class Measured:
     """One fake step's figures, per rank (NOTE [fake measurement])."""
 
-    memory: dict[str, int]  # params, grads, optimizer, activations, peak
-    comm: CommCounter
+    memory: dict[str, int]  # params, grads, optimizer, activations, gathered, peak
+    #: (kind, mesh axes, phase) -> {count, bytes (logical), wire_bytes}
+    comm: dict[tuple, dict[str, float]]
     flops: int
     psi: int  # parameters of the model
     #: offloaded kinds: {kind: {bytes, in_bytes, out_bytes}} per rank (NOTE [planned offload])
@@ -87,38 +92,76 @@ def _nbytes(ts) -> dict[int, int]:
 class _WaitIsIdentity(TorchDispatchMode):
     """``wait_tensor`` returns its input, as a real collective's wait does; the fake
     kernel returns a new tensor, which would count the collective's output twice while
-    both live (a prefetched gather, held until its block runs)."""
+    both live (a prefetched gather, held until its block runs).  The op that raises is told
+    to ``where`` (NOTE [unmeasurable step] in where.py)."""
+
+    def __init__(self, where=None):
+        super().__init__()
+        self.where = where
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is compat.c10d_functional.wait_tensor.default:
             return args[0]
-        return func(*args, **(kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception:
+            if self.where is not None:
+                self.where.op_failed(func)
+            raise
+
+
+# NOTE [parameter copies]
+#     A held storage is a parameter copy when it was made from parameters alone: the output
+#     of an op whose every tensor input is a parameter's storage or such a copy (the at-use
+#     all-gather of a sharded weight, its ``wait``, the ``cat`` that reorders its shards, its
+#     cast to the compute dtype, a transpose).  Anything that mixes in an activation, a buffer
+#     or a new tensor is an activation.  These are the analytic plan's "gathered weights"
+#     (the output head's gathered copy under fsdp: 2.1 GB per rank for Llama 3 8B in float32),
+#     reported on their own row by both methods, so each row means the same thing in both.
 
 
 class _Made(TorchDispatchMode):
-    """Notes the storage of every op output (weakly), to sum what is still alive later."""
+    """Notes the storage of every op output (weakly), to sum what is still alive later,
+    and which of them are parameter copies (NOTE [parameter copies])."""
 
-    def __init__(self):
+    def __init__(self, params):
         super().__init__()
         self.made: dict[int, StorageWeakRef] = {}
+        # the parameters' storages, then what is made of them alone; weakly, so that a storage
+        # freed since and its address reused by one made elsewhere (the step's inputs) is not a copy
+        self.copies: dict[int, StorageWeakRef] = {}
+        for t in params:
+            st = _local(t).untyped_storage()
+            self.copies[compat.storage_key(st)] = StorageWeakRef(st)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        ins = [_key(t) for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        copy = bool(ins) and all(self._is_copy(k) for k in ins)
         for t in compat.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = _local(t).untyped_storage()
-                old = self.made.get(compat.storage_key(st))
+                key = compat.storage_key(st)
+                old = self.made.get(key)
                 if old is None or old.expired():  # a storage freed since may have left its address
-                    self.made[compat.storage_key(st)] = StorageWeakRef(st)
+                    self.made[key] = StorageWeakRef(st)
+                    self.copies.pop(key, None)
+                if copy:
+                    self.copies[key] = StorageWeakRef(st)
         return out
 
-    def alive(self, exclude: set[int]) -> int:
-        """Bytes of the noted storages still alive, at their size now, less ``exclude``."""
-        n = 0
+    def _is_copy(self, key: int) -> bool:
+        ref = self.copies.get(key)
+        return ref is not None and not ref.expired()
+
+    def alive(self, exclude: set[int]) -> tuple[int, int]:
+        """Bytes of the noted storages still alive, at their size now, less ``exclude``:
+        (activations, parameter copies)."""
+        n = [0, 0]
         for key, ref in list(self.made.items()):
             if not ref.expired() and key not in exclude:
-                n += compat.storage_nbytes_if_alive(ref)
-        return n
+                n[self._is_copy(key)] += compat.storage_nbytes_if_alive(ref)
+        return n[0], n[1]
 
 
 def measure(
@@ -132,13 +175,18 @@ def measure(
     activation_checkpointing: str = "none",
     shard_kw: "Mapping[str, Any] | None" = None,
     offload: Any = None,
+    name: str = "model",
 ) -> Measured:
     """Run two training steps of ``build("meta")`` sharded under ``layout`` on a fake mesh
     of ``mesh_sizes`` and measure the second (NOTE [fake measurement]).  ``global_batch``
     sequences of ``seq`` tokens per step in ``grad_accum`` micro-batches; ``shard_kw`` are
     ``meshlm.shard``'s dtype arguments (``meshlm.layout.precision.shard_dtypes``); ``offload`` an
     OffloadSpec whose tiers the step runs with, on fake tensors
-    (NOTE [planned offload] in meshlm/plan/offload.py)."""
+    (NOTE [planned offload] in meshlm/plan/offload.py).  The model's output is read as
+    ``meshlm train`` reads it (``meshlm.models.node.loss_of``: the loss, a dict with a
+    ``"loss"`` entry, or an output with a ``.loss``); ``name`` labels the model in its errors.
+    A step that cannot run on fake tensors is a ConfigError naming the module, the op and
+    the model's line (NOTE [unmeasurable step] in where.py)."""
     import torch.distributed as dist
 
     from meshlm.core import state as run_state
@@ -157,40 +205,50 @@ def measure(
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = log.level
     log.setLevel(logging.ERROR)
+    where = Where()
     try:
         mesh = make_mesh(dict(mesh_sizes), fake=True)
-        return _measure(
-            build,
-            layout,
-            mesh,
-            global_batch // grad_accum,
-            seq,
-            grad_accum,
-            activation_checkpointing,
-            shard_kw,
-            offload,
-        )
-    except compat.fake_unsupported_errors() as e:
+        with compat.dtensor_index_math_outside_fake():
+
+            def run(built: Build) -> Measured:
+                return _measure(
+                    built,
+                    layout,
+                    mesh,
+                    global_batch // grad_accum,
+                    seq,
+                    grad_accum,
+                    activation_checkpointing,
+                    shard_kw,
+                    offload,
+                    name,
+                    where,
+                )
+
+            return _counted(build, run, layout, offload)
+    except Exception as e:
         # a step that runs for real but not on fake tensors (an op that reads data back to
-        # Python): say so in the plan's terms, never a raw torch traceback
-        raise ConfigError(
-            f"meshlm plan could not measure layout {getattr(layout, 'name', layout)} on mesh {dict(mesh_sizes)}: "
-            f"the fake training step hit an op that needs real data ({type(e).__name__}: {e}). Plan another "
-            "layout, or the shipped Llama with plan.method=formula; the layout may still train "
-            "(meshlm train measures memory as it runs)"
-        ) from None
+        # Python): say so in the model's terms, never a raw torch traceback
+        err = unmeasurable(e, where, getattr(layout, "name", layout), dict(mesh_sizes))
+        if err is None:
+            raise
+        raise err from None
     finally:
+        where.detach()
         run_state.restore(saved)
         log.setLevel(level)
         if own and dist.is_initialized():
             dist.destroy_process_group()  # leave no process group behind (meshlm train starts its own)
 
 
-def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw, offload) -> Measured:
+def _measure(
+    build, layout, mesh, micro, seq, grad_accum, activation_checkpointing, shard_kw, offload, name, where
+) -> Measured:
     from torch.utils.flop_counter import FlopCounterMode
 
     from meshlm.layout.mesh import mesh_spec
     from meshlm.layout.rules import load_layout
+    from meshlm.models.node import ModelConfig, loss_of
     from meshlm.plan.moe import expert_summary
     from meshlm.plan.offload import FakeActivations, FakeTier
     from meshlm.plan.scopes import state_by_scope
@@ -201,8 +259,10 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
     from meshlm.runtime.offload.params import ParamOffload
     from meshlm.runtime.optim.sharded import ShardedOptimizer
 
-    with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity():
+    label = ModelConfig(target=None, name=name)  # what loss_of's errors call the model
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True), _WaitIsIdentity(where):
         model = shard(build("meta"), layout, mesh, init=False, **dict(shard_kw or {}))
+        where.attach(model)
         apply_activation_checkpointing(model, activation_checkpointing)
         tier = FakeTier(offload.optimizer) if offload is not None and offload.optimizer != "device" else None
         acts = FakeActivations() if offload is not None and offload.activations != "device" else None
@@ -213,29 +273,39 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             model, torch.optim.AdamW, lr=1e-3, offload=tier, offload_params=poff, offload_grads=gtier
         )
         psi = sum(p.numel() for p in model.parameters())
-        toks = torch.zeros(micro, seq + 1, dtype=torch.long)
-        x = shard_batch(toks[:, :-1], layout, mesh)
-        y = shard_batch(toks[:, 1:], layout, mesh)
-        extras = _example_inputs(model, micro, seq, layout, mesh)
         lay, scopes = load_layout(layout), {}
-        inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
+
+        def batch():
+            """This rank's tokens, targets and extra inputs of a micro-batch, made in the step
+            as train's loader makes them (their storages count in the step's peak)."""
+            toks = torch.zeros(micro, seq + 1, dtype=torch.long)
+            x, y = shard_batch(toks[:, :-1], layout, mesh), shard_batch(toks[:, 1:], layout, mesh)
+            return x, y, _example_inputs(model, micro, seq, layout, mesh)
+
         moved = [0]  # bytes the first micro-batch's forward moved off the device (offload.activations)
         on_tier = [0]  # bytes of gradients on their tier at the step (offload.grads)
 
-        def step(cc=None, made=None) -> tuple[int, int]:
-            """One step as meshlm train runs it; (held activations, grads after backward)."""
-            held = 0
+        def step(cc=None, made=None) -> tuple[tuple[int, int], int]:
+            """One step as meshlm train runs it; ((held activations, held parameter
+            copies), grads after backward)."""
+            held = (0, 0)
             for i in range(grad_accum):
                 ctx = made if (made is not None and i == 0) else contextlib.nullcontext()
+                x, y, extras = batch()
                 with acts.context() if acts is not None else contextlib.nullcontext():
+                    where.phase = "forward"
                     with ctx, cc.phase("forward") if cc is not None else contextlib.nullcontext():
-                        loss = model(x, y, **extras)
+                        # as train reads it: the output's other entries (a dict's logits) die here
+                        loss = loss_of(model(x, y, **extras), label)
                     if made is not None and i == 0:
+                        inputs = {_key(x), _key(y), *(_key(v) for v in extras.values())}
                         held = made.alive(set(_nbytes(model.parameters())) | inputs | {_key(loss)})
                         moved[0] = acts.out_bytes if acts is not None else 0
+                    where.phase = "backward"
                     (loss / grad_accum).backward()
             grads = model_state_bytes(model, opt)["grads"]
             before = state_by_scope(model, opt, lay) if lay.scopes else {}
+            where.phase = "the optimizer step"
             with cc.phase("optimizer") if cc is not None else contextlib.nullcontext():
                 opt.step()
             # ZeRO-1 releases main gradients as the step reduces them into the masters'
@@ -265,7 +335,7 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
             + list(opt.masters().values())
             + [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
         )
-        cc, made = CommCounter(mesh), _Made()
+        cc, made = CommCounter(mesh), _Made(model.parameters())
         peak = PeakStorage(seed)
         with cc, peak:
             held, grads = step(cc, made)
@@ -291,10 +361,53 @@ def _measure(build, layout, mesh, micro, seq, grad_accum, activation_checkpointi
         "params": state["params"],
         "grads": grads,
         "optimizer": state["optimizer"],
-        "activations": held,
+        "activations": held[0],
+        "gathered": held[1],
         "peak": peak.peak,
     }
-    return Measured(memory, cc, int(flops.get_total_flops()), psi, kinds, scopes, moe)
+    comm: dict[tuple, dict[str, float]] = {}
+    for r in cc.records:
+        e = comm.setdefault((r.kind, r.axes, r.phase), {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+        e["count"] += 1
+        e["bytes"] += r.bytes
+        e["wire_bytes"] += r.wire_bytes
+    return Measured(memory, comm, int(flops.get_total_flops()), psi, kinds, scopes, moe)
+
+
+def _counted(build: Build, run: Callable[[Build], Measured], layout, offload) -> Measured:
+    """``run(build)``, or, for a model with long lists of identical blocks, the figures of
+    a few blocks measured and the rest counted (NOTE [counted blocks] in repeats.py)."""
+    from meshlm.layout.rules import is_pipelined, load_layout
+    from meshlm.plan.repeats import count, cut, repeats
+    from meshlm.plan.where import _fake_cause
+
+    lay = load_layout(layout)
+    if is_pipelined(lay) or lay.scopes or offload is not None:
+        return run(build)
+    from meshlm.core.moe import MoE
+
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True):
+        whole = build("meta")
+        lists = repeats(whole)
+        psi = sum(p.numel() for p in whole.parameters())
+        experts = any(isinstance(m, MoE) for m in whole.modules())
+    del whole
+    if not lists or experts:  # a mixture of experts' figures are read off the whole model (plan/moe.py)
+        return run(build)
+    two = {r.path: 2 for r in lists}
+    try:
+        base = run(cut(build, two))
+        more = [(run(cut(build, {**two, r.path: 3})), r.n - 2) for r in lists]
+    except Exception as e:  # a model whose forward needs every block (it counts them): measure it whole
+        if _fake_cause(e) is not None:
+            raise  # the whole model cannot run it either (NOTE [unmeasurable step] in where.py)
+        return run(build)
+    fig = count(
+        {"memory": base.memory, "comm": base.comm, "flops": base.flops},
+        [({"memory": m.memory, "comm": m.comm, "flops": m.flops}, k) for m, k in more],
+    )
+    comm = {key: {f: v[f] for f in ("count", "bytes", "wire_bytes")} for key, v in fig["comm"].items() if v["count"]}
+    return Measured({k: int(v) for k, v in fig["memory"].items()}, comm, int(fig["flops"]), psi)
 
 
 def _example_inputs(model, batch: int, seq: int, layout, mesh) -> dict:

@@ -33,8 +33,8 @@ def plan_model(
 ) -> Plan:
     """Measure ``build`` under ``layout`` on ``mesh`` (:func:`meshlm.plan.measure.measure`)
     and report it as a :class:`Plan`: ``memory`` holds ``params``, ``grads``,
-    ``optimizer``, ``activations`` (held from forward to backward, at-use parameter copies
-    included) and ``peak`` (the most storage alive at once in the step); ``total`` is the
+    ``optimizer``, ``activations`` (held from forward to backward), ``gathered`` (the
+    parameter copies held with them: NOTE [parameter copies] in measure.py) and ``peak`` (the most storage alive at once in the step); ``total`` is the
     peak, the figure ``layout=auto`` compares with the limit.  A pipeline layout on a mesh
     with pp > 1 is planned per pp rank (:func:`meshlm.plan.pipeline.plan_pipeline`, with
     ``pipeline``: the ``schedule``, ``stages_per_rank`` and ``split`` of the run).
@@ -80,14 +80,13 @@ def plan_model(
         activation_checkpointing=activation_checkpointing,
         shard_kw=kw,
         offload=tiers if tiers.active else None,
+        name=name,
     )
     memory = dict(m.memory, total=m.memory["peak"])
-    comm: dict[tuple, CommEntry] = {}
-    for r in m.comm.records:
-        e = comm.setdefault((r.kind, r.axes, r.phase), CommEntry(r.kind, r.axes, r.phase, 0, 0, 0.0, "counted"))
-        e.count += 1
-        e.bytes += r.bytes
-        e.wire_bytes += r.wire_bytes
+    comm = {
+        (kind, axes, phase): CommEntry(kind, axes, phase, int(v["count"]), int(v["bytes"]), v["wire_bytes"], "counted")
+        for (kind, axes, phase), v in m.comm.items()
+    }
     sd = kw.get("param_dtype") or torch.float32
     cd = kw.get("compute_dtype") or sd
     rd = kw.get("reduce_dtype") or (torch.float32 if cd != torch.float32 or sd != torch.float32 else sd)

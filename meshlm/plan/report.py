@@ -181,8 +181,9 @@ def _format_measured(p: Plan) -> str:
         f"{'grads':<20}{_gib(m['grads']):>14}{_gib(z['grads']):>16}",
         f"{'optimizer':<20}{_gib(m['optimizer']):>14}{_gib(z['optimizer']):>16}",
         f"  ({z['text']})",
-        f"{'activations':<20}{_gib(m['activations']):>14}   (held from forward to backward, at-use parameter copies "
-        "included)",
+        f"{'activations':<20}{_gib(m['activations']):>14}   (held from forward to backward)",
+        f"{'gathered weights':<20}{_gib(m.get('gathered', 0)):>14}   (parameter copies held with them: at-use "
+        "gathers, casts)",
         f"{'peak':<20}{_gib(m['peak']):>14}   (the most tensor storage alive at once in a step, model state included)",
         *_offload_lines(p),
         "",

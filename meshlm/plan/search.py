@@ -17,6 +17,7 @@ from meshlm.plan.offload import offload_seconds, optimizer_host
 from meshlm.plan.plot import _plot
 from meshlm.plan.report import GiB, Plan, _mesh_str, _parts
 from meshlm.plan.state import model_config
+from meshlm.plan.where import Unmeasurable
 
 
 def factorisations(world: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
@@ -151,7 +152,7 @@ def candidates(
     hw = hardware if isinstance(hardware, Hardware) else hardware_profile(hardware)
     name, mcfg = model_config(model)
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
-    out, seen = [], set()
+    out, seen, unmeasured = [], set(), None
     for lay in names:
         piped = is_pipelined(load_layout(lay))
         if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
@@ -189,6 +190,9 @@ def candidates(
                         device_is_host=device_is_host,
                     )
                 )
+            except Unmeasurable as e:  # left out; said if every candidate is (NOTE [unmeasurable step])
+                unmeasured = e
+                continue
             except MeshlmError:  # a dim does not divide, or the batch does not split
                 continue
             p.model = name
@@ -208,6 +212,8 @@ def candidates(
                 continue
             seen.add(sig)
             out.append(Candidate(p, t))
+    if not out and unmeasured is not None:  # no candidate could be measured: say why, not "nothing divides"
+        raise unmeasured
     return out
 
 
@@ -238,7 +244,7 @@ def choose_layout(
     ``headroom`` fraction kept free, rank the rest (:func:`rank_key`), print a ranked table (and write a PNG of the memory of the shown
     candidates to ``png``), and return the winner's (layout name, mesh sizes).
 
-    Raises :class:`NothingFits` when nothing fits.  From a :class:`meshlm.app.config.RunConfig`:
+    Raises :class:`NothingFits` when nothing fits, and then writes no PNG.  From a :class:`meshlm.app.config.RunConfig`:
     :func:`meshlm.app.plan.choose_layout`."""
     out = out or sys.stdout
     hw = hardware_profile(hardware)
@@ -273,12 +279,12 @@ def choose_layout(
                 if hw.name == "cpu"
                 else "host memory)"
             )
-    if png:
-        shown = fits[:top] or sorted(rows, key=lambda r: r.plan.memory["total"])[:top]
-        _plot([r.plan for r in shown], png, cap)
+    if png and fits:  # a failed plan draws nothing: its error says what to change instead
+        _plot([r.plan for r in fits[:top]], png, cap)
     if not fits:
         off = [r.plan for r in rows_off]
-        raise NothingFits(nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing, off))
+        msg = nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing, off)
+        raise NothingFits(msg + (" (No memory picture written: nothing fits.)" if png else ""))
     n_all = len(rows_off) if extra else len(rows)
     out.write(format_candidates(fits[:top], hw, cap, overlap, n_all, len(fits), headroom, note) + "\n")
     best = fits[0].plan

@@ -52,6 +52,10 @@ class PeakStorage(compat.TorchDispatchMode):
     """Peak bytes of live tensor storage: those ``seed`` holds, plus every storage an op
     returns while the mode is active (and ``tracking()`` is true), each until it is freed.
 
+    An op's output that is a view of (or, in place, is) an input whose storage was live
+    before the mode and is not in ``seed`` is not counted: the step did not allocate it (the
+    data loader's slice of its epoch's permutation, a buffer's ``[:seq]``).
+
     A storage's bytes are read again after every op, not only when it is first seen: FSDP2
     and meshlm's ZeRO-3 blocks free gathered parameters with ``storage.resize_(0)`` and
     gather them again into the same storage (``resize_(n)``), which no op returns and no
@@ -132,9 +136,20 @@ class PeakStorage(compat.TorchDispatchMode):
         self._refresh()
         self._raise_peak()
         if self.tracking():
+            before = None  # the inputs' storages that were live before the mode and are not tracked
             for t in compat.tree_leaves(out):
-                self._track(t)
+                if before is None:
+                    before = {k for k in map(_storage_key, compat.tree_leaves((args, kwargs))) if k not in self.live}
+                if _storage_key(t) not in before:
+                    self._track(t)
         return out
+
+
+def _storage_key(t) -> "int | None":
+    t = local_data(t)
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    return compat.storage_key(t.untyped_storage())
 
 
 def model_state_bytes(model, opt) -> dict[str, int]:

@@ -97,6 +97,10 @@ INVENTORY: dict[str, tuple[str, str]] = {
         "the DTensor dispatcher entries meshlm installs; torch's dispatcher is the process's",
     ),
     "meshlm/_torch_compat/dtensor_ops.py:_installed": (PATCH, "whether _MINE is installed (once per process)"),
+    "meshlm/_torch_compat/__init__.py:_PENDING_IN_GRAPH": (
+        PATCH,
+        "functions marked allow_in_graph before Dynamo was imported, registered by shard (NOTE [lazy dynamo])",
+    ),
     "meshlm/_torch_compat/dtensor_ops.py:_BELOW": (
         PATCH,
         "per op, the handler stock torch has under meshlm's (torch's loss_parallel() handlers while such a "

@@ -83,16 +83,19 @@ def test_plan_auto_plots_under_outputs(tmp_path, monkeypatch, capsys):
     assert f"(memory breakdown of these candidates: {png})" in capsys.readouterr().out
 
 
-def test_nothing_fits_names_what_to_grow():
+def test_nothing_fits_names_what_to_grow(tmp_path):
+    """...and draws no picture of bars over the limit: the error says so."""
     from meshlm.app.plan import choose_layout
     from meshlm.plan import NothingFits
 
+    png = tmp_path / "plan.png"
     with pytest.raises(
         NothingFits,
         match=r"smallest any candidate reaches is .* dominated by activations.*"
-        r"smaller micro-batches",
+        r"smaller micro-batches.*\(No memory picture written: nothing fits\.\)",
     ):
         choose_layout(
+            png=str(png),
             model="llama3_70b",
             devices=8,
             max_memory="80GiB",
@@ -102,6 +105,7 @@ def test_nothing_fits_names_what_to_grow():
             hardware="h100_nvlink_ib",
             out=io.StringIO(),
         )
+    assert not png.exists()
 
 
 def test_405b_on_16384_ranks_plans():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshlm import _torch_compat as compat
 from meshlm._torch_compat import dtensor_ops
 from meshlm.core import annotate, ties
 from meshlm.core.axes import vocabulary
@@ -77,6 +78,7 @@ def shard(
     ``after_block(block)`` is called as soon as each outer block's shards are made (offloaded
     parameters go to their tier there: NOTE [offloaded parameters] in meshlm/runtime/offload/params.py).
     """
+    compat.dynamo_ready()  # a sharded model may be compiled (NOTE [lazy dynamo] in meshlm/_torch_compat)
     dtensor_ops.install()
     dtensor_ops.claim_mesh(mesh)  # its DTensors get meshlm's rules (NOTE [scoped patches])
     layout = load_layout(layout)

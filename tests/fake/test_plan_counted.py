@@ -1,0 +1,90 @@
+"""A model of many identical blocks is measured on a few and the rest counted (NOTE
+[counted blocks] in meshlm/plan/repeats.py): every figure equal to the step measured whole,
+for each shipped layout the counting applies to, with and without activation checkpointing,
+for our Llama and for a GPT-2 that is not meshlm's (tests/dist/test_nn_models.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshlm.layout.rules import is_pipelined, load_layout, shipped_layouts
+
+LAYOUTS = [n for n in shipped_layouts() if not is_pipelined(load_layout(n)) and not load_layout(n).scopes]
+MESH = {"dp": 2, "fsdp": 2, "tp": 2}
+B, S, LAYERS = 8, 16, 6
+
+
+def _mesh(layout: str) -> dict:
+    used = load_layout(layout).mesh_axes_used()
+    return {a: n for a, n in MESH.items() if a in used} or {"dp": 1}
+
+
+def _llama(device):
+    from meshlm.models import Llama, llama_config
+
+    return Llama(dataclasses.replace(llama_config("llama_tiny"), layers=LAYERS), device=device)
+
+
+def _gpt2(device):
+    from test_nn_models import GPT, GPTConfig
+
+    return GPT(GPTConfig(layers=LAYERS), device=device)
+
+
+def _both(build, layout, ac, monkeypatch):
+    from meshlm.plan import plan_model, repeats
+
+    def one():
+        p = plan_model(build, layout, _mesh(layout), global_batch=B, seq=S, activation_checkpointing=ac)
+        return p.memory, p.comm_summary(by_phase=True), p.formulas["flops"], p.formulas["psi"]
+
+    counted = one()
+    monkeypatch.setattr(repeats, "MIN_BLOCKS", LAYERS + 1)  # the same model measured whole
+    return counted, one()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_counted_blocks_equal_the_whole_step(layout, monkeypatch):
+    counted, whole = _both(_llama, layout, "none", monkeypatch)
+    assert counted == whole
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp_sp", "zero1"])
+def test_counted_blocks_equal_the_whole_step_checkpointed(layout, ac, monkeypatch):
+    counted, whole = _both(_llama, layout, ac, monkeypatch)
+    assert counted == whole
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp_tp"])
+def test_counted_blocks_of_a_gpt2(layout, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    counted, whole = _both(_gpt2, layout, "none", monkeypatch)
+    assert counted == whole
+
+
+def test_which_lists_are_counted():
+    """Lists of at least MIN_BLOCKS identical blocks; not one whose blocks share a module."""
+    import torch
+
+    import meshlm
+    from meshlm.plan.repeats import MIN_BLOCKS, repeats
+
+    @meshlm.block
+    class Blk(torch.nn.Module):
+        def __init__(self, lin=None):
+            super().__init__()
+            self.lin = lin or torch.nn.Linear(4, 4)
+
+    shared = torch.nn.Linear(4, 4)
+    m = torch.nn.Module()
+    m.a = torch.nn.ModuleList(Blk() for _ in range(MIN_BLOCKS))
+    m.b = torch.nn.ModuleList(Blk() for _ in range(MIN_BLOCKS - 1))
+    m.c = torch.nn.ModuleList(Blk(shared) for _ in range(MIN_BLOCKS))
+    m.d = torch.nn.ModuleList([*(Blk() for _ in range(MIN_BLOCKS - 1)), Blk(torch.nn.Linear(4, 8))])
+    assert [(r.path, r.n) for r in repeats(m)] == [("a", MIN_BLOCKS)]
