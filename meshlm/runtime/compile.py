@@ -46,6 +46,7 @@ from torch import nn
 
 from meshlm import _torch_compat as compat
 from meshlm.core.annotate import is_block
+from meshlm.core.errors import ConfigError
 from meshlm.runtime import COMPILE_COMMS, hooks
 
 
@@ -64,6 +65,14 @@ def compile_blocks(
     if comms not in COMPILE_COMMS:
         raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMPILE_COMMS)}")
     _check_main_grads(model, comms)
+    st = getattr(model, "_meshlm_state", None)
+    if st is not None and st.cp_dim is not None:
+        raise ConfigError(
+            f"compile_blocks: layout {st.layout.name} splits the sequence over cp={st.sizes['cp']} (context "
+            "parallel), which does not compile yet: the rows of a flattened (batch, sequence) split over cp are a "
+            "_StridedShard, whose index arithmetic DTensor cannot trace on fake tensors in torch 2.11-2.13; run it "
+            "eager (train.compile=none; docs/cp.md, limits)"
+        )
     if any("_meshlm_param_offload" in m.__dict__ for m in model.modules()):
         raise ValueError(
             "compile_blocks: the blocks' parameters are offloaded already (offload.params); compile the blocks "

@@ -1,7 +1,6 @@
 """Context parallel (``seq: cp``, docs/cp.md) against one device: the loss, the gradient each
 optimizer steps with and the parameters after three steps of two micro-batches, for every
-cp layout, ring and all-gather attention, with and without the causal load balancing, eager
-and under aot_eager, with dropout and activation checkpointing, and at 2,048 tokens; and
+cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation checkpointing, and at 2,048 tokens; and
 the bytes the attention moves against the formula of NOTE [cp attention]
 (meshlm/runtime/cp/ring.py).  GPT-2's learned positions and a user's own attention on
 ``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
@@ -65,7 +64,7 @@ def test_fsdp_tp_cp_parity_on_8(pool8):
     steps, and more time than a job of 4 gets)."""
     pool8.job_timeout_s = 420
     res = pool8.run(
-        check_training, "fsdp_tp_cp", "fsdp=2,tp=2,cp=2", batches=TokenBatches(seq=32), optims=("sgd",), steps=2
+        check_training, "fsdp_tp_cp", "fsdp=2,tp=2,cp=2", batches=TokenBatches(seq=16), optims=("sgd",), steps=1
     )
     assert_parity(res)
 
@@ -77,13 +76,24 @@ def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
     assert_parity(res)
 
 
-def test_cp_parity_compiled_aot_eager(pool4):
-    """Each block compiled with its context-parallel attention as one opaque call (NOTE [cp
-    ops] in meshlm/runtime/cp/ops.py)."""
-    res = pool4.run(
-        check_training, "fsdp_cp", "fsdp=2,cp=2", compile="aot_eager", optims=("sgd",), batches=TokenBatches(seq=32)
-    )
-    assert_parity(res)
+def _compile_cp():
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.runtime.compile import compile_blocks
+
+    model = meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_cp", meshlm.make_mesh("fsdp=2,cp=2"))
+    try:
+        compile_blocks(model, "aot_eager")
+    except meshlm.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_compiling_a_cp_layout_is_refused_with_the_key(pool4):
+    """Context parallel does not compile yet (docs/cp.md, limits): a clear refusal naming the
+    layout and the setting, not a Dynamo traceback."""
+    for msg in pool4.run(_compile_cp):
+        assert msg is not None and "fsdp_cp" in msg and "train.compile=none" in msg, msg
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])

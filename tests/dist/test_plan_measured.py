@@ -248,9 +248,10 @@ def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2")
 
 # pipeline layouts (layers: pp): the measured planner does not model stages yet
 # scoped layouts (vlm_fsdp_tp): planned for the vision-language model in tests/dist/test_vlm.py
-@pytest.mark.parametrize(
-    "layout", [n for n in shipped_layouts() if not is_pipelined(load_layout(n)) and not load_layout(n).scopes]
-)
+# context parallel (cp): the planner's cp terms are not written yet (docs/cp.md, limits)
+@pytest.mark.parametrize("layout", [n for n in shipped_layouts()
+                                    if not is_pipelined(load_layout(n)) and not load_layout(n).scopes
+                                    and "cp" not in load_layout(n).mesh_axes_used()])
 def test_measured_plan_is_exact_for_gpt2_2(pool2, layout):
     _check(pool2, 2, layout)
 

@@ -37,12 +37,12 @@ def cp_attention_op(
         scale=scale,
         variant=variant,
     )
-    return out, lse
+    return out.contiguous(), lse.contiguous()
 
 
 @cp_attention_op.register_fake
 def _(q, k, v, group, causal, balanced, scale, variant):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("meshlm::cp_attention_backward", mutates_args=())
@@ -72,19 +72,35 @@ def cp_attention_backward_op(
         scale=scale,
         variant=variant,
     )
-    return dq, dk, dv
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @cp_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, group, causal, balanced, scale, variant):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _traced() -> bool:
+    """A trace is running (Dynamo's or AOTAutograd's, on fake tensors): the ops go in the
+    graph; eagerly the kernels run directly, their collectives in sight of CommCounter."""
+    return torch.compiler.is_compiling() or compat.fake_mode_active()
 
 
 def forward(q, k, v, *, group, causal, balanced, scale, variant):
-    """``cp_attention_forward``'s signature, through the custom op (``group``: a ProcessGroup)."""
+    """``cp_attention_forward``'s signature, through the custom op when traced (``group``: a
+    ProcessGroup)."""
+    if not _traced():
+        out, lse = cp_attention_forward(
+            q, k, v, group=group, causal=causal, balanced=balanced, scale=scale, variant=variant
+        )
+        return out.contiguous(), lse.contiguous()
     return cp_attention_op(q, k, v, group.group_name, causal, balanced, scale, variant)
 
 
 def backward(dout, q, k, v, out, lse, *, group, causal, balanced, scale, variant):
-    """``cp_attention_backward``'s signature, through the custom op."""
+    """``cp_attention_backward``'s signature, through the custom op when traced."""
+    if not _traced():
+        return cp_attention_backward(
+            dout, q, k, v, out, lse, group=group, causal=causal, balanced=balanced, scale=scale, variant=variant
+        )
     return cp_attention_backward_op(dout, q, k, v, out, lse, group.group_name, causal, balanced, scale, variant)
