@@ -130,7 +130,7 @@ def parse(body: Any, tok: Any, limits: Limits, default_stop: tuple[int, ...] = (
         raise ConfigError("`stop` must be a string or a list of strings")
     stop_ids = tuple(default_stop) + tuple(stop_id(tok, _text(s, "`stop`"), "`stop`") for s in stops)
     reqs = []
-    for p in prompts:
+    for row, p in enumerate(prompts):
         ids = tok.encode(p).tolist()
         if not ids:
             raise ConfigError("`prompt` is no token under this tokenizer")
@@ -139,7 +139,7 @@ def parse(body: Any, tok: Any, limits: Limits, default_stop: tuple[int, ...] = (
                 f"`prompt` of {len(ids)} tokens + `max_tokens`={max_tokens} = {len(ids) + max_tokens} exceeds the "
                 f"context of {limits.context} tokens this server takes: shorten the prompt or ask for fewer tokens"
             )
-        reqs.append(Request(ids, max_tokens, sampling, stop_ids, timeout=limits.timeout))
+        reqs.append(Request(ids, max_tokens, sampling, stop_ids, timeout=limits.timeout, row=row))
     return reqs, stream
 
 

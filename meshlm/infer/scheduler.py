@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from meshlm.core.errors import ConfigError
-from meshlm.infer.sample import Sampling, filter_logits
+from meshlm.infer.sample import Sampling, filter_logits, generators
 from meshlm.infer.step import Plan, Runner, broadcast
 
 HEARTBEAT_S = 30.0  # an idle rank 0 broadcasts an empty plan this often (the process group's timeout is longer)
@@ -83,6 +83,9 @@ class Request:
     sampling: Sampling = Sampling()
     stop: tuple[int, ...] = ()
     timeout: Optional[float] = None
+    #: the prompt's index among the prompts of its call: its random stream (NOTE [row streams]
+    #: in meshlm/infer/sample.py), so it draws what ``generate`` draws for that prompt
+    row: int = 0
     on_token: Callable[[int], None] = _nothing
     on_end: Callable[[Optional[BaseException]], None] = _nothing
     tokens: list[int] = field(default_factory=list)
@@ -263,7 +266,7 @@ class Scheduler:
         while self._free and self._waiting:
             req = self._waiting.popleft()
             slot = heapq.heappop(self._free)
-            gen = None if req.sampling.greedy else torch.Generator().manual_seed(req.sampling.seed)
+            gen = None if req.sampling.greedy else generators(req.sampling, [req.row])[0]
             self._running[slot] = _Live(req, slot, gen=gen)
         plan = Plan(free=list(self._freed))
         pre: list[_Live] = []

@@ -70,6 +70,15 @@ _C10D = {
     "broadcast_": "broadcast",
 }
 
+# DTensor ops whose handler issues collectives of its own that a step must count (cp attention)
+_SEEN_INSIDE = {
+    op.default
+    for op in (
+        getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+    )
+    if op is not None
+}
 # point-to-point: c10d's send and recv (pipeline stages; what torch.distributed.isend, irecv
 # and batch_isend_irecv run), the tensor's bytes, group = the process group's
 _P2P = {"send": "send", "recv_": "recv"}
@@ -186,11 +195,12 @@ class CommCounter(compat.TorchDispatchMode):
         )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            # A DTensor's op: let DTensor run it with this mode still
-            # in force, so the collectives its handler issues (input redistributes, meshlm's
-            # context-parallel attention) are counted; returning the result here would run it
-            # with the mode popped.
+        if func in _SEEN_INSIDE and any(issubclass(t, DTensor) for t in types):
+            # context-parallel attention (NOTE [cp dispatch] in meshlm/_torch_compat/dtensor_cp.py)
+            # sends keys and values from inside DTensor's handler for the op: let DTensor run it
+            # with this mode in force so those collectives are counted (returning the result
+            # here would run it with the mode popped).  Other DTensor ops keep the accounting the
+            # planner's formulas are written against.
             return NotImplemented
         kwargs = kwargs or {}
         ns = func.namespace
