@@ -205,11 +205,16 @@ class Attention(nn.Module):
         if cache is not None:  # every position so far: (batch, kv_heads, cached + s, head_dim)
             k, v = cache.update(k, v)
             mask, causal = cache.mask, cache.causal
-        # grouped-query attention in the kernel: each kv head serves `heads // kv_heads`
-        # consecutive query heads, and keys and values keep their kv heads (what context
-        # parallel passes between ranks, NOTE [cp attention] in meshlm/runtime/cp/ring.py)
-        gqa = cfg.heads != cfg.kv_heads
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        rep = cfg.heads // cfg.kv_heads
+        if rep > 1:  # each kv head serves `rep` consecutive query heads
+            # Repeated here rather than with SDPA's enable_gqa: torch's CPU flash kernel is
+            # row-invariant in bf16 on this path only (NOTE [mixed-precision parity] in
+            # meshlm/train/tolerances.py); context parallel then exchanges the repeated heads
+            # (docs/cp.md, limits).
+            n = k.shape[2]
+            k = k[:, :, None].expand(b, cfg.kv_heads, rep, n, cfg.hd).flatten(1, 2)
+            v = v[:, :, None].expand(b, cfg.kv_heads, rep, n, cfg.hd).flatten(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         o = constrain(o, ("batch", "heads", WHOLE, "head_dim"))
         o = o.transpose(1, 2).flatten(2, 3)  # (batch, seq, heads * head_dim)
         return constrain(F.linear(o, self.wo.flatten(1, 2)), ("batch", "seq", "embed"))

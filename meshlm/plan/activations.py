@@ -27,9 +27,9 @@ def activation_bytes(
       RMSNorm (x2):  F·h/ts (its float32 input)  + F/ts (rsqrt)  + B·h/ts (normalised x,
                      kept for the weight's gradient) + B·h (its output as the matmuls see
                      it: whole seq, gathered over ts under sequence parallelism)
-      attention:     B·(q + 2kv + o)/t  +  F·a/t (logsumexp)   (q and k after RoPE, v: SDPA
-                     takes grouped-query keys and values with their kv heads; o the SDPA
-                     output, which the o-projection's view reuses)
+      attention:     B·(q + k' + v' + o)/t  +  F·a/t (logsumexp)   (q after RoPE, k' and v'
+                     as SDPA sees them: expanded to all heads under GQA, so q each, else kv;
+                     o the SDPA output, which the o-projection's view reuses)
       MLP:           4·B·f/t  (gate, silu(gate), up, silu·up)
       RoPE tables:   4·s·hd·B per layer (cos and sin, concatenated, for q and for k)
 
@@ -53,7 +53,8 @@ def activation_bytes(
     B, F = _bytes(dtype), 4
     tok = b * s
     norm = F * h / ts + F / ts + B * h / ts + B * h
-    attn = B * (2 * q + 2 * kv) / t + F * a / t
+    kv_sdpa = q if cfg.heads != cfg.kv_heads else kv
+    attn = B * (2 * q + 2 * kv_sdpa) / t + F * a / t
     mlp = 4 * B * f / tf
     rope = 4 * s * hd * B
     full_block = tok * (2 * norm + attn + mlp) + rope

@@ -139,14 +139,17 @@ def _attention_bytes(layout: str, mesh_shape: str, seq: int) -> dict:
             got[(r.phase, r.kind)] = got.get((r.phase, r.kind), 0) + r.bytes
     sizes = dict(kv.split("=") for kv in mesh_shape.split(","))
     rows = 4 // int(sizes.get("fsdp", 1))
-    k_bytes = rows * cfg.kv_heads * (seq // int(sizes["cp"])) * cfg.hd * 4
+    # Llama repeats its kv heads before SDPA (docs/cp.md, limits): SDPA's keys have all the
+    # query heads; a model calling SDPA with enable_gqa=True exchanges its kv heads
+    # (tests/dist/test_cp_attention.py counts that case)
+    k_bytes = rows * cfg.heads * (seq // int(sizes["cp"])) * cfg.hd * 4
     return {"got": got, "K": k_bytes, "layers": cfg.layers, "n": int(sizes["cp"])}
 
 
 @pytest.mark.parametrize("attention", ["ring", "allgather"])
 def test_cp_attention_bytes_are_the_formula(pool4, tmp_path, attention):
-    """Keys and values cross the cp group with their kv heads (Llama's 4 of 8: GQA is not
-    repeated before the exchange), as NOTE [cp attention] counts them, per layer; the other
+    """Keys and values cross the cp group as SDPA takes them, as NOTE [cp attention] counts
+    them, per layer; the other
     bytes on cp are the named extras: the gradients' all-reduce (parameters are replicated
     over cp) and the loss's scalar."""
     layout = _variant(tmp_path, "fsdp_cp", attention=attention)
