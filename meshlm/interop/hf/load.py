@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.core.errors import CheckpointError
-from meshlm.interop.hf.family import _read_config, strip_scheme
+from meshlm.interop.hf.family import _read_config, hf_tensors, strip_scheme
 from meshlm.runtime.lowering import local_box
 
 
@@ -87,7 +87,7 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
     parameter (or one the family knows to skip)."""
     from meshlm.runtime.lowering import iter_params
 
-    want = {fam.hf_tensor(cfg, fqn, tuple(p.shape))[0]: fqn for fqn, _m, _n, p in iter_params(model)}
+    want = {n: fqn for fqn, _m, _n, p in iter_params(model) for n, _s in hf_tensors(fam, cfg, fqn, tuple(p.shape))}
     have = reader.names()
     missing = sorted(set(want) - have)
     if missing:
@@ -103,6 +103,13 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
             f"meshlm's {fam.CLASS} as config.json describes it: the weights are of another "
             "model, or config.json (e.g. its layer count) does not describe them"
         )
+
+
+def _fill_buffers(fam, module: nn.Module) -> None:
+    """The buffers the files do not hold, as the family's architecture has them (a
+    MoE's ``selection_bias``: zero); the rest are the model's own."""
+    if hasattr(fam, "fill_buffers"):
+        fam.fill_buffers(module)
 
 
 def model_of(path: str) -> nn.Module:
@@ -148,6 +155,7 @@ def load_hf(
                 for n, p in sub._parameters.items():
                     if p is not None and id(p) not in done:
                         read(f"{names[id(sub)]}.{n}", p)
+        _fill_buffers(fam, blk)
         after_block(blk)
 
     # Each rank allocates its shards uninitialised and reads exactly its blocks.
@@ -156,6 +164,7 @@ def load_hf(
         for fqn, _m, _n, p in iter_params(model):
             if id(p) not in done:
                 read(fqn, p)
+    _fill_buffers(fam, model)
     return model
 
 
@@ -199,7 +208,9 @@ def load_hf_local(path: str, after_block: Any = None, keep: Any = None) -> nn.Mo
     with torch.no_grad():
         for i, blk in enumerate(blocks):
             read(blk.parameters())
+            _fill_buffers(fam, blk)
             if after_block is not None:
                 after_block(i, blk)
         read(model.parameters())
+    _fill_buffers(fam, model)
     return model.eval()
