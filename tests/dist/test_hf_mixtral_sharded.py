@@ -75,3 +75,25 @@ def test_export_round_trip_fsdp_ep(pool4, mixtral):
     m = transformers.MixtralForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(m(mixtral["tokens"]).logits, mixtral["ref"], rtol=0, atol=0)
+
+
+def _convert_both_ways(hf, ckpt_root, out):
+    from meshlm.train.convert import convert_main
+
+    assert convert_main([hf, ckpt_root]) == 0  # HF -> meshlm checkpoint (fsdp=4)
+    torch._dynamo.reset()
+    return convert_main([ckpt_root, out, "--layout", "fsdp_ep", "--mesh", "fsdp=2,ep=2"])
+
+
+def test_convert_through_a_checkpoint(pool4, mixtral):
+    """`meshlm convert` both ways: Mixtral -> a meshlm checkpoint -> Mixtral (under fsdp_ep),
+    the tensors exactly the original's."""
+    from safetensors.torch import load_file
+
+    ck, out = os.path.join(mixtral["root"], "ckpt"), os.path.join(mixtral["root"], "converted")
+    assert pool4.run(_convert_both_ways, mixtral["dir"], ck, out) == [0] * 4
+    orig = load_file(os.path.join(mixtral["dir"], "model.safetensors"))
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(got) == sorted(orig)
+    for k in orig:
+        assert torch.equal(got[k], orig[k]), k
