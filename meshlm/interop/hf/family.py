@@ -1,7 +1,7 @@
 """Which meshlm module knows each Hugging Face architecture, and a Hugging Face directory's
 config: ``model_type`` in ``config.json`` -> the family module (meshlm/interop/hf/llama.py,
-meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py) with that architecture's names, shapes and config, and
-the meshlm config (LlamaConfig, GPT2Config or VLMConfig) that ``config.json`` describes.
+meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py, meshlm/interop/hf/mixtral.py) with that architecture's names,
+shapes and config, and the meshlm config (LlamaConfig, GPT2Config, VLMConfig or MoEConfig) that ``config.json`` describes.
 Shared by loading (meshlm/interop/hf/load.py), saving (meshlm/interop/hf/save.py) and conversion
 (meshlm/train/convert.py)."""
 
@@ -105,5 +105,5 @@ def write_blocks(fam, cfg, fqn: str, shape: tuple[int, ...], box, local):
 
 
 def read_hf_config(path: str):
-    """The meshlm config (LlamaConfig, GPT2Config or VLMConfig) of a Hugging Face directory."""
+    """The meshlm config (LlamaConfig, GPT2Config, VLMConfig or MoEConfig) of a Hugging Face directory."""
     return _read_config(path)[1]

@@ -123,7 +123,7 @@ def load_hf(
     path: str, layout: Any, mesh: Any, *, seed: int = 0, after_block: Any = None, **shard_kwargs: Any
 ) -> nn.Module:
     """The meshlm model of the Hugging Face directory ``path`` (``hf:`` prefix allowed;
-    ``model_type`` ``llama``, ``gpt2`` or ``llava``) sharded under ``layout`` on ``mesh``, with its
+    ``model_type`` ``llama``, ``gpt2``, ``llava`` or ``mixtral``) sharded under ``layout`` on ``mesh``, with its
     weights.  Each rank reads only its own blocks from the files.  ``after_block(block)``:
     as :func:`meshlm.shard`'s, called once each outer block's shards are made and read (so
     ``meshlm train`` builds an offloaded model onto its tier from the files too, never whole
