@@ -105,3 +105,15 @@ def test_config_mixtral_cannot_load(mixtral, tmp_path, key, value):
     hf = json.load(open(os.path.join(mixtral["dir"], "config.json")))
     with pytest.raises(ConfigError, match=key):
         config_from_hf({**hf, key: value})
+
+
+def test_greedy_generation_equals_transformers(mixtral):
+    """Decoding with meshlm's KV cache through the experts, two left-padded prompts of
+    different lengths in one batch: transformers' greedy tokens."""
+    from harness.hf_tiny import hf_greedy
+    from meshlm.infer import generate
+    from meshlm.interop.hf.load import load_hf_local
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    want = hf_greedy(mixtral["hf"], prompts, 8, until_eos=False)
+    assert generate(load_hf_local(mixtral["dir"]), prompts, max_new_tokens=8) == want
