@@ -97,3 +97,45 @@ def test_convert_through_a_checkpoint(pool4, mixtral):
     assert sorted(got) == sorted(orig)
     for k in orig:
         assert torch.equal(got[k], orig[k]), k
+
+
+def _grads(path, tokens):
+    import meshlm
+
+    torch._dynamo.reset()
+    mesh = meshlm.make_mesh(LAYOUT_MESH["fsdp_ep"])
+    model = meshlm.load_hf(path, "fsdp_ep", mesh)
+    loss = model(
+        meshlm.shard_batch(tokens[:, :-1], "fsdp_ep", mesh), meshlm.shard_batch(tokens[:, 1:], "fsdp_ep", mesh)
+    )
+    loss.backward()
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    params = dict(model.named_parameters())
+    names = ("router", "w_gate", "w_up", "w_down")
+    return loss.detach(), {n: params[f"layers.0.moe.{n}"].grad.full_tensor() for n in names}
+
+
+def test_fine_tune_gradients_match_transformers(pool4, mixtral):
+    """What a fine-tune from a Mixtral steps with, under fsdp_ep: the loss and the gradients
+    of the router and of every expert equal transformers' (its fused ``gate_up_proj`` split
+    into meshlm's gate and up), NOTE [implementation tolerance]."""
+    from harness.hf_tiny import tiny_mixtral
+    from meshlm.train.tolerances import implementation_tol
+
+    m = tiny_mixtral()
+    tokens = mixtral["tokens"]
+    ref = m(tokens, labels=tokens).loss
+    ref.backward()
+    hf = m.model.layers[0].mlp
+    mlp = hf.experts.down_proj.shape[-1]
+    want = {
+        "router": hf.gate.weight.grad,
+        "w_gate": hf.experts.gate_up_proj.grad[:, :mlp],
+        "w_up": hf.experts.gate_up_proj.grad[:, mlp:],
+        "w_down": hf.experts.down_proj.grad,
+    }
+    for loss, grads in pool4.run(_grads, mixtral["dir"], tokens):
+        torch.testing.assert_close(loss, ref.detach(), rtol=tol.HF_LOSS_RTOL, atol=0)
+        for n, g in grads.items():
+            err = (g - want[n]).abs()
+            assert bool((err <= implementation_tol(want[n])).all()), (n, float(err.max()))
