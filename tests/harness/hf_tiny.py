@@ -143,3 +143,38 @@ def hf_greedy(m, prompts: list, new: int, until_eos: bool = True) -> list:
     if until_eos and eos is not None:
         rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
     return rows
+
+
+def tiny_mixtral(path=None, tie: bool = False):
+    """A MixtralForCausalLM of meshlm's ``moe_tiny`` shape: 2 layers of width 64, 8 heads
+    of 8 over 4 key-value heads, top-2 of 8 experts of width 32.  Saved with
+    ``save_pretrained`` to ``path`` when given (per-expert ``w1``/``w2``/``w3`` tensors).
+    initializer_range is 0.1 (not 0.02), so that the experts' outputs and the routing are of
+    order 1 in the logits; norms are moved off their init."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    m = transformers.MixtralForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    if path is not None:
+        m.save_pretrained(path, safe_serialization=True)
+    return m

@@ -1,10 +1,11 @@
-"""Hugging Face safetensors <-> sharded meshlm models (Llama, GPT-2, LLaVA), with no full model
+"""Hugging Face safetensors <-> sharded meshlm models (Llama, GPT-2, LLaVA, Mixtral), with no full model
 on any rank.
 
 * :func:`load_hf` reads ``config.json`` and ``model.safetensors`` (or sharded files and
   ``model.safetensors.index.json``, or ``pytorch_model.bin``) into the meshlm model its
   ``model_type`` names (``llama``: :class:`meshlm.models.Llama`, ``gpt2``:
-  :class:`meshlm.models.GPT2`, ``llava``: :class:`meshlm.models.VLM`) sharded under any
+  :class:`meshlm.models.GPT2`, ``llava``: :class:`meshlm.models.VLM`, ``mixtral``:
+  :class:`meshlm.models.MoETransformer`) sharded under any
   layout: each rank reads only the block of each tensor it stores
   (``safe_open(...).get_slice``).
 * :func:`save_hf` writes a live sharded model as a Hugging Face directory
@@ -15,8 +16,9 @@ on any rank.
 
 What differs between the architectures (names, shapes, how a meshlm block maps onto the HF
 tensor, the config) lives in one module per ``model_type``: meshlm/interop/hf/llama.py (NOTE [HF
-names]), meshlm/interop/hf/gpt2.py (NOTE [HF GPT-2 tensors]) and meshlm/interop/hf/llava.py (NOTE [HF LLaVA
-tensors]).  This module is the public face; the machinery is in
+names]), meshlm/interop/hf/gpt2.py (NOTE [HF GPT-2 tensors]), meshlm/interop/hf/llava.py (NOTE [HF LLaVA
+tensors]) and meshlm/interop/hf/mixtral.py (NOTE [HF Mixtral tensors]).  This module is the
+public face; the machinery is in
 
     save.py      save_hf: the safetensors header and each rank's blocks
     load.py      load_hf, model_of: each rank reads its blocks of the files

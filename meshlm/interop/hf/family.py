@@ -1,7 +1,7 @@
 """Which meshlm module knows each Hugging Face architecture, and a Hugging Face directory's
 config: ``model_type`` in ``config.json`` -> the family module (meshlm/interop/hf/llama.py,
-meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py) with that architecture's names, shapes and config, and
-the meshlm config (LlamaConfig, GPT2Config or VLMConfig) that ``config.json`` describes.
+meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py, meshlm/interop/hf/mixtral.py) with that architecture's names,
+shapes and config, and the meshlm config (LlamaConfig, GPT2Config, VLMConfig or MoEConfig) that ``config.json`` describes.
 Shared by loading (meshlm/interop/hf/load.py), saving (meshlm/interop/hf/save.py) and conversion
 (meshlm/train/convert.py)."""
 
@@ -16,15 +16,23 @@ from torch import nn
 from meshlm.core.errors import CheckpointError, ConfigError
 
 # model_type in config.json -> the module that knows that architecture's names, shapes and
-# config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).
-_FAMILIES = {"llama": "meshlm.interop.hf.llama", "gpt2": "meshlm.interop.hf.gpt2", "llava": "meshlm.interop.hf.llava"}
+# config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).  A
+# family whose parameter may be several HF tensors (Mixtral's experts, one tensor each) also
+# has ``hf_tensors`` and names the tensor of each block ``write_blocks`` gives.
+_FAMILIES = {
+    "llama": "meshlm.interop.hf.llama",
+    "gpt2": "meshlm.interop.hf.gpt2",
+    "llava": "meshlm.interop.hf.llava",
+    "mixtral": "meshlm.interop.hf.mixtral",
+}
 
 
 def _family(model_type: str, source: str):
     if model_type not in _FAMILIES:
         raise ConfigError(
             f"{source}: model_type={model_type!r}; meshlm imports Hugging Face "
-            f"{', '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2, meshlm.models.VLM)"
+            f"{', '.join(_FAMILIES)} models (meshlm.models.Llama, meshlm.models.GPT2, meshlm.models.VLM, "
+            "meshlm.models.MoETransformer)"
         )
     return importlib.import_module(_FAMILIES[model_type])
 
@@ -38,7 +46,8 @@ def _family_of(model: nn.Module):
             return fam
     raise CheckpointError(
         f"{type(model).__name__}: meshlm exports its Llama, GPT2 and VLM to Hugging Face form "
-        "(a model with a LlamaConfig, GPT2Config or VLMConfig as .cfg), not this model"
+        "(a model with a LlamaConfig, GPT2Config or VLMConfig as .cfg) and its MoETransformer (as "
+        "Mixtral), not this model"
     )
 
 
@@ -49,7 +58,8 @@ def family_of_class(name: str):
         if fam.CLASS == name:
             return fam
     raise CheckpointError(
-        f"the checkpoint holds a {name}; meshlm exports its Llama, GPT2 and VLM to Hugging Face form only"
+        f"the checkpoint holds a {name}; meshlm exports its Llama, GPT2, VLM and MoETransformer to "
+        "Hugging Face form only"
     )
 
 
@@ -73,10 +83,27 @@ def _read_config(path: str):
         ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
-            f"{f}: not a Hugging Face Llama, GPT-2 or LLaVA config ({type(e).__name__}: {e})"
+            f"{f}: not a Hugging Face Llama, GPT-2, LLaVA or Mixtral config ({type(e).__name__}: {e})"
         ) from None
 
 
+def hf_tensors(fam, cfg, fqn: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, HF shape) of each Hugging Face tensor meshlm parameter ``fqn`` is made of."""
+    if hasattr(fam, "hf_tensors"):
+        return fam.hf_tensors(cfg, fqn, shape)
+    return [fam.hf_tensor(cfg, fqn, shape)]
+
+
+def write_blocks(fam, cfg, fqn: str, shape: tuple[int, ...], box, local):
+    """(HF name, row-major shape, box, block) to write for this rank's block ``local`` of
+    ``fqn``: the family's ``write_blocks``, named."""
+    out = fam.write_blocks(cfg, fqn, shape, box, local)
+    if hasattr(fam, "hf_tensors"):
+        return out
+    name = fam.hf_tensor(cfg, fqn, shape)[0]
+    return [(name, *entry) for entry in out]
+
+
 def read_hf_config(path: str):
-    """The meshlm config (LlamaConfig, GPT2Config or VLMConfig) of a Hugging Face directory."""
+    """The meshlm config (LlamaConfig, GPT2Config, VLMConfig or MoEConfig) of a Hugging Face directory."""
     return _read_config(path)[1]

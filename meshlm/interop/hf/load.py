@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from meshlm.core.errors import CheckpointError
-from meshlm.interop.hf.family import _read_config, strip_scheme
+from meshlm.interop.hf.family import _read_config, hf_tensors, strip_scheme
 from meshlm.runtime.lowering import local_box
 
 
@@ -87,7 +87,7 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
     parameter (or one the family knows to skip)."""
     from meshlm.runtime.lowering import iter_params
 
-    want = {fam.hf_tensor(cfg, fqn, tuple(p.shape))[0]: fqn for fqn, _m, _n, p in iter_params(model)}
+    want = {n: fqn for fqn, _m, _n, p in iter_params(model) for n, _s in hf_tensors(fam, cfg, fqn, tuple(p.shape))}
     have = reader.names()
     missing = sorted(set(want) - have)
     if missing:
@@ -105,6 +105,13 @@ def _check_names(path: str, fam, cfg, model: nn.Module, reader: _HFReader) -> No
         )
 
 
+def _fill_buffers(fam, module: nn.Module) -> None:
+    """The buffers the files do not hold, as the family's architecture has them (a
+    MoE's ``selection_bias``: zero); the rest are the model's own."""
+    if hasattr(fam, "fill_buffers"):
+        fam.fill_buffers(module)
+
+
 def model_of(path: str) -> nn.Module:
     """The meshlm model (on the meta device, no weights) of the Hugging Face directory
     ``path``: what :func:`load_hf` fills, for planning it."""
@@ -116,7 +123,7 @@ def load_hf(
     path: str, layout: Any, mesh: Any, *, seed: int = 0, after_block: Any = None, **shard_kwargs: Any
 ) -> nn.Module:
     """The meshlm model of the Hugging Face directory ``path`` (``hf:`` prefix allowed;
-    ``model_type`` ``llama``, ``gpt2`` or ``llava``) sharded under ``layout`` on ``mesh``, with its
+    ``model_type`` ``llama``, ``gpt2``, ``llava`` or ``mixtral``) sharded under ``layout`` on ``mesh``, with its
     weights.  Each rank reads only its own blocks from the files.  ``after_block(block)``:
     as :func:`meshlm.shard`'s, called once each outer block's shards are made and read (so
     ``meshlm train`` builds an offloaded model onto its tier from the files too, never whole
@@ -148,6 +155,7 @@ def load_hf(
                 for n, p in sub._parameters.items():
                     if p is not None and id(p) not in done:
                         read(f"{names[id(sub)]}.{n}", p)
+        _fill_buffers(fam, blk)
         after_block(blk)
 
     # Each rank allocates its shards uninitialised and reads exactly its blocks.
@@ -156,6 +164,7 @@ def load_hf(
         for fqn, _m, _n, p in iter_params(model):
             if id(p) not in done:
                 read(fqn, p)
+    _fill_buffers(fam, model)
     return model
 
 
@@ -199,7 +208,9 @@ def load_hf_local(path: str, after_block: Any = None, keep: Any = None) -> nn.Mo
     with torch.no_grad():
         for i, blk in enumerate(blocks):
             read(blk.parameters())
+            _fill_buffers(fam, blk)
             if after_block is not None:
                 after_block(i, blk)
         read(model.parameters())
+    _fill_buffers(fam, model)
     return model.eval()

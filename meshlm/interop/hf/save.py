@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from meshlm.interop.hf.family import _family_of
+from meshlm.interop.hf.family import _family_of, hf_tensors, write_blocks
 from meshlm.runtime.lowering import local_box
 
 _DT_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
@@ -93,7 +93,7 @@ def save_hf(
     source_config: Optional[dict] = None,
     source_generation: Optional[dict] = None,
 ) -> str:
-    """Write ``model`` (a meshlm Llama or GPT2, sharded or plain) as a Hugging Face
+    """Write ``model`` (a meshlm Llama, GPT2, VLM or MoETransformer, sharded or plain) as a Hugging Face
     directory: ``config.json`` (NOTE [faithful config]: ``source_config`` is the config the
     model came from), ``generation_config.json`` (``source_generation``, else the config's
     special-token ids) and one consolidated ``model.safetensors``.  Collective when the
@@ -109,8 +109,12 @@ def save_hf(
     params = [(fqn, p) for fqn, _m, _n, p in iter_params(model)]
     dt = dtype or params[0][1].dtype
     config = faithful_config(fam.config_to_hf(cfg, dt), source_config)  # raises, on every rank, before any write
-    names = {fqn: fam.hf_tensor(cfg, fqn, tuple(p.shape)) for fqn, p in params}
-    entries = sorted((*names[fqn], math.prod(p.shape) * torch.empty((), dtype=dt).element_size()) for fqn, p in params)
+    if hasattr(fam, "check_export"):
+        fam.check_export(model)
+    esz = torch.empty((), dtype=dt).element_size()
+    entries = sorted(
+        (n, s, math.prod(s) * esz) for fqn, p in params for n, s in hf_tensors(fam, cfg, fqn, tuple(p.shape))
+    )
     header, offsets = _st_header([(n, _DT_TO_ST[dt], s, b) for n, s, b in entries], {"format": "pt"})
     total = len(header) + sum(e[2] for e in entries)
     fname = os.path.join(out, "model.safetensors")
@@ -138,8 +142,8 @@ def save_hf(
                     local, box = p.detach(), [(0, n) for n in shape]
                 else:
                     continue
-                for hs, hbox, block in fam.write_blocks(cfg, fqn, shape, box, local.to(dt)):
-                    _write_block(fd, offsets[names[fqn][0]], hs, hbox, block)
+                for name, hs, hbox, block in write_blocks(fam, cfg, fqn, shape, box, local.to(dt)):
+                    _write_block(fd, offsets[name], hs, hbox, block)
         os.fsync(fd)
     finally:
         os.close(fd)
