@@ -204,7 +204,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/models/node.py": "SHIPPED_FIELDS",
     "meshlm/models/vlm.py": "CONFIGS",
     "meshlm/plan/hardware.py": "HARDWARE",
-    "meshlm/runtime/comm.py": "_FUNCTIONAL _FUNCTIONAL_COALESCED _C10D _P2P",
+    "meshlm/runtime/comm.py": "_FUNCTIONAL _FUNCTIONAL_COALESCED _C10D _P2P _SEEN_INSIDE",
     "meshlm/runtime/lowering/policies.py": "SAVED_OPS SAVED_COLLECTIVES",
     "meshlm/runtime/optim/sharded.py": "_ELEMENTWISE",
     "meshlm/runtime/pipeline/schedule.py": "SCHEDULES",
