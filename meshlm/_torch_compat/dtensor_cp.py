@@ -112,12 +112,6 @@ def from_balanced(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return t.index_select(dim, inv.to(t.device))
 
 
-def balanced_chunks(length: int, n: int, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(start, length) of rank r's two chunks of a dim of ``length`` (natural positions)."""
-    c = length // (2 * n)
-    return (r * c, c), ((2 * n - 1 - r) * c, c)
-
-
 _ORIGINAL: dict = {}
 
 
@@ -220,10 +214,9 @@ def _common(args, cp: CpMesh, n: int):
     q = args[1] if n == 6 else args[0]  # forward: (q, k, v, ...); backward: (dout, q, k, v, out, lse, ...)
     pl = tuple(Replicate() if p.is_partial() else p for p in q.placements)
     out = []
-    for t in args[:n]:
-        want = pl if t.ndim == 4 else pl  # lse (b, h, s) shares dims 0-2 with q
-        if tuple(t.placements) != want:
-            t = t.redistribute(t.device_mesh, want)
+    for t in args[:n]:  # lse (b, h, s) shares dims 0-2 with q: the same placements
+        if tuple(t.placements) != pl:
+            t = t.redistribute(t.device_mesh, pl)
         out.append(t.to_local())
     return out, pl
 
