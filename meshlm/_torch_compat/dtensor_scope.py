@@ -59,25 +59,44 @@ import weakref
 
 from torch.distributed.tensor import DTensor
 
-_MESHES: "weakref.WeakSet" = weakref.WeakSet()
+# id -> weak reference, one per claimed mesh object.  Not a WeakSet: a set keeps the first
+# of two equal meshes and drops the second's ``add``, so when the first is collected the
+# entry goes while the second, equal and alive, is still meshlm's.
+_MESHES: "dict[int, weakref.ref]" = {}
 
 
 def claim(mesh) -> None:
-    """Make ``mesh`` (and meshes equal to it, and their submeshes) meshlm's."""
-    _MESHES.add(mesh)
+    """Make ``mesh`` (and meshes equal to it, and their submeshes) meshlm's while it lives."""
+    key = id(mesh)
+    held = _MESHES.get(key)
+    if held is not None and held() is mesh:
+        return
+
+    def gone(ref, key=key):
+        if _MESHES.get(key) is ref:
+            del _MESHES[key]
+
+    _MESHES[key] = weakref.ref(mesh, gone)
+
+
+def _claimed(mesh) -> bool:
+    held = _MESHES.get(id(mesh))
+    if held is not None and held() is mesh:
+        return True
+    return any(m is not None and m == mesh for m in (r() for r in list(_MESHES.values())))
 
 
 def owns(mesh) -> bool:
-    """Whether ``mesh`` is meshlm's: claimed, equal to a claimed mesh, or sliced from one."""
+    """Whether ``mesh`` is meshlm's: claimed, equal to a live claimed mesh, or sliced from one."""
     if mesh is None:
         return False
-    if mesh in _MESHES:
+    if _claimed(mesh):
         return True
     root = getattr(mesh, "_get_root_mesh", None)  # DeviceMesh slices know their root (torch 2.11-2.13)
     if root is None:
         return False
     r = root()
-    return r is not mesh and r in _MESHES
+    return r is not mesh and _claimed(r)
 
 
 def first_mesh(args, kwargs):

@@ -114,6 +114,9 @@ def init_fake(world_size: int, rank: int = 0) -> None:
         if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
             return
         dist.destroy_process_group()
+    # DTensor's caches compare meshes by value, so specs cached under an earlier process
+    # group would hand this one's DTensors meshes whose groups are gone.
+    compat.clear_dtensor_caches()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world_size)
 
 

@@ -125,8 +125,8 @@ INVENTORY: dict[str, tuple[str, str]] = {
     ),
     "meshlm/_torch_compat/dtensor_scope.py:_MESHES": (
         TABLE,
-        "the device meshes meshlm made or sharded onto, weakly held: meshlm's DTensor rules act on these only "
-        "(NOTE [scoped patches]); a mesh leaves when it is collected",
+        "the device meshes meshlm made or sharded onto, by object id, weakly held: meshlm's DTensor rules act on "
+        "these and meshes equal to them only (NOTE [scoped patches]); a mesh leaves when it is collected",
     ),
     "meshlm/_torch_compat/dtensor_views.py:_strided_view_placements": (
         CACHE,

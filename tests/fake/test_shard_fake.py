@@ -41,3 +41,25 @@ def test_fake_mesh_of_16384_ranks_places_llama3_405b_without_memory(fake_world):
     wq = plans["layers.0.attn.wq"]
     assert wq.local_shape(wq.storage, {"dp": 16, "fsdp": 128, "tp": 8}) == (128 // 8, 128, 16384 // 128)
     assert len(plans) == 126 * 9 + 3
+
+
+def test_a_new_fake_group_gets_fresh_meshes_from_dtensor_ops(fake_world):
+    """A fake group torn down and another started (the planner does this per candidate):
+    an op that DTensor computed on an equal mesh of the first group gives this group's mesh,
+    whose process groups resolve, not the first one's (DTensor's caches compare meshes by
+    value; ``init_fake`` clears them)."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    def cast_on_a_new_mesh():
+        mesh = meshlm.make_mesh({"dp": 2, "fsdp": 2, "tp": 2}, fake=True)
+        t = distribute_tensor(torch.randn(8, 8), mesh, [Replicate(), Shard(0), Replicate()])
+        out = t.to(torch.bfloat16)
+        return mesh, out
+
+    cast_on_a_new_mesh()
+    dist.destroy_process_group()
+    meshlm.make_mesh({"dp": 4, "fsdp": 2}, fake=True)  # the new group numbers its groups differently
+    mesh, out = cast_on_a_new_mesh()
+    assert out.device_mesh is mesh
+    assert [out.device_mesh.get_group(i).group_name for i in range(3)] == [mesh.get_group(i).group_name for i in range(3)]

@@ -108,3 +108,21 @@ def test_one_ids_tensor_for_two_vocab_sharded_tables(meshes):
     for k, (w, ref) in enumerate(zip(ws, (small, big))):
         want = torch.zeros_like(ref).index_add_(0, ids.flatten(), torch.full((3, 3), float(k + 1)))
         torch.testing.assert_close(w.grad.full_tensor(), want, rtol=0, atol=0)
+
+
+def test_a_mesh_stays_meshlms_when_an_equal_one_is_collected(meshes):
+    """Two equal meshes meshlm made (as the planner makes one per candidate): when the first
+    is collected, the second, alive, is still meshlm's and its ops get meshlm's rules."""
+    import gc
+
+    from meshlm._torch_compat import dtensor_scope
+
+    first = meshlm.make_mesh("tp=1")
+    second = meshlm.make_mesh("tp=1")
+    assert first == second and first is not second
+    del first
+    gc.collect()
+    assert dtensor_scope.owns(second)
+    q = distribute_tensor(torch.randn(1, 2, 4, 8), second, [Shard(1)]).requires_grad_()
+    F.scaled_dot_product_attention(q, q, q).sum().backward()  # meshlm's backward rule; torch has none
+    assert tuple(q.grad.placements) == (Shard(1),)
