@@ -8,35 +8,14 @@ counts equal one device's under each layout."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from harness import dist_pool_fixture
-from harness.parity import TokenBatches, assert_parity, check_training
+from harness.parity import MoEBuild, TokenBatches, assert_parity, check_training
 
 pool2 = dist_pool_fixture(2, timeout_s=60)
 pool4 = dist_pool_fixture(4, timeout_s=60)
-
-
-@dataclass(frozen=True)
-class MoEBuild:
-    """``build`` for check_training: ``meshlm.models.MoETransformer`` of a named config;
-    ``away``: experts whose selection bias keeps every token from them."""
-
-    model: str = "moe_tiny"
-    overrides: tuple = ()
-    away: tuple = ()
-
-    def __call__(self, device: str, seed: int):
-        from meshlm.models import MoETransformer, moe_config
-
-        m = MoETransformer(moe_config(self.model, **dict(self.overrides)), device=device, seed=seed)
-        if self.away and device != "meta":
-            for blk in m.layers:
-                blk.moe.selection_bias[list(self.away)] = -10.0
-        return m
 
 
 BATCHES = TokenBatches(batch=8, seq=16)

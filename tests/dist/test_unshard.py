@@ -36,7 +36,7 @@ from torch import nn
 import meshlm
 from harness import dist_pool_fixture
 from harness import tolerances as tol
-from harness.parity import LlamaBuild, TokenBatches, VlmBatches, VlmBuild, assert_parity, check_training
+from harness.parity import LlamaBuild, MoEBuild, TokenBatches, VlmBatches, VlmBuild, assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=120)
 
@@ -59,6 +59,10 @@ CASES = [
     ("fsdp_pp", "fsdp=2,pp=2", {"build": LLAMA4}),
     ("fsdp_tp_pp", "tp=2,pp=2", {"build": LLAMA4}),
     ("vlm_fsdp_tp", "fsdp=2,tp=2", {}),  # the vision-language model (below), scoped layouts
+    ("fsdp_cp", "fsdp=2,cp=2", {}),
+    ("fsdp_tp_cp", "tp=2,cp=2", {}),
+    ("fsdp_ep", "fsdp=2,ep=2", {"build": MoEBuild()}),  # experts split over ep
+    ("fsdp_tp_ep", "tp=2,ep=2", {"build": MoEBuild()}),
 ]
 PIPELINED = {"pp", "fsdp_pp", "fsdp_tp_pp"}
 

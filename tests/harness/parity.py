@@ -89,6 +89,25 @@ class LlamaBuild:
 
 
 @dataclass(frozen=True)
+class MoEBuild:
+    """``build`` for ``check_training``: ``meshlm.models.MoETransformer`` of a named config;
+    ``away``: experts whose selection bias keeps every token from them."""
+
+    model: str = "moe_tiny"
+    overrides: tuple = ()  # (name, value) pairs for moe_config
+    away: tuple = ()
+
+    def __call__(self, device: str, seed: int) -> nn.Module:
+        from meshlm.models import MoETransformer, moe_config
+
+        m = MoETransformer(moe_config(self.model, **dict(self.overrides)), device=device, seed=seed)
+        if self.away and device != "meta":
+            for blk in m.layers:
+                blk.moe.selection_bias[list(self.away)] = -10.0
+        return m
+
+
+@dataclass(frozen=True)
 class VlmBuild:
     """``build`` for ``check_training``: ``meshlm.models.VLM`` of ``vlm_tiny``."""
 
