@@ -62,4 +62,6 @@ def test_a_new_fake_group_gets_fresh_meshes_from_dtensor_ops(fake_world):
     meshlm.make_mesh({"dp": 4, "fsdp": 2}, fake=True)  # the new group numbers its groups differently
     mesh, out = cast_on_a_new_mesh()
     assert out.device_mesh is mesh
-    assert [out.device_mesh.get_group(i).group_name for i in range(3)] == [mesh.get_group(i).group_name for i in range(3)]
+    assert [out.device_mesh.get_group(i).group_name for i in range(3)] == [
+        mesh.get_group(i).group_name for i in range(3)
+    ]
