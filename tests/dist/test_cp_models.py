@@ -75,3 +75,28 @@ def test_unshaped_model_under_fsdp_cp(pool4, tmp_path, model, attention, balance
         steps=2,
     )
     assert_parity(res)
+
+
+def _masked_model_error() -> str:
+    from mymodels.cp_models import MaskedGPT2
+
+    import meshlm
+
+    mesh = meshlm.make_mesh("fsdp=2,cp=2")
+    torch.manual_seed(0)
+    model = meshlm.shard(MaskedGPT2(), "fsdp_cp", mesh)
+    x = torch.randint(0, 64, (2, 32))
+    try:
+        model(meshlm.shard_batch(x, "fsdp_cp", mesh), meshlm.shard_batch(x, "fsdp_cp", mesh))
+    except meshlm.ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_explicit_attn_mask_is_refused_naming_the_module(pool4):
+    """Attention with an explicit ``attn_mask`` on a sequence split over cp: a ConfigError
+    naming the module that called it and what to do (NOTE [cp refusal] in
+    meshlm/runtime/cp/refuse.py), on every rank, not a DTensor traceback."""
+    for msg in pool4.run(_masked_model_error):
+        for part in ("module `MaskedAttention`", "cp_models.py:", "attn_mask", "is_causal=True", "without seq: cp"):
+            assert part in msg, msg

@@ -7,7 +7,8 @@ on their own query, key and value tensors.
 global length ``t``), a fused QKV Linear then split, LayerNorm and biases, GELU MLP, the head
 tied to the token embedding.  ``RotaryLM``: its own rotary position table from
 ``torch.arange(t)``, separate q, k, v projections with fewer key/value heads than query heads
-(``enable_gqa=True``), RMSNorm and a SwiGLU MLP.
+(``enable_gqa=True``), RMSNorm and a SwiGLU MLP.  ``MaskedGPT2`` gives its causal mask as an
+``attn_mask``, which context parallel refuses.
 """
 
 from __future__ import annotations
@@ -144,3 +145,25 @@ class RotaryLM(nn.Module):
             x = blk(x, cos, sin)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+class MaskedAttention(GPT2Attention):
+    """GPT-2's attention with its causal mask given as an explicit boolean ``attn_mask``, as
+    some ports write it: context parallel refuses it, naming this module."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MaskedGPT2(PlainGPT2):
+    """``PlainGPT2`` whose blocks' attention is ``MaskedAttention``."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        for blk in self.h:
+            blk.attn.__class__ = MaskedAttention
