@@ -1,6 +1,7 @@
 """Resharding: a checkpoint saved under one layout and mesh loads under another.
 
-fsdp on 4 ranks -> fsdp_tp on 2x2 -> tp on 2 -> single process (and zero1 -> fsdp), each
+fsdp on 4 ranks -> fsdp_tp on 2x2 -> tp on 2 -> single process (and zero1 -> fsdp, and
+between fsdp_cp on fsdp=2 x cp=2 and fsdp on 4, both ways: docs/cp.md), each
 hop comparing every parameter and optimizer-state tensor with the saved ones (exactly: a
 reshard moves bytes, it does no arithmetic) and the continued losses with the run that
 never resharded (fp32 layout-invariance tolerance)."""
@@ -25,8 +26,10 @@ def _batches(n: int):
 
     cfg = llama_config("llama_tiny")
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, cfg.vocab, (8, 16), generator=g), torch.randint(0, cfg.vocab, (8, 16), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, cfg.vocab, (8, 16), generator=g), torch.randint(0, cfg.vocab, (8, 16), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _setup(layout: str, shape: str):
@@ -82,9 +85,14 @@ def _job(layout, shape, load_from, save_to, n_before, n_after):
         extra = load_checkpoint(load_from, model=model, optimizer=opt)
         step = extra["step"]
     state = _full_state(model, opt)
-    path = save_checkpoint(save_to, step, model=model, optimizer=opt, extra={"step": step},
-                           run_meta={"layout": layout, "mesh": shape}) if save_to else None
-    after = _train(model, opt, layout, mesh, batches[step:step + n_after])
+    path = (
+        save_checkpoint(
+            save_to, step, model=model, optimizer=opt, extra={"step": step}, run_meta={"layout": layout, "mesh": shape}
+        )
+        if save_to
+        else None
+    )
+    after = _train(model, opt, layout, mesh, batches[step : step + n_after])
     return {"state": state, "before": before, "after": after, "path": path}
 
 
@@ -114,8 +122,17 @@ def test_reshard_fsdp4_fsdptp_tp2_single(tmp_path, pool4, pool2, pool1):
     torch.testing.assert_close(torch.tensor(s["after"]), torch.tensor(a["after"]), **LOSS_TOL)
 
 
-@pytest.mark.parametrize("src,dst", [(("zero1", "dp=4"), ("fsdp", "fsdp=4")), (("fsdp", "fsdp=4"), ("zero2", "dp=4"))])
-def test_reshard_zero(tmp_path, src, dst, pool4):
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (("zero1", "dp=4"), ("fsdp", "fsdp=4")),
+        (("fsdp", "fsdp=4"), ("zero2", "dp=4")),
+        # context parallel: parameters are stored over fsdp and replicated over cp
+        (("fsdp_cp", "fsdp=2,cp=2"), ("fsdp", "fsdp=4")),
+        (("fsdp", "fsdp=4"), ("fsdp_cp", "fsdp=2,cp=2")),
+    ],
+)
+def test_reshard_one_hop(tmp_path, src, dst, pool4):
     d = str(tmp_path)
     a = pool4.run(_job, src[0], src[1], None, f"{d}/a", STEPS_BEFORE, STEPS_AFTER)[0]
     b = pool4.run(_job, dst[0], dst[1], a["path"], None, 0, STEPS_AFTER)[0]

@@ -5,6 +5,7 @@ attention] in meshlm/runtime/cp/ring.py).
                  all-gather variants on local tensors
     schedule.py  which chunks a rank holds (local_positions) and the blocks it computes
     kernels.py   one block forward and backward (torch's CPU flash attention), the lse merge
+    refuse.py    the error for an attention call cp cannot run, naming the module that made it
 """
 
 from meshlm.runtime.cp.ring import VARIANTS, cp_attention, cp_attention_backward, cp_attention_forward

@@ -62,10 +62,12 @@ def attach(layout: Layout, mesh: DeviceMesh) -> None:
     if n <= 1:
         return
     check_context(layout, sizes)
-    from meshlm.runtime.cp import ops  # NOTE [cp ops]: opaque to torch.compile
+    from meshlm.runtime.cp import ops, refuse  # NOTE [cp ops]: opaque to torch.compile
 
     ctx = context_of(layout)
     names = tuple(mesh.mesh_dim_names or ())
     dtensor_cp.register(
-        dtensor_cp.CpMesh(mesh, names.index("cp"), n, ctx.balance, ops.forward, ops.backward, ctx.attention)
+        dtensor_cp.CpMesh(
+            mesh, names.index("cp"), n, ctx.balance, ops.forward, ops.backward, ctx.attention, refuse.refuse
+        )
     )
