@@ -49,7 +49,9 @@ NOTE [compiled cp]
     (NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py) trace as ordinary ops
     (``arange``, ``cat``, ``index_select``) whose indices depend on sizes only.  Checked with ``aot_eager`` against one device
     (tests/dist/test_cp.py); the backward graph is traced with the forward at the first
-    call, inside the same wrapper.
+    call, inside the same wrapper.  Inductor gets the same graphs and is not refused, but no
+    test checks it under cp: four processes compiling C++ on the project's two-core CPU
+    machine ran past ten minutes (docs/cp.md, compile).
 
 Inductor blocks are compiled with ``fallback_random``: inductor otherwise replaces
 ``meshlm.dropout``'s key draw (an ``aten.randint`` on the global generator) with its own
