@@ -217,7 +217,6 @@ def fake_tensor_mode(**kwargs):
     return FakeTensorMode(**kwargs)
 
 
-@contextlib.contextmanager
 def dtensor_index_math_outside_fake():
     """While open, DTensor computes a strided shard's indices (``_StridedShard``'s
     ``local_shard_size_and_offset``: an ``arange`` split and read back with ``.tolist()``)
@@ -225,6 +224,25 @@ def dtensor_index_math_outside_fake():
     ``arange`` would be fake and its read-back raise ``DataDependentOutputException`` (e.g.
     a user's einsum attention under fsdp_tp: its ``bmm`` operands sharded over the batch and
     the flattened heads).  Outside a fake mode the wrapper changes nothing; restored on exit."""
+    return _strided_index_math_under(outside_fake)
+
+
+def dtensor_index_math_untraced():
+    """As ``dtensor_index_math_outside_fake``, with every dispatch mode set aside while the
+    indices are computed (``_disable_current_modes``): under ``torch.compile`` Dynamo runs
+    DTensor's rules in its FakeTensorMode (the read-back would leave unbacked symbols no
+    output holds: ``PendingUnbackedSymbolNotFound``) and AOTAutograd under its proxy and
+    functional modes too (the ``arange`` would be traced and its read-back raise "trying to
+    get value out of a tracing tensor with aten._local_scalar_dense").  The indices are
+    plain Python integers either way, so the graph is the same without the ``arange``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _strided_index_math_under(_disable_current_modes)
+
+
+@contextlib.contextmanager
+def _strided_index_math_under(context: Callable):
+    """While open, ``_StridedShard.local_shard_size_and_offset`` runs inside ``context()``."""
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # no strided shards in this torch: nothing to do
@@ -239,7 +257,7 @@ def dtensor_index_math_outside_fake():
 
     @functools.wraps(fn)
     def real_indices(*args, **kwargs):
-        with outside_fake():
+        with context():
             return fn(*args, **kwargs)
 
     _StridedShard.local_shard_size_and_offset = type(orig)(real_indices) if fn is not orig else real_indices

@@ -31,6 +31,28 @@ NOTE [static block shapes]
     symbolic size.  Static shapes give each (block class, shape) its own graph, within the
     recompile limit set below.
 
+NOTE [compiled cp]
+    Under a layout that splits the sequence over cp (docs/cp.md) a block's activations hold
+    this rank's slice of every sequence, and a flattened (batch, sequence), the rows of
+    every projection, is a ``_StridedShard`` on the batch and cp axes.  DTensor computes a
+    strided shard's local size and offsets by splitting an ``arange`` and reading it back
+    (``_StridedShard.local_shard_size_and_offset``).  Traced, that read-back fails: Dynamo
+    runs DTensor's rules in its FakeTensorMode, where ``.tolist()`` on a fake tensor makes
+    unbacked symbols no output holds (``PendingUnbackedSymbolNotFound``), and AOTAutograd
+    runs them under its proxy and functional modes too, where the ``arange`` is traced and
+    the read-back raises ("trying to get value out of a tracing tensor with
+    aten._local_scalar_dense").  The indices depend on sizes only, so every compiled block
+    of a cp model is called inside ``dtensor_index_math_untraced`` (meshlm/_torch_compat):
+    that one function runs with no dispatch mode active, returns plain integers, and leaves
+    nothing in the graph.  The attention is the two custom ops of NOTE [cp ops] in
+    meshlm/runtime/cp/ops.py, called opaquely, and the balanced order's permutations
+    (NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py) trace as ordinary ops
+    (``arange``, ``cat``, ``index_select``) whose indices depend on sizes only.  Checked with ``aot_eager`` against one device
+    (tests/dist/test_cp.py); the backward graph is traced with the forward at the first
+    call, inside the same wrapper.  Inductor gets the same graphs and is not refused, but no
+    test checks it under cp: four processes compiling C++ on the project's two-core CPU
+    machine ran past ten minutes (docs/cp.md, compile).
+
 Inductor blocks are compiled with ``fallback_random``: inductor otherwise replaces
 ``meshlm.dropout``'s key draw (an ``aten.randint`` on the global generator) with its own
 generator, and the masks would no longer be the eager, one-device ones (NOTE [dropout keys]
@@ -39,7 +61,8 @@ in rng.py).  The only random op of a block is then a 0-d key, so the fallback co
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -65,19 +88,12 @@ def compile_blocks(
     if comms not in COMPILE_COMMS:
         raise ValueError(f"compile_blocks(comms={comms!r}): expected one of {list(COMPILE_COMMS)}")
     _check_main_grads(model, comms)
-    st = getattr(model, "_meshlm_state", None)
-    if st is not None and st.cp_dim is not None:
-        raise ConfigError(
-            f"compile_blocks: layout {st.layout.name} splits the sequence over cp={st.sizes['cp']} (context "
-            "parallel), which does not compile yet: the rows of a flattened (batch, sequence) split over cp are a "
-            "_StridedShard, whose index arithmetic DTensor cannot trace on fake tensors in torch 2.11-2.13; run it "
-            "eager (train.compile=none; docs/cp.md, limits)"
-        )
     if any("_meshlm_param_offload" in m.__dict__ for m in model.modules()):
         raise ValueError(
             "compile_blocks: the blocks' parameters are offloaded already (offload.params); compile the blocks "
             "first, then offload (NOTE [offloaded parameters] in meshlm/runtime/offload/params.py)"
         )
+    wrap = _cp_tracing(model)
     n = 0
     bodies: dict = {}  # one compiled body per block class, shared by its layers
     for m in model.modules():
@@ -85,17 +101,25 @@ def compile_blocks(
             if _eager_body(m, comms):
                 cls = type(m)
                 if cls not in bodies:
-                    bodies[cls] = torch.compile(
-                        hooks.original_class(cls).forward,
-                        backend=backend,
-                        fullgraph=fullgraph,
-                        dynamic=False,
-                        **_mode(backend, mode),
+                    bodies[cls] = wrap(
+                        torch.compile(
+                            hooks.original_class(cls).forward,
+                            backend=backend,
+                            fullgraph=fullgraph,
+                            dynamic=False,
+                            **_mode(backend, mode),
+                        )
                     )
                 hooks.set_attrs(m, hooks.COMPILE, _meshlm_body=bodies[cls])
             else:
                 hooks.compile_call(
-                    m, hooks.COMPILE, backend=backend, fullgraph=fullgraph, dynamic=False, **_mode(backend, mode)
+                    m,
+                    hooks.COMPILE,
+                    wrap,
+                    backend=backend,
+                    fullgraph=fullgraph,
+                    dynamic=False,
+                    **_mode(backend, mode),
                 )
             n += 1
     if n == 0:
@@ -104,6 +128,24 @@ def compile_blocks(
     # recompiles per block for the first calls (grad mode, shapes) without warnings.
     compat.raise_recompile_limit(16)
     return n
+
+
+def _cp_tracing(model: nn.Module) -> Callable[[Callable], Callable]:
+    """How a compiled block of ``model`` is called: as it is, or, under a layout that splits
+    the sequence over cp, inside ``dtensor_index_math_untraced`` (NOTE [compiled cp])."""
+    st = getattr(model, "_meshlm_state", None)
+    if st is None or st.cp_dim is None:
+        return lambda fn: fn
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with compat.dtensor_index_math_untraced():
+                return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def _eager_body(m: nn.Module, comms: str) -> bool:
@@ -119,8 +161,6 @@ def _check_main_grads(model: nn.Module, comms: str) -> None:
     in their backward, would be traced into the block's graph, and its parameters would get
     no gradient at all (measured: a bf16 ZeRO-1/2 model trained only its embedding, final
     norm and head)."""
-    from meshlm.core.errors import ConfigError
-
     gdt = getattr(getattr(model, "_meshlm_state", None), "grad_dtype", None)
     if gdt is None:
         return

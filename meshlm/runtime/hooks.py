@@ -131,10 +131,13 @@ def wrap_call(m: nn.Module, owner: str, outer: Callable) -> None:
     compat.wrap_module_call(m, outer)
 
 
-def compile_call(m: nn.Module, owner: str, **compile_kwargs) -> None:
-    """Compile ``m`` in place (``Module.compile``)."""
+def compile_call(m: nn.Module, owner: str, wrap: Optional[Callable] = None, **compile_kwargs) -> None:
+    """Compile ``m`` in place (``Module.compile``); ``wrap(compiled)``, if given, is called
+    in place of the compiled call."""
     _record(m, owner, "call", "", compat.own_call(m))
     m.compile(**compile_kwargs)
+    if wrap is not None:
+        compat.set_own_call(m, wrap(compat.own_call(m)))
 
 
 def add_hooks(
