@@ -1,5 +1,6 @@
 """``layout=auto``: every shipped layout on every (dp, fsdp, tp) factorisation of the
-devices, planned, timed by the cost model and ranked under a memory limit."""
+devices (the cp layouts on (dp, fsdp, tp, cp) when nothing else fits: NOTE [cp candidates]),
+planned, timed by the cost model and ranked under a memory limit."""
 
 from __future__ import annotations
 
