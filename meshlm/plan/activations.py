@@ -10,6 +10,7 @@ import torch
 
 from meshlm.layout.rules import Layout
 from meshlm.models import LlamaConfig
+from meshlm.plan.cp import CP, cp_degree
 from meshlm.plan.report import _bytes
 from meshlm.plan.state import _prod
 
@@ -33,6 +34,10 @@ def activation_bytes(
       MLP:           4·B·f/t  (gate, silu(gate), up, silu·up)
       RoPE tables:   4·s·hd·B per layer (cos and sin, concatenated, for q and for k)
 
+    Under context parallelism (``seq`` over cp of c ranks, NOTE [planned cp] in cp.py) every
+    per-token term counts this rank's b·s/c tokens, the norm's output included (no gather),
+    and the o-projection saves a copy of the attention output: B·q/t more per token.
+
     Outside blocks: the final norm (as above) and the float32 log-softmax of the logits
     (F·V/tv per token), plus the loss's 4-byte total weight.
 
@@ -49,12 +54,13 @@ def activation_bytes(
     t = _prod([x for x in lay.compute.get("heads", ()) if sizes.get(x, 1) > 1], sizes)
     tf = _prod([x for x in lay.compute.get("mlp", ()) if sizes.get(x, 1) > 1], sizes)
     tv = _prod([x for x in lay.compute.get("vocab", ()) if sizes.get(x, 1) > 1], sizes)
-    ts = _prod([x for x in lay.compute.get("seq", ()) if sizes.get(x, 1) > 1], sizes)
+    ts = _prod([x for x in lay.compute.get("seq", ()) if sizes.get(x, 1) > 1 and x != CP], sizes)
+    c = cp_degree(lay, sizes)
     B, F = _bytes(dtype), 4
-    tok = b * s
+    tok = b * s // c  # this rank's tokens
     norm = F * h / ts + F / ts + B * h / ts + B * h
     kv_sdpa = q if cfg.heads != cfg.kv_heads else kv
-    attn = B * (2 * q + 2 * kv_sdpa) / t + F * a / t
+    attn = B * (2 * q + 2 * kv_sdpa) / t + F * a / t + (B * q / t if c > 1 else 0)
     mlp = 4 * B * f / tf
     rope = 4 * s * hd * B
     full_block = tok * (2 * norm + attn + mlp) + rope
@@ -75,7 +81,7 @@ def activation_bytes(
         "full": "per layer sb·B·h/ts (block input)",
     }[mode]
     # Korthikanti et al. (GPT block, 16-bit, bytes per layer) for the same regime, for scale.
-    sbh = s * b * h
+    sbh = s * b * h / c
     if mode == "full":
         korthikanti = 2 * sbh / ts
     elif mode == "selective":
@@ -93,6 +99,8 @@ def activation_bytes(
         "per_layer": per_block,
         "outside_blocks": outside,
         "checkpointing": mode,
-        "text": text + f", q={q}, kv={kv}, f={f}, t={t}, ts={ts}",
+        "text": text
+        + f", q={q}, kv={kv}, f={f}, t={t}, ts={ts}"
+        + (f"; cp={c}: s/cp tokens, + B·q/t per token (the attention output's copy)" if c > 1 else ""),
         "korthikanti_gpt_16bit_per_layer": korthikanti,
     }

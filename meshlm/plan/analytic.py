@@ -193,8 +193,9 @@ def plan(
     # Activation collectives re-run in backward: only under train.activation_checkpointing
     # (whose recompute re-runs them); otherwise a block that re-gathers by checkpointing
     # (compiled) saves their outputs (lowering/policies.py SAVED_COLLECTIVES).
-    ckpt = activation_checkpointing != "none"
-    comm = _comm(cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, ckpt)
+    comm = _comm(
+        cfg, lay, sizes, params_, b_local, seq, (B, CB, RB, MB), batch_axes, grad_accum, activation_checkpointing
+    )
     formulas["comm"] = _comm_formula(lay, cfg, psi, sizes, b_local, seq, (B, CB, RB), batch_axes)
     p = Plan(
         name,

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from meshlm.core.axes import DATA_AXES
+from meshlm.plan.cp import CP, attention_comm, cp_degree
 from meshlm.plan.report import CommEntry
 from meshlm.plan.state import _dimplan_axes, _local_numel, _prod
 from meshlm.runtime.comm import ring_factor
@@ -14,8 +15,8 @@ from meshlm.runtime.lowering.params import pure_data_parallel
 from meshlm.runtime.optim.chunks import outside_chunks
 
 
-def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> list[CommEntry]:
-    """``nbytes``: element bytes of the storage, compute, reduce and master dtypes: gathers
+def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ac) -> list[CommEntry]:
+    """``ac``: ``train.activation_checkpointing``.  ``nbytes``: element bytes of the storage, compute, reduce and master dtypes: gathers
     move the compute dtype (cast before the gather), gradient reductions the reduce dtype
     (the master's at the optimizer step, ZeRO-1), the optimizer's all-gather the storage."""
     B, CB, RB, MB = nbytes
@@ -47,7 +48,10 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
     # reduction, and the loss is combined from (loss x weight, weight).
     local_root = bool(data_active) and pure_data_parallel(lay, sizes)
     outside = _outside_chunks(params_)
-    seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1]
+    # sequence parallelism's axes (the norms see seq-sharded input), and context parallelism's
+    # (every parameter sees this rank's tokens only: NOTE [planned cp] in meshlm/plan/cp.py)
+    seq_axes = [a for a in lay.compute.get("seq", ()) if sizes.get(a, 1) > 1 and a != CP]
+    ctx_axes = [CP] if cp_degree(lay, sizes) > 1 else []
     for prm in params_:
         pp, k = prm.plan, prm.count
         # at-use gather: storage axes that compute drops, inner axis first
@@ -95,6 +99,7 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
         partial = [ax for ax in data_batch if ax not in caxes]
         if pp.axes == ("embed",):
             partial += [ax for ax in seq_axes if ax not in caxes]
+        partial += [ax for ax in ctx_axes if ax not in caxes]
         # In a bucket, gradients that go through the same reductions share them (meshlm/runtime/bucket).
         route = (tuple(ax for ax in partial if ax in gaxes), tuple(ax for ax in partial if ax not in gaxes))
         # the optimizer's collectives are flat per block, and per chunk of the parameters
@@ -112,7 +117,11 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
                 cur //= sizes[ax]
         for ax in partial:
             if ax not in gaxes:
-                what = "gradient all-reduce" if ax in DATA_AXES else "SP: norm weight grads (seq-sharded inputs)"
+                what = (
+                    "gradient all-reduce"
+                    if ax in DATA_AXES
+                    else ("cp: gradient all-reduce" if ax == CP else "SP: norm weight grads (seq-sharded inputs)")
+                )
                 add("all_reduce", ax, "backward" if ax not in DATA_AXES else phase, cur * GB, what, cnt, bucket=rb)
         # optimizer: refresh the stored parameter from its (sharded) master
         direct = pp.optimizer == pp.storage and gplan is not None and gplan == pp.optimizer and not mixed
@@ -133,14 +142,16 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ckpt) -> li
                         )
     # the scalar loss: a mean over the batch shards, one all-reduce per data mesh dim (of
     # the loss and its weight under a local root)
-    for ax in data_batch:
+    for ax in [*data_batch, *ctx_axes]:
         add("all_reduce", ax, "forward", 8 if local_root else 4, "scalar loss", accum)
     # which parameters some rank used, under a local root: a byte per parameter, one
     # all-reduce per data mesh dim at the step (NOTE [unused parameters] in meshlm/runtime/unused.py)
     if local_root:
         for ax in data_active:
             add("all_reduce", ax, "optimizer", sum(prm.count for prm in params_), "used-parameter flags")
-    _activation_comm(cfg, lay, sizes, b, s, CB, add, accum, ckpt)
+    ckpt = ac != "none"
+    _activation_comm(cfg, lay, sizes, b, s // cp_degree(lay, sizes), CB, add, accum, ckpt)
+    attention_comm(cfg, lay, sizes, b, s, CB, add, accum, ac)
     return list(out.values())
 
 
@@ -158,14 +169,14 @@ def _outside_chunks(params_) -> dict[int, int]:
 
 def _activation_comm(cfg, lay, sizes, b, s, B, add, accum, ckpt) -> None:
     """Megatron TP / TP+SP activation collectives over the tensor axis (tests/dist/test_budget.py
-    derives the same counts)."""
+    derives the same counts); ``s``: this rank's tokens of a sequence (s/cp under cp)."""
     tp_axes = [a for a in lay.compute.get("heads", ()) if sizes.get(a, 1) > 1]
     if not tp_axes:
         return
     ax = tp_axes[0]
     L = cfg.layers
     bsh = b * s * cfg.embed * B
-    sp = any(sizes.get(a, 1) > 1 for a in lay.compute.get("seq", ()))
+    sp = any(sizes.get(a, 1) > 1 and a != CP for a in lay.compute.get("seq", ()))
     vocab_par = any(sizes.get(a, 1) > 1 for a in lay.compute.get("vocab", ()))
     n = accum
     if not sp:

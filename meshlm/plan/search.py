@@ -1,5 +1,6 @@
 """``layout=auto``: every shipped layout on every (dp, fsdp, tp) factorisation of the
-devices, planned, timed by the cost model and ranked under a memory limit."""
+devices (the cp layouts on (dp, fsdp, tp, cp) when nothing else fits: NOTE [cp candidates]),
+planned, timed by the cost model and ranked under a memory limit."""
 
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def candidates(
     offload: "Mapping[str, Any] | None" = None,
     device_is_host: bool = False,
     replan: bool = False,
+    context: bool = False,
 ) -> list[Candidate]:
     """Every shipped layout on every factorisation of ``devices`` into (dp, fsdp, tp), and
     (dp, fsdp, tp, pp > 1) for a pipeline layout with the measured planner, that
@@ -148,7 +150,9 @@ def candidates(
     None: the analytic :func:`plan` of ``model``.  ``offload``: the run's ``offload.*``
     settings over each layout's own section (NOTE [planned offload]); with ``replan``,
     ``planner`` is called as ``planner(layout, mesh, offload)`` (``layout=auto`` planning
-    again with ``offload.optimizer=host``)."""
+    again with ``offload.optimizer=host``).  ``context``: the context-parallel layouts instead
+    (``seq`` over cp), on (dp, fsdp, tp, cp > 1): what ``choose_layout`` tries when nothing
+    else fits (NOTE [cp candidates])."""
     hw = hardware if isinstance(hardware, Hardware) else hardware_profile(hardware)
     name, mcfg = model_config(model)
     names = layouts or sorted(shipped_layouts(), key=lambda n: (PREFERENCE.index(n) if n in PREFERENCE else 99, n))
@@ -158,14 +162,16 @@ def candidates(
         if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
             continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/core/scopes.py)
         used = load_layout(lay).mesh_axes_used()
-        if used & {"cp", "ep"}:
-            continue  # the search does not factor cp or ep yet: on its meshes these are other layouts
-        axes = ("dp", "fsdp", "tp", "pp") if piped else ("dp", "fsdp", "tp")
+        if "ep" in used or ("cp" in used) != context:
+            continue  # the search does not factor ep yet; cp only when asked (NOTE [cp candidates])
+        axes = (
+            ("dp", "fsdp", "tp", "pp") if piped else (("dp", "fsdp", "tp", "cp") if context else ("dp", "fsdp", "tp"))
+        )
         # dp largest first: of two meshes that plan alike (ddp over dp or over fsdp), the
         # plain data-parallel one is kept
         for m in sorted(factorisations(devices, axes), key=lambda m: -m["dp"]):
-            if piped and m["pp"] < 2:
-                continue  # the layout without pp is another candidate
+            if (piped and m["pp"] < 2) or (context and m["cp"] < 2):
+                continue  # the layout without pp (cp) is another candidate
             if any(sz > 1 and a not in used for a, sz in m.items()):
                 continue  # every rank would repeat the same work on that axis
             if devices > 1 and not any(sz > 1 for sz in m.values()):
@@ -245,7 +251,14 @@ def choose_layout(
     candidates to ``png``), and return the winner's (layout name, mesh sizes).
 
     Raises :class:`NothingFits` when nothing fits, and then writes no PNG.  From a :class:`meshlm.app.config.RunConfig`:
-    :func:`meshlm.app.plan.choose_layout`."""
+    :func:`meshlm.app.plan.choose_layout`.
+
+    NOTE [cp candidates]: context parallelism splits each sequence over cp for the whole
+    model: the same FLOPs per device as the batch split over fsdp, with the attention's
+    exchange on top, so it only pays when activations do not fit otherwise.  The search
+    plans the cp layouts (on every (dp, fsdp, tp, cp > 1) factorisation) when no other
+    candidate fits, and before offloading the optimizer state.
+    """
     out = out or sys.stdout
     hw = hardware_profile(hardware)
     # a bad offload setting stops here, not as every candidate dropped
@@ -268,6 +281,12 @@ def choose_layout(
     rows = candidates(model, devices, **kw, offload=offload)
     fits = sorted((r for r in rows if r.plan.memory["total"] <= cap), key=rank_key)
     extra, note, rows_off = None, None, []
+    if not fits:  # NOTE [cp candidates]: the sequence split over cp
+        rows_cp = candidates(model, devices, **kw, offload=offload, context=True)
+        fits = sorted((r for r in rows_cp if r.plan.memory["total"] <= cap), key=rank_key)
+        rows += rows_cp
+        if fits:
+            note = "nothing fits with whole sequences; context parallel (the sequence split over cp)"
     alt = optimizer_host(offload) if not fits else None
     if alt is not None:  # nothing fits on the device alone: the optimizer state on the host
         rows_off = candidates(model, devices, **kw, offload=alt, replan=True)
@@ -285,7 +304,7 @@ def choose_layout(
         off = [r.plan for r in rows_off]
         msg = nothing_fits([r.plan for r in rows], cap, devices, activation_checkpointing, off)
         raise NothingFits(msg + (" (No memory picture written: nothing fits.)" if png else ""))
-    n_all = len(rows_off) if extra else len(rows)
+    n_all = len(rows_off) if extra else (len(rows_cp) if note else len(rows))
     out.write(format_candidates(fits[:top], hw, cap, overlap, n_all, len(fits), headroom, note) + "\n")
     best = fits[0].plan
     return Choice(best.layout, {k: v for k, v in best.mesh.items() if v > 1} or {"dp": 1}, extra)

@@ -9,7 +9,10 @@ NOTE [cp ops]
     return what ``cp_attention_forward`` / ``cp_attention_backward`` (ring.py) return; their
     fake implementations give the shapes only.  Autograd is not involved: DTensor's handlers
     for CPU flash attention and its backward call the two ops (NOTE [cp dispatch] in
-    meshlm/_torch_compat/dtensor_cp.py), and autograd sees only the aten ops.
+    meshlm/_torch_compat/dtensor_cp.py), and autograd sees only the aten ops.  meshlm.plan's
+    fake step is eager (NOTE [fake eager] in meshlm/core/state.py): there the kernels run on
+    the fake tensors themselves, so the planner counts their sends, receives and gathers and
+    holds their buffers in its peak as a real step would.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 
 from meshlm import _torch_compat as compat
+from meshlm.core.state import eager
 from meshlm.runtime.cp.ring import cp_attention_backward, cp_attention_forward
 
 
@@ -82,8 +86,9 @@ def _(dout, q, k, v, out, lse, group, causal, balanced, scale, variant):
 
 def _traced() -> bool:
     """A trace is running (Dynamo's or AOTAutograd's, on fake tensors): the ops go in the
-    graph; eagerly the kernels run directly, their collectives in sight of CommCounter."""
-    return torch.compiler.is_compiling() or compat.fake_mode_active()
+    graph; eagerly (the planner's fake step included) the kernels run directly, their
+    collectives in sight of CommCounter."""
+    return not eager()
 
 
 def forward(q, k, v, *, group, causal, balanced, scale, variant):
