@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 
@@ -53,8 +54,8 @@ def test_a_value_read_back_names_the_line(layout, mesh):
 def test_dtensor_propagation_that_needs_data_names_the_module(monkeypatch):
     """Without meshlm's fix for strided shards (a torch where it does not apply), the
     einsum attention's ``bmm`` under fsdp_tp makes DTensor's sharding rule read sizes back
-    from a fake tensor in backward: the error names the attention module (tracked into
-    backward by hooks on its autograd nodes), where its forward is, the op and the layout."""
+    from a fake tensor: the error names the attention module, the line of its forward, the
+    op and the layout."""
     from meshlm import _torch_compat as compat
     from meshlm.plan.where import Unmeasurable
 
@@ -63,9 +64,56 @@ def test_dtensor_propagation_that_needs_data_names_the_module(monkeypatch):
         _plan(lambda device: UserLM(out="loss"), "fsdp_tp", {"fsdp": 2, "tp": 2})
     msg = str(e.value)
     assert "could not measure layout fsdp_tp on mesh {'fsdp': 2, 'tp': 2}: module `attn.0`" in msg, msg
-    assert "runs aten.bmm.default in backward at EinsumAttention.forward, " in msg, msg
-    assert "test_plan_measured.py:" in msg, msg
+    assert "runs aten.bmm.default in forward at " in msg, msg
+    assert "test_plan_measured.py:" in msg and "torch.einsum(" in msg, msg
     assert "plan another layout" in msg and "Traceback" not in msg
+
+
+class _ReadsBack(torch.autograd.Function):
+    """Identity forward; its backward reads the gradient's size back to Python."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / max(1, int(g.abs().sum() > 0))
+
+
+class ScaledMLP(torch.nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        import meshlm
+
+        self.fc = meshlm.set_axes(torch.nn.Linear(width, width), weight=("mlp", "embed"), bias=("mlp",))
+
+    def forward(self, x):
+        return _ReadsBack.apply(self.fc(x))
+
+
+def test_a_read_back_in_backward_names_the_module_it_came_from():
+    """A value read back in backward (NOTE [unmeasurable step]): the error names the module
+    whose forward built that autograd node and says backward."""
+    from meshlm.plan.where import Unmeasurable
+
+    class LM(UserLM):
+        def __init__(self):
+            super().__init__()
+            self.scaled = ScaledMLP()
+
+        def forward(self, tokens, targets):
+            import meshlm
+
+            x = meshlm.constrain(self.wte(tokens), ("batch", "seq", "embed"))
+            x = self.scaled(x)
+            logits = self.head(self.norm(x))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    with pytest.raises(Unmeasurable) as e:
+        _plan(lambda device: LM(), "ddp", {"dp": 2})
+    msg = str(e.value)
+    assert "module `scaled` runs aten._local_scalar_dense.default in backward at ScaledMLP.forward, " in msg, msg
 
 
 def test_layout_auto_says_why_when_no_candidate_can_be_measured(tmp_path):
