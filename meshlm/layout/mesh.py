@@ -143,9 +143,9 @@ def make_mesh(
                     f"distributed launch. Run under `torchrun --nproc-per-node {spec.size}` (or `meshlm train`, "
                     "which launches its own workers), or pass fake=True for shapes and accounting only."
                 )
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            dist.init_process_group("gloo", rank=0, world_size=1)
+            # an in-process store: a port picked free and bound later can be taken meanwhile
+            # by another process (EADDRINUSE), and one process needs no rendezvous
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     spec = MeshSpec.parse(shape, dist.get_world_size())
     if spec.size != dist.get_world_size():
         raise MeshError(
@@ -168,11 +168,3 @@ def mesh_spec(mesh: DeviceMesh) -> MeshSpec:
     if spec is None:
         spec = MeshSpec(tuple(zip(mesh.mesh_dim_names or (), mesh.mesh.shape)))
     return spec
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
