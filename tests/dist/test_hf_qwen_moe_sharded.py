@@ -18,8 +18,6 @@ import torch
 from harness import dist_pool_fixture
 from harness import tolerances as tol
 
-transformers = pytest.importorskip("transformers")
-
 LOGIT_TOL = dict(rtol=tol.HF_LOGIT_RTOL, atol=tol.HF_LOGIT_ATOL)
 LAYOUT_MESH = {"fsdp_ep": "fsdp=2,ep=2", "fsdp_tp": "fsdp=2,tp=2"}
 KINDS = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -35,6 +33,7 @@ def _tiny(kind, path=None):
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def qwen(request, tmp_path_factory):
+    pytest.importorskip("transformers")  # here, not at import: the ranks import this module and need it not
     root = tmp_path_factory.mktemp(request.param)
     d = str(root / "hf")
     m = _tiny(request.param, d)
@@ -74,6 +73,7 @@ def test_logits_match_transformers_sharded(pool4, qwen, layout):
 
 
 def test_export_round_trip_fsdp_ep(pool4, qwen):
+    import transformers
     from safetensors.torch import load_file
 
     out = os.path.join(qwen["root"], "export_fsdp_ep")
