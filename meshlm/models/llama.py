@@ -43,20 +43,32 @@ class LlamaConfig:
     # meshlm/core/rng.py).  Attention-probability dropout is not offered: SDPA's dropout_p draws
     # from torch's generator per rank, which no layout can make equal to one device.
     dropout: float = 0.0
+    # Qwen's attention options, both off for Llama: a bias on the query, key and value
+    # projections (Qwen2, Qwen2-MoE), and an RMSNorm over each head's query and key before
+    # RoPE (Qwen3, Qwen3-MoE).
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.embed // self.heads
 
     def num_params(self, embedding: bool = True) -> int:
-        hd = self.hd
-        attn = self.embed * hd * (2 * self.heads + 2 * self.kv_heads)
-        block = attn + 3 * self.embed * self.mlp + 2 * self.embed
+        block = attention_params(self) + 3 * self.embed * self.mlp + 2 * self.embed
         emb = self.vocab * self.embed * (1 if self.tie_embeddings else 2)
         return self.layers * block + self.embed + (emb if embedding else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def attention_params(cfg) -> int:
+    """Parameters of one :class:`Attention` of ``cfg`` (a LlamaConfig, or any config with
+    its attention fields)."""
+    hd = cfg.head_dim or cfg.embed // cfg.heads
+    n = cfg.embed * hd * (2 * cfg.heads + 2 * cfg.kv_heads)
+    n += hd * (cfg.heads + 2 * cfg.kv_heads) if cfg.qkv_bias else 0
+    return n + (2 * hd if cfg.qk_norm else 0)
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -136,6 +148,12 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
+class HeadNorm(RMSNorm):
+    """RMSNorm over one attention head's ``head_dim`` (Qwen3's query and key norm)."""
+
+    param_axes: ClassVar[dict[str, Axes]] = {"weight": ("head_dim",)}
+
+
 def rope_tables(seq: int, head_dim: int, theta: float, device, dtype) -> tuple[Tensor, Tensor]:
     """cos and sin of shape (seq, head_dim // 2)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -161,13 +179,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention through scaled_dot_product_attention."""
+    """Causal grouped-query self-attention through scaled_dot_product_attention.  With
+    ``cfg.qkv_bias`` the query, key and value projections add ``bq (heads, head_dim)``,
+    ``bk``, ``bv (kv_heads, head_dim)``; with ``cfg.qk_norm`` each head's query and key pass
+    through ``q_norm``, ``k_norm`` (a :class:`HeadNorm` each) before RoPE."""
 
     param_axes: ClassVar[dict[str, Axes]] = {
         "wq": ("heads", "head_dim", "embed"),
         "wk": ("kv_heads", "head_dim", "embed"),
         "wv": ("kv_heads", "head_dim", "embed"),
         "wo": ("embed", "heads", "head_dim"),
+        "bq": ("heads", "head_dim"),
+        "bk": ("kv_heads", "head_dim"),
+        "bv": ("kv_heads", "head_dim"),
     }
 
     def __init__(self, cfg: LlamaConfig, device=None):
@@ -178,11 +202,25 @@ class Attention(nn.Module):
         self.wk = nn.Parameter(torch.empty(cfg.kv_heads, hd, cfg.embed, device=device))
         self.wv = nn.Parameter(torch.empty(cfg.kv_heads, hd, cfg.embed, device=device))
         self.wo = nn.Parameter(torch.empty(cfg.embed, cfg.heads, hd, device=device))
+        bias = cfg.qkv_bias
+        self.bq = nn.Parameter(torch.empty(cfg.heads, hd, device=device)) if bias else None
+        self.bk = nn.Parameter(torch.empty(cfg.kv_heads, hd, device=device)) if bias else None
+        self.bv = nn.Parameter(torch.empty(cfg.kv_heads, hd, device=device)) if bias else None
+        self.q_norm = HeadNorm(hd, cfg.norm_eps, device) if cfg.qk_norm else None
+        self.k_norm = HeadNorm(hd, cfg.norm_eps, device) if cfg.qk_norm else None
 
     def init_weights(self, gen: torch.Generator) -> None:
         for w in (self.wq, self.wk, self.wv):
             nn.init.normal_(w, std=self.cfg.init_std, generator=gen)
         nn.init.normal_(self.wo, std=self.cfg.init_std / math.sqrt(2 * self.cfg.layers), generator=gen)
+        for b in (self.bq, self.bk, self.bv):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def _project(self, x: Tensor, w: Tensor, b: Optional[Tensor], heads: int) -> Tensor:
+        """``x @ w`` (plus ``b``) per head: (batch, heads, seq, head_dim)."""
+        y = F.linear(x, w.flatten(0, 1), None if b is None else b.flatten())
+        return y.unflatten(-1, (heads, self.cfg.hd)).transpose(1, 2)
 
     def forward(self, x: Tensor, cache=None) -> Tensor:  # x: (batch, seq, embed)
         """``cache``: this layer's view of a KV cache when decoding (NOTE [KV cache] in
@@ -190,12 +228,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         x = constrain(x, ("batch", WHOLE, "embed"))
-        q = F.linear(x, self.wq.flatten(0, 1)).unflatten(-1, (cfg.heads, cfg.hd)).transpose(1, 2)
-        k = F.linear(x, self.wk.flatten(0, 1)).unflatten(-1, (cfg.kv_heads, cfg.hd)).transpose(1, 2)
-        v = F.linear(x, self.wv.flatten(0, 1)).unflatten(-1, (cfg.kv_heads, cfg.hd)).transpose(1, 2)
-        q = constrain(q, ("batch", "heads", WHOLE, "head_dim"))
-        k = constrain(k, ("batch", "kv_heads", WHOLE, "head_dim"))
-        v = constrain(v, ("batch", "kv_heads", WHOLE, "head_dim"))
+        q = constrain(self._project(x, self.wq, self.bq, cfg.heads), ("batch", "heads", WHOLE, "head_dim"))
+        k = constrain(self._project(x, self.wk, self.bk, cfg.kv_heads), ("batch", "kv_heads", WHOLE, "head_dim"))
+        v = constrain(self._project(x, self.wv, self.bv, cfg.kv_heads), ("batch", "kv_heads", WHOLE, "head_dim"))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is None:
             cos, sin = rope_tables(s, cfg.hd, cfg.rope_theta, x.device, q.dtype)
         else:

@@ -4,6 +4,9 @@ replaced by ``meshlm.nn.MoE`` (NOTE [moe routing] in meshlm/core/moe.py).
 Two shapes ship: Mixtral's (``moe_tiny``, ``moe_small``: top-2 of 8 experts, no shared
 expert) and a fine-grained one with a gated shared expert (``moe_shared_tiny``,
 ``moe_shared_small``: top-4 of 16 narrow experts, Qwen2-MoE's and DeepSeek's shape).
+Qwen's attention options are fields too (``qkv_bias``: Qwen2-MoE, ``qk_norm``: Qwen3-MoE),
+so a Hugging Face Mixtral, Qwen2-MoE or Qwen3-MoE directory is a MoETransformer
+(meshlm/interop/hf/).
 
 The loss is the next-token cross-entropy plus the mean over the batch's rows of each
 block's auxiliary losses (load balancing, router z-loss), declared to ``meshlm.reduce_batch``
@@ -26,7 +29,7 @@ from torch import Tensor, nn
 
 from meshlm.core.annotate import Axes, block, constrain, init_params, reduce_batch
 from meshlm.core.moe import MoE
-from meshlm.models.llama import WHOLE, Attention, LlamaConfig, RMSNorm
+from meshlm.models.llama import WHOLE, Attention, LlamaConfig, RMSNorm, attention_params
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class MoEConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2-MoE)
+    qk_norm: bool = False  # RMSNorm of each head's query and key before RoPE (Qwen3-MoE)
     experts: int = 8
     top_k: int = 2
     expert_mlp: int = 64  # each expert's width
@@ -67,13 +72,14 @@ class MoEConfig:
             norm_eps=self.norm_eps,
             tie_embeddings=self.tie_embeddings,
             init_std=self.init_std,
+            qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
         )
 
     def num_params(self, embedding: bool = True, active: bool = False) -> int:
         """Parameters in total, or those one token uses (``active``: top_k experts of
         ``experts``)."""
-        hd = self.head_dim or self.embed // self.heads
-        attn = self.embed * hd * (2 * self.heads + 2 * self.kv_heads)
+        attn = attention_params(self)
         used = self.top_k if active else self.experts
         moe = self.experts * self.embed + used * 3 * self.embed * self.expert_mlp
         moe += 3 * self.embed * self.shared_mlp + (self.embed if self.shared_gate else 0)

@@ -194,6 +194,7 @@ READ_ONLY: dict[str, str] = {
     "meshlm/interop/hf/llama.py": "_LAYER _TOP",
     "meshlm/interop/hf/llava.py": "_VISION_TOP _VISION_LAYER",
     "meshlm/interop/hf/mixtral.py": "_EXPERT",
+    "meshlm/interop/hf/qwen_moe.py": "_EXPERT _ONE",
     "meshlm/interop/hf/save.py": "_DT_TO_ST",
     "meshlm/layout/offload.py": "KINDS",
     "meshlm/layout/precision.py": "DTYPES",

@@ -39,6 +39,15 @@ def test_moe_matches_one_device_4(pool4, layout, mesh):
     _ok(pool4.run(check_training, layout, mesh, build=MoEBuild(), batches=BATCHES, optims=("sgd",)))
 
 
+@pytest.mark.parametrize("layout,mesh", [("fsdp", "fsdp=2"), ("tp", "tp=2"), ("fsdp_ep", "ep=2")])
+def test_qwen_attention_options_match_one_device(pool2, layout, mesh):
+    """Query/key/value biases and per-head query/key norms (Qwen2-MoE's and Qwen3-MoE's
+    options, both on here) train as on one device: they shard by their declared axes
+    (``bq (heads, head_dim)`` over tp under tp)."""
+    build = MoEBuild(overrides=(("qkv_bias", True), ("qk_norm", True)))
+    _ok(pool2.run(check_training, layout, mesh, build=build, batches=BATCHES, optims=("sgd",)))
+
+
 @pytest.mark.parametrize("layout,mesh", [("ddp", "dp=2"), ("tp", "tp=2"), ("fsdp_ep", "ep=2")])
 def test_capacity_routing_matches_one_device(pool2, layout, mesh):
     """Capacity 0.5 drops pairs in every sequence; the group is the sequence everywhere."""

@@ -178,3 +178,54 @@ def tiny_mixtral(path=None, tie: bool = False):
     if path is not None:
         m.save_pretrained(path, safe_serialization=True)
     return m
+
+
+def _qwen_moe(kind: str, path, **extra):
+    """A Qwen2-MoE or Qwen3-MoE for causal LM of meshlm's ``moe_tiny`` shape: 2 layers of
+    width 64, 8 heads of 8 over 4 key-value heads, top-2 of 8 experts of width 32, every
+    layer sparse.  initializer_range 0.1 (as :func:`tiny_mixtral`); norms (the per-head
+    query and key norms included) and attention biases are moved off their init."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{kind}Config")
+    cfg = config_cls(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        **extra,
+    )
+    torch.manual_seed(0)
+    m = getattr(transformers, f"{kind}ForCausalLM")(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    if path is not None:
+        m.save_pretrained(path, safe_serialization=True)
+    return m
+
+
+def tiny_qwen3_moe(path=None):
+    """A Qwen3MoeForCausalLM (:func:`_qwen_moe`): per-head query and key norms, head_dim 8,
+    no attention bias, the top-2 gates renormalised (``norm_topk_prob``, as Qwen3-MoE's
+    checkpoints have it)."""
+    return _qwen_moe("Qwen3Moe", path, head_dim=8, norm_topk_prob=True, attention_bias=False)
+
+
+def tiny_qwen2_moe(path=None):
+    """A Qwen2MoeForCausalLM (:func:`_qwen_moe`): query, key and value biases, a shared
+    expert of width 64 behind its sigmoid gate, the top-2 gates not renormalised (Qwen2-MoE's
+    default)."""
+    return _qwen_moe("Qwen2Moe", path, shared_expert_intermediate_size=64, norm_topk_prob=False, qkv_bias=True)

@@ -1,10 +1,10 @@
-"""Hugging Face safetensors <-> sharded meshlm models (Llama, GPT-2, LLaVA, Mixtral), with no full model
-on any rank.
+"""Hugging Face safetensors <-> sharded meshlm models (Llama, GPT-2, LLaVA, Mixtral, Qwen2-MoE,
+Qwen3-MoE), with no full model on any rank.
 
 * :func:`load_hf` reads ``config.json`` and ``model.safetensors`` (or sharded files and
   ``model.safetensors.index.json``, or ``pytorch_model.bin``) into the meshlm model its
   ``model_type`` names (``llama``: :class:`meshlm.models.Llama`, ``gpt2``:
-  :class:`meshlm.models.GPT2`, ``llava``: :class:`meshlm.models.VLM`, ``mixtral``:
+  :class:`meshlm.models.GPT2`, ``llava``: :class:`meshlm.models.VLM`, ``mixtral``, ``qwen2_moe``, ``qwen3_moe``:
   :class:`meshlm.models.MoETransformer`) sharded under any
   layout: each rank reads only the block of each tensor it stores
   (``safe_open(...).get_slice``).
@@ -17,7 +17,9 @@ on any rank.
 What differs between the architectures (names, shapes, how a meshlm block maps onto the HF
 tensor, the config) lives in one module per ``model_type``: meshlm/interop/hf/llama.py (NOTE [HF
 names]), meshlm/interop/hf/gpt2.py (NOTE [HF GPT-2 tensors]), meshlm/interop/hf/llava.py (NOTE [HF LLaVA
-tensors]) and meshlm/interop/hf/mixtral.py (NOTE [HF Mixtral tensors]).  This module is the
+tensors]), meshlm/interop/hf/mixtral.py (NOTE [HF Mixtral tensors]) and
+meshlm/interop/hf/qwen2_moe.py, meshlm/interop/hf/qwen3_moe.py (NOTE [HF Qwen-MoE tensors] in
+meshlm/interop/hf/qwen_moe.py).  This module is the
 public face; the machinery is in
 
     save.py      save_hf: the safetensors header and each rank's blocks

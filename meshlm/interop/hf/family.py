@@ -1,6 +1,7 @@
 """Which meshlm module knows each Hugging Face architecture, and a Hugging Face directory's
 config: ``model_type`` in ``config.json`` -> the family module (meshlm/interop/hf/llama.py,
-meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py, meshlm/interop/hf/mixtral.py) with that architecture's names,
+meshlm/interop/hf/gpt2.py, meshlm/interop/hf/llava.py, meshlm/interop/hf/mixtral.py,
+meshlm/interop/hf/qwen2_moe.py, meshlm/interop/hf/qwen3_moe.py) with that architecture's names,
 shapes and config, and the meshlm config (LlamaConfig, GPT2Config, VLMConfig or MoEConfig) that ``config.json`` describes.
 Shared by loading (meshlm/interop/hf/load.py), saving (meshlm/interop/hf/save.py) and conversion
 (meshlm/train/convert.py)."""
@@ -18,12 +19,16 @@ from meshlm.core.errors import CheckpointError, ConfigError
 # model_type in config.json -> the module that knows that architecture's names, shapes and
 # config (``hf_tensor``, ``read_block``, ``write_blocks``, ``config_from_hf``, ...).  A
 # family whose parameter may be several HF tensors (Mixtral's experts, one tensor each) also
-# has ``hf_tensors`` and names the tensor of each block ``write_blocks`` gives.
+# has ``hf_tensors`` and names the tensor of each block ``write_blocks`` gives.  Families
+# that build the same meshlm model (Mixtral, Qwen2-MoE and Qwen3-MoE: a MoETransformer)
+# say with ``owns(cfg)`` which configs export as theirs; the one without ``owns`` takes the rest.
 _FAMILIES = {
     "llama": "meshlm.interop.hf.llama",
     "gpt2": "meshlm.interop.hf.gpt2",
     "llava": "meshlm.interop.hf.llava",
     "mixtral": "meshlm.interop.hf.mixtral",
+    "qwen2_moe": "meshlm.interop.hf.qwen2_moe",
+    "qwen3_moe": "meshlm.interop.hf.qwen3_moe",
 }
 
 
@@ -38,16 +43,17 @@ def _family(model_type: str, source: str):
 
 
 def _family_of(model: nn.Module):
-    """The family of a meshlm model (by the class of its ``cfg``)."""
+    """The family of a meshlm model: by the class of its ``cfg``, then, among the families
+    of that class, the one that ``owns`` it (else the one with no ``owns``)."""
     cfg = getattr(model, "cfg", None)
-    for mt in _FAMILIES:
-        fam = _family(mt, "")
-        if isinstance(cfg, fam.config_class()):
+    fams = [f for f in (_family(mt, "") for mt in _FAMILIES) if isinstance(cfg, f.config_class())]
+    for fam in sorted(fams, key=lambda f: not hasattr(f, "owns")):
+        if getattr(fam, "owns", lambda _cfg: True)(cfg):
             return fam
     raise CheckpointError(
         f"{type(model).__name__}: meshlm exports its Llama, GPT2 and VLM to Hugging Face form "
         "(a model with a LlamaConfig, GPT2Config or VLMConfig as .cfg) and its MoETransformer (as "
-        "Mixtral), not this model"
+        "Mixtral, Qwen2-MoE or Qwen3-MoE), not this model"
     )
 
 
@@ -83,7 +89,7 @@ def _read_config(path: str):
         ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
-            f"{f}: not a Hugging Face Llama, GPT-2, LLaVA or Mixtral config ({type(e).__name__}: {e})"
+            f"{f}: not a Hugging Face Llama, GPT-2, LLaVA, Mixtral, Qwen2-MoE or Qwen3-MoE config ({type(e).__name__}: {e})"
         ) from None
 
 

@@ -4,7 +4,9 @@ meshlm/interop/hf/__init__.py; the reading and writing machinery is meshlm/inter
 NOTE [HF names]: meshlm stores attention weights per head, ``wq: (heads, head_dim, embed)``
 and ``wo: (embed, heads, head_dim)``; HF's ``q_proj: (heads*head_dim, embed)`` and
 ``o_proj: (embed, heads*head_dim)`` are row-major reshapes of them, so the bytes are the
-same and only the shape in the safetensors header differs.  Both use the rotate-half RoPE
+same and only the shape in the safetensors header differs; so are the biases ``bq: (heads,
+head_dim)`` and HF's ``q_proj.bias: (heads*head_dim,)`` (Qwen's attention, with the per-head
+``q_norm``/``k_norm`` of NOTE [HF Qwen-MoE tensors] in meshlm/interop/hf/qwen_moe.py).  Both use the rotate-half RoPE
 convention (HF checkpoints are already permuted for it), so no permutation is needed.
 """
 
@@ -27,10 +29,16 @@ _LAYER = {
     "attn.wk": "self_attn.k_proj.weight",
     "attn.wv": "self_attn.v_proj.weight",
     "attn.wo": "self_attn.o_proj.weight",
+    "attn.bq": "self_attn.q_proj.bias",
+    "attn.bk": "self_attn.k_proj.bias",
+    "attn.bv": "self_attn.v_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
     "mlp.w_gate": "mlp.gate_proj.weight",
     "mlp.w_up": "mlp.up_proj.weight",
     "mlp.w_down": "mlp.down_proj.weight",
 }
+_BIASES = ("attn.bq", "attn.bk", "attn.bv")
 _TOP = {"tok_emb": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm.weight": "model.norm.weight"}
 
 
@@ -62,6 +70,8 @@ def hf_shape(fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0] * shape[1], shape[2])
     if fqn.endswith("attn.wo"):
         return (shape[0], shape[1] * shape[2])
+    if fqn.endswith(_BIASES):
+        return (shape[0] * shape[1],)
     return tuple(shape)
 
 
@@ -116,7 +126,17 @@ def config_from_hf(hf: dict, source: str = "config.json"):
 
 
 def config_to_hf(cfg, dtype: torch.dtype = torch.float32) -> dict:
-    """A Hugging Face ``config.json`` dict for a meshlm LlamaConfig."""
+    """A Hugging Face ``config.json`` dict for a meshlm LlamaConfig; Qwen's attention
+    options (``qkv_bias``, ``qk_norm``), which Llama has not, are a ConfigError."""
+    for field in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, field):
+            raise ConfigError(f"model.{field}=True: cannot export as Hugging Face Llama (Llama's attention has none)")
+    return attention_to_hf(cfg, dtype)
+
+
+def attention_to_hf(cfg, dtype: torch.dtype) -> dict:
+    """The ``config.json`` keys Llama's shape and attention fix (those of Qwen's are the
+    caller's: meshlm/interop/hf/qwen_moe.py)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -154,6 +174,10 @@ def read_block(read: Read, cfg, fqn: str, shape: tuple[int, ...], box: list[tupl
         hd = shape[1]
         t = read(name, hs, [(h0 * hd, hn * hd), (e0, en)])
         return t.reshape(hn, hd, en)[:, d0 : d0 + dn]
+    if fqn.endswith(_BIASES):
+        (h0, hn), (d0, dn) = box
+        hd = shape[1]
+        return read(name, hs, [(h0 * hd, hn * hd)]).reshape(hn, hd)[:, d0 : d0 + dn]
     if fqn.endswith("attn.wo"):
         (e0, en), (h0, hn), (d0, dn) = box
         hd = shape[2]

@@ -164,10 +164,12 @@ def config_to_hf(cfg, dtype: torch.dtype = torch.float32) -> dict:
         ("capacity_factor", cfg.capacity_factor is None, "Mixtral is dropless"),
         ("norm_topk", cfg.norm_topk, "Mixtral renormalises the top-k gates"),
         ("z_loss", not cfg.z_loss, "Mixtral has no router z-loss"),
+        ("qkv_bias", not cfg.qkv_bias, "Mixtral's attention has no biases"),
+        ("qk_norm", not cfg.qk_norm, "Mixtral does not normalise queries and keys"),
     ):
         if not ok:
             raise ConfigError(f"model.{field}={getattr(cfg, field)}: cannot export as Hugging Face Mixtral ({why})")
-    hf = hf_llama.config_to_hf(cfg.attention(), dtype)
+    hf = hf_llama.attention_to_hf(cfg.attention(), dtype)
     hf.update(
         architectures=["MixtralForCausalLM"],
         model_type=MODEL_TYPE,
