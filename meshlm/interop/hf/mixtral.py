@@ -208,8 +208,15 @@ def write_blocks(
 ) -> list[tuple[str, tuple[int, ...], list[tuple[int, int]], Tensor]]:
     """(HF name, row-major HF shape, box, block) to write for this rank's block ``local``
     (at ``box``) of ``fqn``: one per expert of the block for an expert weight."""
-    tensors = hf_tensors(cfg, fqn, shape)
-    if not fqn.endswith(tuple(_EXPERT)):
+    return blocks_to_write(hf_tensors(cfg, fqn, shape), fqn.endswith(tuple(_EXPERT)), shape, box, local)
+
+
+def blocks_to_write(
+    tensors: list, expert: bool, shape: tuple[int, ...], box: list[tuple[int, int]], local: Tensor
+) -> list[tuple[str, tuple[int, ...], list[tuple[int, int]], Tensor]]:
+    """``write_blocks`` given the HF tensors of a parameter (``hf_tensors``): the block as it
+    is, or for an expert weight (``expert``) one block per expert in ``box``'s first range."""
+    if not expert:
         return [(tensors[0][0], tuple(shape), box, local)]
     (e0, en), *rest = box
     return [(*tensors[e0 + j], rest, local[j]) for j in range(en)]

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from meshlm.core.errors import CheckpointError, ConfigError
 from meshlm.interop.hf import llama as hf_llama
-from meshlm.interop.hf.mixtral import build, config_class, fill_buffers  # noqa: F401  (the same model)
+from meshlm.interop.hf.mixtral import blocks_to_write, build, config_class, fill_buffers  # noqa: F401  (the same model)
 
 CLASS = "MoETransformer"  # the meshlm class a checkpoint's meta.json names
 
@@ -95,11 +95,7 @@ def write_blocks(
 ) -> list[tuple[str, tuple[int, ...], list[tuple[int, int]], Tensor]]:
     """(HF name, row-major HF shape, box, block) to write for this rank's block ``local``
     (at ``box``) of ``fqn``: one per expert of the block for an expert weight."""
-    tensors = hf_tensors(cfg, fqn, shape)
-    if not fqn.endswith(tuple(_EXPERT)):
-        return [(tensors[0][0], tuple(shape), box, local)]
-    (e0, en), *rest = box
-    return [(*tensors[e0 + j], rest, local[j]) for j in range(en)]
+    return blocks_to_write(hf_tensors(cfg, fqn, shape), fqn.endswith(tuple(_EXPERT)), shape, box, local)
 
 
 def check_export(model: nn.Module) -> None:
