@@ -17,7 +17,9 @@ tokens, every rank holding ``--rows`` sequences' worth of its tokens (so the glo
            around the ring), at cp=1 (plain SDPA), 2 and 4.  torchtitan's context parallel
            is not the peer: torch's ``context_parallel`` ring runs on CUDA attention ops only
            (docs/cp.md, Limits).  Before timing, its summed loss is checked against the same
-           model's loss on one process over the whole batch (relative tolerance 1e-5, fp32).
+           model's loss on one process over the whole batch (relative tolerance 1e-5, fp32), and its
+           gradients summed over ranks against that process's (each parameter's largest
+           difference within 1e-4 of its largest entry).
 
 Measured per variant, the largest rank's (eager, in untimed steps):
 
@@ -166,6 +168,16 @@ def _build_torch(cfg, cp, opts):
         raise AssertionError(
             f"torch ring cp={cp}: loss {dist_loss} differs from one process's {one_loss} (rel {rel:.2e})"
         )
+    # and the gradients (summed over ranks) against one process's, relative to each one's largest entry
+    fwd().backward()
+    tr.allreduce_grads(model)
+    got = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(X, Y, torch.arange(seq), count, None, bal).backward()
+    grad_rel = max(float((g - p.grad).abs().max() / p.grad.abs().max()) for g, p in zip(got, model.parameters()))
+    opt.zero_grad()
+    if grad_rel > 1e-4:
+        raise AssertionError(f"torch ring cp={cp}: gradients differ from one process's (max rel {grad_rel:.2e})")
 
     def cp_bytes():
         if cp == 1:
@@ -176,7 +188,7 @@ def _build_torch(cfg, cp, opts):
         return tr.SENT[0]
 
     return dict(fwd=fwd, step=step, zero=opt.zero_grad, state=list(model.parameters()), cp_bytes=cp_bytes,
-                loss_check=dict(distributed=dist_loss, one_process=one_loss, rel=rel))  # fmt: skip
+                loss_check=dict(distributed=dist_loss, one_process=one_loss, rel=rel, grad_rel=grad_rel))  # fmt: skip
 
 
 def _memory(v) -> tuple[float, float]:
@@ -273,11 +285,12 @@ def render(results: dict, meta: dict) -> str:
                 else "| | |"
             )
         )
-    checks = [f"{k}: {r['loss_check']['distributed']:.6f} vs {r['loss_check']['one_process']:.6f} (rel {r['loss_check']['rel']:.1e})"
+    checks = [f"{k}: {r['loss_check']['distributed']:.6f} vs {r['loss_check']['one_process']:.6f} (rel {r['loss_check']['rel']:.1e}), gradients max rel {r['loss_check']['grad_rel']:.1e}"
               for k, r in results.items() if "loss_check" in r]  # fmt: skip
     lines += [
         "",
-        "Torch peer's loss against one process (checked to 1e-5 relative before timing): " + "; ".join(checks),
+        "Torch peer against one process, checked before timing (loss to 1e-5 relative, every gradient to 1e-4 of its "
+        "largest entry): " + "; ".join(checks),
     ]
     return "\n".join(lines) + "\n"
 

@@ -105,10 +105,11 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32)
         kk, vv = k, v
-        dk, dv = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)
+        acc = None  # the (dk, dv) accumulator in flight: of the keys this rank holds next
         for i in range(n):
             src = (r - i) % n
             ex = _Exchange((kk, vv), group, 0) if i < n - 1 else None
+            dk, dv = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(v.shape, dtype=torch.float32)
             for a, b, causal in _pairs(chunk_ids(r, n, balance), chunk_ids(src, n, balance)):
                 rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                 gq, gk, gv = _bwd(
@@ -118,11 +119,15 @@ class RingAttention(torch.autograd.Function):
                 dq[:, :, rows] += gq.float()
                 dk[:, :, cols] += gk.float()
                 dv[:, :, cols] += gv.float()
-            # the accumulator of source src's (dk, dv) moves on to the next rank
-            dk, dv = _Exchange((dk, dv), group, 2).wait()
+            if acc is not None:  # the earlier ranks' shares of source src, received during this step's blocks
+                rk, rv = acc.wait()
+                dk += rk
+                dv += rv
+            acc = _Exchange((dk, dv), group, 2)  # on to the next rank, overlapping the next step's blocks
             if ex is not None:
                 kk, vv = ex.wait()
         # after n passes the accumulator of this rank's own keys has come home
+        dk, dv = acc.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
