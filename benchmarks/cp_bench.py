@@ -206,7 +206,7 @@ def _memory(v) -> tuple[float, float]:
 
 
 def _formula(cfg, opts, attention: str, cp: int) -> int:
-    """NOTE [cp attention]'s bytes per step for this rank: ``layers`` attention calls."""
+    """The bytes per step for this rank by the formula of NOTE [cp attention] (meshlm/runtime/cp/ring.py): ``layers`` attention calls."""
     n = cp
     K = opts["rows"] * cfg.heads * (opts["seq"] // n) * cfg.hd * 4
     F = K
