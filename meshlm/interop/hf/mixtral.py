@@ -133,8 +133,16 @@ def config_from_hf(hf: dict, source: str = "config.json"):
             f"{source}: router_jitter_noise={hf['router_jitter_noise']}; meshlm's router has no jitter (set it to 0.0)"
         )
     llama = hf_llama.config_from_hf({**hf, "model_type": "llama", "intermediate_size": hf["intermediate_size"]}, source)
-    balance = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
     return config_class()(
+        **moe_fields(llama, hf, experts=hf["num_local_experts"], expert_mlp=hf["intermediate_size"]), norm_topk=True
+    )
+
+
+def moe_fields(llama, hf: dict, experts: int, expert_mlp: int) -> dict:
+    """The MoEConfig fields an HF MoE config (Mixtral's, Qwen's) gives as a Llama's plus
+    its routing: dropless, the load-balancing loss only where the config trains with it."""
+    balance = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
+    return dict(
         vocab=llama.vocab,
         embed=llama.embed,
         layers=llama.layers,
@@ -145,11 +153,10 @@ def config_from_hf(hf: dict, source: str = "config.json"):
         norm_eps=llama.norm_eps,
         tie_embeddings=llama.tie_embeddings,
         init_std=float(hf.get("initializer_range", 0.02)),
-        experts=hf["num_local_experts"],
+        experts=experts,
         top_k=hf["num_experts_per_tok"],
-        expert_mlp=hf["intermediate_size"],
+        expert_mlp=expert_mlp,
         capacity_factor=None,
-        norm_topk=True,
         balance_loss=balance,
         z_loss=0.0,
     )

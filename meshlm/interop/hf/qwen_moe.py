@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from meshlm.core.errors import CheckpointError, ConfigError
 from meshlm.interop.hf import llama as hf_llama
-from meshlm.interop.hf.mixtral import blocks_to_write, build, config_class, fill_buffers  # noqa: F401  (the same model)
+from meshlm.interop.hf.mixtral import blocks_to_write, build, config_class, fill_buffers, moe_fields  # noqa: F401  (the same model)
 
 CLASS = "MoETransformer"  # the meshlm class a checkpoint's meta.json names
 
@@ -136,26 +136,8 @@ def common_from_hf(hf: dict, model_type: str, source: str) -> dict:
         raise ConfigError(f"{source}: num_experts={experts}; a {model_type} model without experts is not a MoE")
     plain = {**hf, "model_type": "llama", "attention_bias": False, "mlp_bias": False}
     llama = hf_llama.config_from_hf({**plain, "intermediate_size": hf["moe_intermediate_size"]}, source)
-    balance = float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0
-    return dict(
-        vocab=llama.vocab,
-        embed=llama.embed,
-        layers=llama.layers,
-        heads=llama.heads,
-        kv_heads=llama.kv_heads,
-        head_dim=llama.head_dim,
-        rope_theta=llama.rope_theta,
-        norm_eps=llama.norm_eps,
-        tie_embeddings=llama.tie_embeddings,
-        init_std=float(hf.get("initializer_range", 0.02)),
-        experts=experts,
-        top_k=hf["num_experts_per_tok"],
-        expert_mlp=hf["moe_intermediate_size"],
-        capacity_factor=None,
-        norm_topk=bool(hf.get("norm_topk_prob", False)),
-        balance_loss=balance,
-        z_loss=0.0,
-    )
+    fields = moe_fields(llama, hf, experts=experts, expert_mlp=hf["moe_intermediate_size"])
+    return {**fields, "norm_topk": bool(hf.get("norm_topk_prob", False))}
 
 
 def refuse(cfg, name: str, checks: list[tuple[str, bool, str]]) -> None:
