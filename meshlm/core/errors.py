@@ -28,3 +28,14 @@ class ConfigError(MeshlmError):
 
 class CheckpointError(MeshlmError):
     """A checkpoint that is missing, incomplete, corrupted or of another model."""
+
+
+def is_model_code(filename: str) -> bool:
+    """Whether a frame's file is the user's code: outside torch and meshlm, and not
+    generated (``<string>``, ``<eval_with_key>``); what an error names as the model's line."""
+    from pathlib import Path
+
+    import torch
+
+    library = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+    return not filename.startswith(library) and not filename.startswith("<")

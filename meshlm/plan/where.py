@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import re
 import traceback
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from meshlm import _torch_compat as compat
-from meshlm.core.errors import ConfigError
-
-_LIBRARY = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+from meshlm.core.errors import ConfigError, is_model_code
 
 
 class Where:
@@ -113,7 +110,7 @@ def _fake_cause(e: BaseException) -> Optional[BaseException]:
 def _user_line(e: BaseException) -> Optional[str]:
     """The innermost frame of ``e``'s traceback outside torch and meshlm: the model's line."""
     for f in reversed(traceback.extract_tb(e.__traceback__)):
-        if not f.filename.startswith(_LIBRARY) and not f.filename.startswith("<"):
+        if is_model_code(f.filename):
             return f"{f.filename}:{f.lineno}" + (f" `{f.line.strip()}`" if f.line else "")
     return None
 

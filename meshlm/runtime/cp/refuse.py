@@ -12,14 +12,11 @@ NOTE [cp refusal]
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import NoReturn, Optional
 
 import torch
 
-from meshlm.core.errors import ConfigError
-
-_LIBRARY = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]))
+from meshlm.core.errors import ConfigError, is_model_code
 
 
 def _caller() -> Optional[str]:
@@ -27,7 +24,7 @@ def _caller() -> Optional[str]:
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith(_LIBRARY) and not name.startswith("<"):
+        if is_model_code(name):
             me = f.f_locals.get("self")
             where = f"{f.f_code.co_name}, {name}:{f.f_lineno}"
             if isinstance(me, torch.nn.Module):
