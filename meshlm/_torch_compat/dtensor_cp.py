@@ -65,7 +65,7 @@ class CpMesh:
     forward: Callable  # meshlm.runtime.cp.cp_attention_forward(q, k, v, *, group, causal, balanced, scale, variant)
     backward: Callable  # ... cp_attention_backward(dout, q, k, v, out, lse, *, ...)
     variant: str  # "ring" | "allgather"
-    refuse: Optional[Callable] = None  # refuse(what): raises the error naming the caller (meshlm/runtime/cp/refuse.py)
+    refuse: Callable  # refuse(what): raises the error naming the caller (meshlm/runtime/cp/refuse.py)
 
 
 _MESHES: list[CpMesh] = []
@@ -222,15 +222,6 @@ def _common(args, cp: CpMesh, n: int):
     return out, pl
 
 
-def _refuse(cp: CpMesh, what: str) -> None:
-    if cp.refuse is not None:
-        cp.refuse(what)
-    raise NotImplementedError(
-        f"context-parallel attention (seq split over cp): {what} is not supported; use a layout without seq: cp "
-        "for this model, or drop it from the attention call"
-    )
-
-
 def cp_sdpa_handler(fallback: Optional[Callable]):
     """The forward op's handler: context-parallel attention where the query's sequence is
     split over cp on a registered mesh, ``fallback`` (the sharding rule) elsewhere."""
@@ -243,9 +234,9 @@ def cp_sdpa_handler(fallback: Optional[Callable]):
         dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
         causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
         if dropout_p:
-            _refuse(cp, f"attention dropout (dropout_p={dropout_p})")
+            cp.refuse(f"attention dropout (dropout_p={dropout_p})")
         if kwargs.get("attn_mask") is not None:
-            _refuse(cp, "an explicit attn_mask")
+            cp.refuse("an explicit attn_mask")
         (lq, lk, lv), pl = _common((q, k, v), cp, 3)
         group = q.device_mesh.get_group(cp.index)
         out, lse = cp.forward(
