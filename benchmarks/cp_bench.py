@@ -34,9 +34,8 @@ Measured per variant, the largest rank's (eager, in untimed steps):
            local keys (heads repeated, as Llama passes them to SDPA) and F = K (fp32); for
            the torch ring, the bytes its own isends posted.
 
-meshlm keeps one cp attention setting per mesh (by value), set by the last model sharded on an
-equal mesh; the ring and allgather variants share their meshes, so each re-registers its
-layout's (meshlm.runtime.cp.attach) before its forward.
+The ring and allgather variants share equal meshes; each model's forward and backward run with
+its own layout's context settings (NOTE [cp settings per model] in meshlm/runtime/cp/active.py).
 
 Step time (forward, backward, optimizer step; the slowest rank's) is the median of ``--reps``
 interleaved rounds after a warm-up step each.  Ratios: held memory over the no-cp run of the
@@ -94,21 +93,15 @@ def _build_meshlm(cfg, layout, mesh_shape, cp, opts):
     import meshlm
     from meshlm.models import Llama
     from meshlm.runtime.comm import CommCounter
-    from meshlm.runtime.cp.attach import attach
     from meshlm.runtime.optim.sharded import ShardedOptimizer
 
     mesh = meshlm.make_mesh(mesh_shape)
-    lay = meshlm.load_layout(layout)
     model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
     opt = ShardedOptimizer(model, torch.optim.SGD, lr=LR)
     X, Y = _tokens(cfg, opts["rows"] * 4 // cp, opts["seq"])
     x, y = meshlm.shard_batch((X, Y), layout, mesh)
 
     def fwd():
-        # meshlm keeps one cp setting per mesh value and the last model sharded on an equal
-        # mesh sets it: the ring and allgather variants share fsdp=2 x cp=2, so each
-        # registers its own before it runs
-        attach(lay, mesh)
         return model(x, y)
 
     def step():

@@ -151,6 +151,11 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def backward_task_id() -> int:
+    """An id of the backward pass running now on this thread (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass is done (inside backward only)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -54,9 +54,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from meshlm._torch_compat.dtensor_base import aten
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class CpMesh:
-    """What meshlm knows about one mesh with a cp axis of size > 1."""
+    """What meshlm knows about one model's mesh with a cp axis of size > 1 (one per sharded
+    model: NOTE [cp settings per model] in meshlm/runtime/cp/active.py)."""
 
     mesh: object  # the DeviceMesh (compared by value, NOTE [scoped patches] in dtensor_scope.py)
     index: int  # the cp axis's index in the mesh
@@ -66,21 +67,41 @@ class CpMesh:
     backward: Callable  # ... cp_attention_backward(dout, q, k, v, out, lse, *, ...)
     variant: str  # "ring" | "allgather"
     refuse: Callable  # refuse(what): raises the error naming the caller (meshlm/runtime/cp/refuse.py)
+    owner: str = ""  # where the settings come from (the layout's source), for errors
+    alive: Callable[[], bool] = lambda: True  # whether the model it was registered for still lives
+    compiled: bool = False  # the model's blocks are compiled (the settings are in their graphs)
+    split_outputs: bool = False  # the model's root has returned an output split over cp
 
 
+# One entry per sharded model with a cp axis; among entries on equal meshes, the last is the
+# one in force (``activate``).
 _MESHES: list[CpMesh] = []
 
 
 def register(spec: CpMesh) -> None:
-    """Run attention on ``spec.mesh`` as context-parallel attention (NOTE [cp dispatch]);
-    a later registration of an equal mesh replaces the earlier one."""
-    _MESHES[:] = [m for m in _MESHES if m.mesh != spec.mesh] + [spec]
+    """Run attention on ``spec.mesh`` as context-parallel attention (NOTE [cp dispatch]),
+    with ``spec``'s settings in force on meshes equal to it from now on; entries whose model
+    is gone are dropped."""
+    _MESHES[:] = [m for m in _MESHES if m.alive()] + [spec]
     _install_redistribute()
 
 
+def registered(mesh) -> list[CpMesh]:
+    """The live entries on meshes equal to ``mesh``."""
+    return [m for m in _MESHES if (m.mesh is mesh or m.mesh == mesh) and m.alive()]
+
+
+def activate(spec: CpMesh) -> None:
+    """Put ``spec``'s settings in force on meshes equal to its own."""
+    if _MESHES and _MESHES[-1] is spec:
+        return
+    _MESHES[:] = [m for m in _MESHES if m is not spec and m.alive()] + [spec]
+
+
 def cp_mesh(mesh) -> Optional[CpMesh]:
-    for m in _MESHES:
-        if m.mesh is mesh or m.mesh == mesh:
+    """The entry in force on ``mesh`` (the last live one on an equal mesh), or None."""
+    for m in reversed(_MESHES):
+        if (m.mesh is mesh or m.mesh == mesh) and m.alive():
             return m
     return None
 

@@ -136,6 +136,8 @@ def _cp_tracing(model: nn.Module) -> Callable[[Callable], Callable]:
     st = getattr(model, "_meshlm_state", None)
     if st is None or st.cp_dim is None:
         return lambda fn: fn
+    if st.cp is not None:
+        st.cp.compiled = True  # NOTE [cp settings per model] in meshlm/runtime/cp/active.py
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)

@@ -116,8 +116,14 @@ INVENTORY: dict[str, tuple[str, str]] = {
     ),
     "meshlm/_torch_compat/dtensor_cp.py:_MESHES": (
         TABLE,
-        "the meshes with a cp axis of size > 1 and how attention runs on each (NOTE [cp dispatch]); one entry "
-        "per distinct mesh, replaced when a model is sharded onto an equal mesh",
+        "each sharded model's cp settings (a cp axis of size > 1; NOTE [cp dispatch]); among equal meshes the "
+        "last entry is in force, each model's put last by its forward and backward (NOTE [cp settings per model] "
+        "in meshlm/runtime/cp/active.py); an entry goes when its model is collected",
+    ),
+    "meshlm/runtime/cp/active.py:_OPEN": (
+        TABLE,
+        "the cp models whose backward hooks ran in the backward pass running now, with its graph task id, to "
+        "refuse one pass through two models of different balance (NOTE [cp settings per model])",
     ),
     "meshlm/_torch_compat/dtensor_cp.py:_ORIGINAL": (
         PATCH,

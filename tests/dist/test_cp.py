@@ -191,3 +191,112 @@ def _balanced_moves():
 def test_balanced_moves_keep_natural_order(pool4):
     for got in pool4.run(_balanced_moves):
         assert got["gather"] == 0.0 and got["flatten"] == 0.0 and got["linear"] < 1e-6, got
+
+
+def _two_models(layout_a: str, layout_b: str) -> dict:
+    """Two Llamas on equal meshes (fsdp=2 x cp=2, two make_mesh calls) whose layouts differ
+    in ``context`` (NOTE [cp settings per model] in meshlm/runtime/cp/active.py): A balanced
+    with ring attention, B unbalanced with all-gather, sharded one after the other.  Two SGD
+    steps, the models' forwards and backwards interleaved (A, B forward; A, B backward; then
+    B before A), each step's loss and gradients against a plain torch copy holding the
+    sharded model's weights; the attention's collectives of each model counted on its own.
+    Then what cannot be exact is refused: one backward through both, an output split over
+    cp, a third model sharded with B's balance once A returned an output split over cp, and
+    both models compiled."""
+    import torch
+
+    import meshlm
+    from harness import tolerances as tol
+    from harness.recipes import full_many
+    from meshlm.core.errors import ConfigError
+    from meshlm.models import Llama, llama_config
+    from meshlm.runtime.comm import CommCounter
+    from meshlm.runtime.compile import compile_blocks
+    from meshlm.runtime.optim.sharded import ShardedOptimizer
+
+    cfg = llama_config("llama_tiny")
+    lr = 0.5
+    sides = {}
+    for name, layout, seed in (("a", layout_a, 0), ("b", layout_b, 1)):
+        mesh = meshlm.make_mesh("fsdp=2,cp=2")
+        model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=seed)
+        sides[name] = dict(layout=layout, mesh=mesh, model=model, opt=ShardedOptimizer(model, torch.optim.SGD, lr=lr))
+    probe = Llama(cfg, device="cpu", seed=0)
+
+    def batch(name, k):
+        tokens, labels = TokenBatches(seq=32)(k, 0 if name == "a" else 1)[0]
+        s = sides[name]
+        return (tokens, labels), meshlm.shard_batch((tokens, labels), s["layout"], s["mesh"])
+
+    def want(name, k):
+        (tokens, labels), _ = batch(name, k)
+        weights = full_many(dict(sides[name]["model"].named_parameters()))
+        with torch.no_grad():
+            for n, p in probe.named_parameters():
+                p.copy_(weights[n])
+                p.grad = None
+        loss = probe(tokens, labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in probe.named_parameters()}
+
+    errors = []
+
+    def check(name, k, got, ref):
+        loss, grads = ref
+        err = float((got.detach() - loss).abs() / loss.abs())
+        if err > tol.LOSS_RTOL:
+            errors.append(f"{name} step {k}: loss off by {err:.3g} relative")
+        for n, g in full_many({n: p.grad for n, p in sides[name]["model"].named_parameters()}).items():
+            if ((g - grads[n]).abs() > tol.grad_tol(grads[n])).any():
+                errors.append(f"{name} step {k}: gradient of {n} off by {float((g - grads[n]).abs().max()):.3g}")
+
+    for k, order in ((1, "ab"), (2, "ba")):
+        refs = {n: want(n, k) for n in order}
+        losses = {n: sides[n]["model"](*batch(n, k)[1]) for n in order}
+        for n in order:
+            losses[n].backward()
+        for n in order:
+            check(n, k, losses[n], refs[n])
+            sides[n]["opt"].step()
+            sides[n]["opt"].zero_grad()
+    kinds = {}
+    for n, side in sides.items():
+        cc = CommCounter(side["mesh"])
+        with cc:
+            side["model"](*batch(n, 3)[1]).backward()
+        side["opt"].zero_grad()
+        kinds[n] = sorted({r.kind for r in cc.records if r.axes == ("cp",) and r.kind != "all_reduce"})
+    del side
+    (tokens, _), (xa, ya) = batch("a", 4)
+    refused = {}
+
+    def refusal(what, fn, *args):
+        try:
+            fn(*args)
+        except ConfigError as e:
+            refused[what] = str(e)
+
+    def both(a, b):
+        (a(xa, ya) + b(*batch("b", 4)[1])).backward()
+
+    a, b = sides["a"]["model"], sides["b"]["model"]
+    refusal("one backward", both, a, b)
+    refusal("split output", a, xa)
+    refusal("shard", meshlm.shard, Llama(cfg, device="meta"), layout_b, meshlm.make_mesh("fsdp=2,cp=2"))
+    for m in (a, b):
+        compile_blocks(m, "aot_eager")
+    refusal("compiled", a, xa, ya)  # refused before anything is traced
+    return {"errors": errors, "kinds": kinds, "refused": refused}
+
+
+def test_two_models_keep_their_own_cp_settings(pool4, tmp_path):
+    """NOTE [cp settings per model]: each model's context settings hold for its own forward and
+    backward on equal meshes, and what could mix them is refused, naming both models' settings."""
+    a = _variant(tmp_path, "fsdp_cp", attention="ring", balance=True)
+    b = _variant(tmp_path, "fsdp_cp", attention="allgather", balance=False)
+    for r in pool4.run(_two_models, a, b):
+        assert r["errors"] == [], r["errors"]
+        assert r["kinds"] == {"a": ["recv", "send"], "b": ["all_gather", "reduce_scatter"]}, r["kinds"]
+        assert set(r["refused"]) == {"one backward", "split output", "compiled", "shard"}, r["refused"]
+        for what, msg in r["refused"].items():
+            assert "balance true" in msg and "balance false" in msg, (what, msg)

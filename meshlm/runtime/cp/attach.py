@@ -4,6 +4,10 @@ meshlm/_torch_compat/dtensor_cp.py)."""
 
 from __future__ import annotations
 
+import weakref
+from typing import Optional
+
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshlm._torch_compat import dtensor_cp
@@ -55,19 +59,30 @@ def check_context(layout: Layout, sizes: dict) -> None:
                 )
 
 
-def attach(layout: Layout, mesh: DeviceMesh) -> None:
-    """Register ``mesh``'s cp axis (if it has more than one rank) with meshlm's DTensor rules."""
+def attach(layout: Layout, mesh: DeviceMesh, model: nn.Module) -> Optional[dtensor_cp.CpMesh]:
+    """Register ``model``'s cp settings on ``mesh`` (if its cp axis has more than one rank)
+    with meshlm's DTensor rules, and return them (NOTE [cp settings per model] in active.py)."""
     sizes = mesh_spec(mesh).as_dict()
     n = sizes.get("cp", 1)
     if n <= 1:
-        return
+        return None
     check_context(layout, sizes)
-    from meshlm.runtime.cp import ops, refuse  # NOTE [cp ops]: opaque to torch.compile
+    from meshlm.runtime.cp import active, ops, refuse  # NOTE [cp ops]: opaque to torch.compile
 
     ctx = context_of(layout)
     names = tuple(mesh.mesh_dim_names or ())
-    dtensor_cp.register(
-        dtensor_cp.CpMesh(
-            mesh, names.index("cp"), n, ctx.balance, ops.forward, ops.backward, ctx.attention, refuse.refuse
-        )
+    ref = weakref.ref(model)
+    spec = dtensor_cp.CpMesh(
+        mesh,
+        names.index("cp"),
+        n,
+        ctx.balance,
+        ops.forward,
+        ops.backward,
+        ctx.attention,
+        refuse.refuse,
+        owner=str(layout.source),
+        alive=lambda: ref() is not None,
     )
+    active.register(spec)
+    return spec

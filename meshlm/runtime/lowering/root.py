@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from meshlm._torch_compat import dtensor_ops
 from meshlm.core import tree, weighting
 from meshlm.core.state import eager, scope
+from meshlm.runtime.cp import active as cp_active
 from meshlm.runtime.lowering import buffers
 from meshlm.runtime.lowering.inputs import arguments, input_axes, set_arguments, wrap_input
 from meshlm.runtime.lowering.local_root import local_root_forward, local_rows
@@ -39,6 +40,15 @@ def root_forward(self, *args, **kwargs):
 
 
 def _root_forward(self, st, *args, **kwargs):
+    if st.cp is None or torch.compiler.is_compiling():
+        return _root_body(self, st, *args, **kwargs)
+    cp_active.enter_forward(st.cp)  # NOTE [cp settings per model] in meshlm/runtime/cp/active.py
+    out = _root_body(self, st, *args, **kwargs)
+    cp_active.leave_forward(st.cp, out)
+    return out
+
+
+def _root_body(self, st, *args, **kwargs):
     orig = self._meshlm_orig_forward
     bound = inspect.signature(orig).bind(self, *args, **kwargs)
     inputs = arguments(bound)

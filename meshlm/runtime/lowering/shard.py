@@ -92,7 +92,7 @@ def shard(
         )
     plans = plan_params(model, layout, mesh)
     _check_layout_axes(layout, mesh)
-    cp_attach(layout, mesh)  # NOTE [cp dispatch] in meshlm/_torch_compat/dtensor_cp.py
+    cp = cp_attach(layout, mesh, model)  # NOTE [cp dispatch] in meshlm/_torch_compat/dtensor_cp.py
     materialize(model, plans, mesh, seed if init else None, param_dtype, grad_dtype, keep, after_block)
     if keep is not None:
         plans = {fqn: pp for fqn, pp in plans.items() if fqn in keep}
@@ -100,6 +100,7 @@ def shard(
         reduce_dtype = precision.default_reduce_dtype(compute_dtype, [p.dtype for p in model.parameters()])
     st = ShardState(layout, mesh, plans, compute_dtype, reduce_dtype, grad_dtype, vocab=frozenset(vocabulary(model)))
     st.overlap = mesh.device_type == "cuda" if overlap is None else bool(overlap)
+    st.cp = cp  # NOTE [cp settings per model] in meshlm/runtime/cp/active.py
     in_flight.own(model.parameters(), st.in_flight)
     by_module: dict[int, tuple[nn.Module, dict[str, UseSpec]]] = {}
     for fqn, m, name, _p in iter_params(model):

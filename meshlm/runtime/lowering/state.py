@@ -56,6 +56,8 @@ class ShardState:
     gathered: Optional[dict] = None
     has_buffers: bool = False  # the model has buffers (NOTE [buffers] in lowering/buffers.py)
     local_block_modules: set = field(default_factory=set)  # ids of the modules of blocks run on local tensors
+    # this model's cp settings (dtensor_cp.CpMesh; NOTE [cp settings per model] in meshlm/runtime/cp/active.py)
+    cp: Optional[object] = None
 
     def __post_init__(self) -> None:
         self.sizes = mesh_spec(self.mesh).as_dict()
