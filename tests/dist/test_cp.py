@@ -176,7 +176,8 @@ def _balanced_moves():
     from meshlm.models import Llama, llama_config
 
     mesh = meshlm.make_mesh("tp=2,cp=2")
-    meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_tp_cp", mesh, seed=0)
+    # the model holds the mesh's balanced settings while it lives (NOTE [cp settings per model])
+    _model = meshlm.shard(Llama(llama_config("llama_tiny"), device="meta"), "fsdp_tp_cp", mesh, seed=0)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(4, 16, 64, generator=g), torch.randn(32, 64, generator=g)
     hd = distribute_tensor(to_balanced(h, 1, 2), mesh, [Shard(2), Shard(1)])  # balanced: the permuted contiguous
