@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 
 from harness import dist_pool_fixture
-from harness.parity import MoEBuild, TokenBatches, assert_parity, check_training
+from harness.parity import LlamaBuild, MoEBuild, TokenBatches, assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=60)
 
 BATCHES = TokenBatches(batch=8, seq=16)
+LLAMA4 = LlamaBuild("llama_tiny", (("layers", 4),))
 
 
 def _moe(pool, build, schedule):
@@ -43,3 +44,63 @@ def test_ep_inside_stages(pool4, schedule):
 def test_ep_inside_stages_shared_experts(pool4):
     """The fine-grained shape with a gated shared expert (Qwen2-MoE's), capacity routing."""
     assert_parity(_moe(pool4, MoEBuild("moe_shared_tiny", (("capacity_factor", 1.0),)), "1f1b"))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_cp_inside_stages(pool4, schedule):
+    res = pool4.run(
+        check_training,
+        "fsdp_cp_pp",
+        "cp=2,pp=2",
+        build=LLAMA4,
+        batches=TokenBatches(seq=32),
+        optims=("sgd",),
+        steps=2,
+        schedule=schedule,
+    )
+    assert_parity(res)
+
+
+def _boundary_slices() -> tuple:
+    """(pp rank, cp rank, what stage 1 received per micro-batch, the one-device hidden state
+    entering stage 1's first block per micro-batch) for fsdp_cp_pp on cp=2 x pp=2."""
+    import torch
+
+    import meshlm
+    from meshlm.runtime.pipeline import build_pipeline, pipeline_mesh
+
+    rows, seq, m = 2, 32, 2
+    full, sub = pipeline_mesh("cp=2,pp=2")
+    lay = meshlm.load_layout("fsdp_cp_pp")
+    toks = torch.randint(0, 256, (rows * m, seq + 1), generator=torch.Generator().manual_seed(0))
+    micro = [(toks[j * rows : (j + 1) * rows, :-1], toks[j * rows : (j + 1) * rows, 1:]) for j in range(m)]
+    pipe = build_pipeline(
+        lambda d: LLAMA4(d, 0), lay, full, sub, example=(micro[0], {}), microbatches=m, schedule="1f1b"
+    )
+    got = []
+    for sm in pipe.stage_modules:
+        if sm.stage == 1:
+            sm.register_forward_pre_hook(lambda _m, args: got.append(args[0].detach().clone()))
+    pipe.step([(tuple(meshlm.shard_batch(t, lay, sub) for t in mb), {}) for mb in micro])
+    ref, want = LLAMA4("cpu", 0), []
+    ref.get_submodule(pipe.cut.stages[1][0]).register_forward_pre_hook(lambda _m, a: want.append(a[0].detach()))
+    for x, y in micro:
+        ref(x, y)
+    return pipe.pp_rank, sub.get_local_rank("cp"), got, want
+
+
+def test_cp_stages_send_balanced_sequence_slices(pool4):
+    """What crosses from stage 0 to stage 1 is each cp rank's slice of the sequence in
+    causally balanced chunks (rank r: chunks r and 3-r of 4, NOTE [balanced chunks] in
+    meshlm/_torch_compat/dtensor_cp.py), the one-device hidden state's values: half the
+    sequence per rank, never the whole."""
+    import torch
+
+    for pp_rank, r, got, want in pool4.run(_boundary_slices):
+        if pp_rank == 0:
+            assert got == []
+            continue
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            c = w.shape[1] // 4
+            torch.testing.assert_close(g, torch.cat([w[:, r * c : (r + 1) * c], w[:, (3 - r) * c : (4 - r) * c]], 1))
