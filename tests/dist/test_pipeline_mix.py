@@ -41,6 +41,12 @@ def test_ep_inside_stages(pool4, schedule):
     assert_parity(_moe(pool4, MoEBuild(), schedule))
 
 
+def test_ep_inside_stages_without_aux_losses(pool4):
+    """Both coefficients 0: the blocks' auxiliary losses are zeros with no gradient, and the
+    loss does not use them; they still cross stages."""
+    assert_parity(_moe(pool4, MoEBuild(overrides=(("balance_loss", 0.0), ("z_loss", 0.0))), "1f1b"))
+
+
 def test_ep_inside_stages_shared_experts(pool4):
     """The fine-grained shape with a gated shared expert (Qwen2-MoE's), capacity routing."""
     assert_parity(_moe(pool4, MoEBuild("moe_shared_tiny", (("capacity_factor", 1.0),)), "1f1b"))
