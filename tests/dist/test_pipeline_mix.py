@@ -8,12 +8,19 @@ stage; its load-balancing and z-loss coefficients are on (moe_tiny's 0.01 and 0.
 stage 0's block's auxiliary loss reaches the loss only through the side outputs stage 0
 sends (NOTE [side outputs] in meshlm/runtime/pipeline/stage.py): dropped, the loss is off
 by 260x its tolerance; sent without its gradient, tok_emb's gradient by 439x.
+
+Context parallel: Llama with 4 blocks under ``fsdp_cp_pp`` on cp=2 x pp=2, each
+micro-batch split over cp in causally balanced chunks; what crosses between stages is each
+cp rank's slice of the sequence (checked against the one-device hidden state).  With the
+chunks unbalanced by mistake (``CpMesh.balance`` False while the data is balanced), the
+loss is off by 2.9x its tolerance and the slices differ.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from meshlm.runtime.pipeline.schedule import zero_bubble_supported
 from harness import dist_pool_fixture
 from harness.parity import LlamaBuild, MoEBuild, TokenBatches, assert_parity, check_training
 
@@ -21,6 +28,7 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 
 BATCHES = TokenBatches(batch=8, seq=16)
 LLAMA4 = LlamaBuild("llama_tiny", (("layers", 4),))
+V2 = "zbv" if zero_bubble_supported() else "interleaved_1f1b"  # a two-stages-per-rank schedule this torch runs
 
 
 def _moe(pool, build, schedule):
@@ -39,6 +47,23 @@ def _moe(pool, build, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_ep_inside_stages(pool4, schedule):
     assert_parity(_moe(pool4, MoEBuild(), schedule))
+
+
+def test_ep_inside_stages_zero_bubble_v(pool4):
+    """Four blocks, two stages per rank in a V (stages 1 and 2 on one rank: the side
+    outputs handed over without a send), torch's zero-bubble split backward."""
+    res = pool4.run(
+        check_training,
+        "fsdp_ep_pp",
+        "ep=2,pp=2",
+        build=MoEBuild(overrides=(("layers", 4),)),
+        batches=BATCHES,
+        optims=("sgd",),
+        steps=2,
+        schedule=V2,
+        stages_per_rank=2,
+    )
+    assert_parity(res)
 
 
 def test_ep_inside_stages_without_aux_losses(pool4):
