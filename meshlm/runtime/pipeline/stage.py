@@ -298,8 +298,9 @@ class StageModule(nn.Module):
         if is_absent(loss):
             raise ConfigError(
                 "pipeline parallelism: the loss depends on parameters of another stage (a head tied to the "
-                "embedding, or a skip connection around the blocks); the last stage computes the loss from the "
-                "hidden state it receives and its own parameters"
+                "embedding, a skip connection around the blocks, or something a block returns after its hidden "
+                "state that is not a tensor); the last stage computes the loss from the hidden state it receives, "
+                "the tensors the earlier stages' blocks return beside it, and its own parameters"
             )
         self.mbs.losses[m] = loss.detach()  # read after the step (a planner's fake step has no values)
         self.mbs.weights[m] = weighting.weight_tensor(loss)  # NOTE [token weighting] in meshlm/core/weighting.py
