@@ -140,25 +140,3 @@ def test_layout_auto_keeps_whole_sequences_when_they_fit(monkeypatch):
     (layout, mesh), text = _choose("20MiB")
     assert "cp" not in mesh and "cp" not in layout, (layout, mesh, text)
     assert asked == [False]  # cp layouts not planned when whole sequences fit
-
-
-def test_cp_inside_pipeline_stages_plans():
-    """fsdp_cp_pp plans (cp=2 x pp=2): the ring's sends over cp inside the stages, and stage
-    0 sends per micro-batch its cp rank's half of the sequence of the hidden state (and
-    receives its gradient), never the whole sequence."""
-    from meshlm.models import Llama, llama_config
-    from meshlm.plan import plan_model
-
-    cfg = llama_config("llama_tiny", layers=4)
-    accum = 2
-    p = plan_model(
-        lambda device: Llama(cfg, device=device),
-        "fsdp_cp_pp",
-        {"cp": 2, "pp": 2},
-        global_batch=B,
-        seq=S,
-        grad_accum=accum,
-    )
-    assert any(x.kind == "send" and x.axes == ("cp",) for x in p.comm)
-    st = p.formulas["stages"][0]
-    assert st["send_bytes"] == st["recv_bytes"] == accum * (B // accum) * (S // 2) * cfg.embed * 4

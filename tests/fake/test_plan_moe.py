@@ -50,19 +50,3 @@ def test_no_expert_parallel_no_all_to_all():
     e = p.formulas["moe"]
     assert e["all_to_all_count"] == 0 and not [x for x in p.comm if x.kind == "all_to_all"]
     assert e["expert_bytes"] == moe_config("moe_tiny").layers * 8 * 3 * 32 * 16 * 4  # experts whole, embed / 4
-
-
-def test_planned_stages_send_their_side_outputs():
-    """fsdp_ep_pp plans (pp=2 x ep=2): the routing's all-to-all over ep inside the stages,
-    and stage 0 sends per micro-batch its ep rank's rows of the hidden state and of its
-    block's per-row auxiliary loss (NOTE [side outputs] in meshlm/runtime/pipeline/stage.py),
-    and receives their gradients."""
-    from meshlm.plan import plan_model
-
-    B, S, accum = 8, 32, 2
-    c = moe_config("moe_tiny")
-    p = plan_model(Build(), "fsdp_ep_pp", {"pp": 2, "ep": 2}, global_batch=B, seq=S, grad_accum=accum)
-    assert any(x.kind == "all_to_all" and x.axes == ("ep",) for x in p.comm)
-    rows = B // accum // 2  # one block on each stage: one aux loss of (rows,) crosses
-    st = p.formulas["stages"][0]
-    assert st["send_bytes"] == st["recv_bytes"] == accum * (rows * S * c.embed * 4 + rows * 4)
