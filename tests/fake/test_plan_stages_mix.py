@@ -54,3 +54,21 @@ def test_cp_inside_pipeline_stages_plans():
     assert any(x.kind == "send" and x.axes == ("cp",) for x in p.comm)
     st = p.formulas["stages"][0]
     assert st["send_bytes"] == st["recv_bytes"] == accum * (B // accum) * (S // 2) * cfg.embed * 4
+
+
+def test_bad_combinations_name_the_key():
+    """What the stages cannot split is refused by name before anything runs: experts that
+    ep does not divide (``params.experts``), a sequence that balanced cp chunks do not
+    divide (``context.balance``)."""
+    import pytest
+
+    from meshlm.core.errors import MeshlmError
+    from meshlm.models import Llama, MoETransformer, llama_config
+    from meshlm.plan import plan_model
+
+    moe3 = lambda device: MoETransformer(moe_config("moe_tiny", experts=3), device=device)  # noqa: E731
+    with pytest.raises(MeshlmError, match=r"'experts' \(size 3\) is not divisible by mesh axis ep.*params\.experts"):
+        plan_model(moe3, "fsdp_ep_pp", {"pp": 2, "ep": 2}, global_batch=B, seq=S, grad_accum=2)
+    llama = lambda device: Llama(llama_config("llama_tiny", layers=4), device=device)  # noqa: E731
+    with pytest.raises(MeshlmError, match=r"context\.balance\), so it must be a multiple of 2\*cp = 4"):
+        plan_model(llama, "fsdp_cp_pp", {"cp": 2, "pp": 2}, global_batch=B, seq=30, grad_accum=2)
