@@ -23,7 +23,9 @@ NOTE [planning stages]
     rank's receive-buffer bytes (tests/dist/test_pipeline.py).
 
     Point-to-point bytes come from the cut: per micro-batch, each boundary between ranks
-    sends the hidden state forward and its gradient back (NOTE [pipeline cut]); the step's
+    sends the hidden state forward and its gradient back (NOTE [pipeline cut]), with the
+    side outputs of the blocks before it (NOTE [side outputs] in
+    meshlm/runtime/pipeline/stage.py: a mixture of experts' auxiliary losses); the step's
     loss all-reduce over pp is added.  The plan's memory is the fullest rank's, its
     collectives that rank's, and ``formulas["stages"]`` holds every rank's.
 """
@@ -92,25 +94,29 @@ def _emulate(pipe, order, inputs, recv: dict) -> None:
         sm = here[s]
         if kind == "F":
             if s == 0:
-                inp = inputs[m][0][0]
-            elif (s - 1) in here:
-                inp = live[(s - 1, m)][1].detach().requires_grad_(True)
-            else:
-                inp = recv[("fwd", s)][m].detach().requires_grad_(True)
-            live[(s, m)] = (inp, sm(inp))
+                inp = (inputs[m][0][0],)
+            else:  # the hidden state and any side outputs (NOTE [side outputs] in meshlm/runtime/pipeline/stage.py)
+                got = live[(s - 1, m)][1] if (s - 1) in here else recv[("fwd", s)][m]
+                inp = tuple(t.detach().requires_grad_(True) for t in got)
+            out = sm(*inp)
+            live[(s, m)] = (inp, out if isinstance(out, tuple) else (out,))
         elif kind in ("B", "I"):
             inp, out = live.pop((s, m))
             if s == n - 1:
-                outs, grads = [out.sum() / pipe.microbatches], None
+                outs, grads = [out[0].sum() / pipe.microbatches], None
             else:
-                outs, grads = [out], [handed.pop((s, m)) if (s + 1) in here else recv[("bwd", s)][m]]
+                back = handed.pop((s, m)) if (s + 1) in here else recv[("bwd", s)][m]
+                # a side output the loss does not use (its coefficients 0) has or gets no gradient
+                kept = [(o, g) for o, g in zip(out, back) if g is not None and o.requires_grad]
+                outs, grads = [o for o, _g in kept], [g for _o, g in kept]
             if kind == "B":
                 torch.autograd.backward(outs, grads)
-                g = inp.grad if inp.requires_grad else None
+                g = tuple(t.grad for t in inp) if inp[0].requires_grad else None
             elif s == 0:  # torch's first stage has no input gradient: all of its backward runs at W
                 groups[(s, m)], g = ("full", outs, grads), None
             else:  # input gradients now, weight gradients at this micro-batch's W (torch's zero bubble)
-                (g,), pg = compat.stage_backward_input(outs, grads, [inp], sm.parameters())
+                g, pg = compat.stage_backward_input(outs, grads, list(inp), sm.parameters())
+                g = tuple(g)
                 groups[(s, m)] = ("weight", pg)
             if s > 0 and (s - 1) in here:
                 handed[(s - 1, m)] = g
@@ -160,11 +166,9 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
             for sm in pipe.stage_modules:  # torch's receive buffers: one per micro-batch and boundary between ranks
                 s = sm.stage
                 if s > 0 and ranks[s - 1] != ranks[s]:
-                    shape, dt = pipe.boundary_shape(pipe.cut.stages[s][0])
-                    recv[("fwd", s)] = [torch.empty(shape, dtype=dt) for _ in range(m)]
+                    recv[("fwd", s)] = [_buffers(pipe, s) for _ in range(m)]
                 if s < len(ranks) - 1 and ranks[s + 1] != ranks[s]:
-                    shape, dt = pipe.boundary_shape(pipe.cut.stages[s + 1][0])
-                    recv[("bwd", s)] = [torch.empty(shape, dtype=dt) for _ in range(m)]
+                    recv[("bwd", s)] = [_buffers(pipe, s + 1) for _ in range(m)]
 
             def step(actions=order, cc=None):
                 with pipe.gathering():
@@ -186,7 +190,7 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
                 list(pipe.model.parameters())
                 + list(opt.masters().values())
                 + [v for s in opt.inner.state.values() for v in s.values() if torch.is_tensor(v)]
-                + [t for ts in recv.values() for t in ts]
+                + [t for bufs in recv.values() for ts in bufs for t in ts]
             )
             cc, peak = CommCounter(mesh), PeakStorage(seed)
             with cc, peak:
@@ -203,6 +207,11 @@ def _measure_rank(build, lay, sizes: dict, r: int, micro: int, seq: int, m: int,
         compat.clear_dtensor_caches()
 
 
+def _buffers(pipe, stage: int) -> tuple:
+    """torch's receive buffers for what enters ``stage``: the hidden state and any side outputs."""
+    return tuple(torch.empty(shape, dtype=dt) for shape, dt in pipe.boundary_tensors(stage))
+
+
 def _p2p(pipe, m: int) -> dict[str, tuple[int, int]]:
     """This rank's sends and receives per step (count, bytes): per micro-batch and stage
     boundary between ranks, the hidden state forward and its gradient back."""
@@ -215,11 +224,11 @@ def _p2p(pipe, m: int) -> dict[str, tuple[int, int]]:
             (s, s > 0 and ranks[s - 1] != ranks[s]),
         ):
             if cross:
-                shape, dt = pipe.boundary_shape(pipe.cut.stages[nb][0])
-                b = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-                for k in ("send", "recv"):
-                    out[k][0] += m
-                    out[k][1] += m * b
+                for shape, dt in pipe.boundary_tensors(nb):
+                    b = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+                    for k in ("send", "recv"):
+                        out[k][0] += m
+                        out[k][1] += m * b
     return {k: tuple(v) for k, v in out.items()}
 
 
@@ -247,8 +256,6 @@ def plan_pipeline(
     lay = load_layout(layout)
     spec = MeshSpec.parse(mesh)
     sizes = {a: n for a, n in spec.axes if n > 1}
-    if sizes.get("ep", 1) > 1:
-        raise ConfigError("meshlm plan: pipeline layouts with an ep axis are not supported")
     if dist.is_initialized() and dist.get_backend() != "fake":
         raise ConfigError("meshlm plan measures on a fake process group; plan before the process group starts")
     kw = dict(shard_kw or {})

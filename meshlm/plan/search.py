@@ -162,8 +162,8 @@ def candidates(
         if (piped or load_layout(lay).scopes) and planner is None:  # the analytic planner models neither
             continue  # pipeline stages nor scopes (NOTE [scoped layouts] in meshlm/core/scopes.py)
         used = load_layout(lay).mesh_axes_used()
-        if "ep" in used or ("cp" in used) != context:
-            continue  # the search does not factor ep yet; cp only when asked (NOTE [cp candidates])
+        if "ep" in used or ("cp" in used) != context or (piped and "cp" in used):
+            continue  # the search does not factor ep, nor cp with pp, yet; cp only when asked (NOTE [cp candidates])
         axes = (
             ("dp", "fsdp", "tp", "pp") if piped else (("dp", "fsdp", "tp", "cp") if context else ("dp", "fsdp", "tp"))
         )

@@ -23,14 +23,16 @@ from harness import tolerances as tol
 pool4 = dist_pool_fixture(4, timeout_s=60)
 pool8 = dist_pool_fixture(8, timeout_s=120)
 MODEL = {"_target_": "meshlm.models.llama_model", "name": "llama_tiny", "layers": 4}
+MOE = {"_target_": "meshlm.models.moe_model", "vocab": 256, "embed": 64, "layers": 2, "heads": 8, "kv_heads": 4,
+       "experts": 8, "top_k": 2, "expert_mlp": 32}  # conf/model/moe_tiny.yaml
 
 
-def _cfg(layout: str, mesh: dict, steps: int, ckpt: str, resume: bool) -> RunConfig:
+def _cfg(layout: str, mesh: dict, steps: int, ckpt: str, resume: bool, model: dict = MODEL) -> RunConfig:
     t = {"steps": steps, "batch_size": 8, "seq_len": 16, "grad_accum": 2, "lr": 3e-3, "min_lr": 3e-3,
          "warmup_steps": 1, "val_every": 0, "val_batches": 1, "progress": False, "count_comm": False,
          "pg_timeout_s": 60}
     # gpipe: pp=4 with the 2 micro-batches every leg takes (1f1b would need 4)
-    return from_dict({"model": MODEL, "layout": {"name": layout}, "mesh": mesh, "train": t,
+    return from_dict({"model": model, "layout": {"name": layout}, "mesh": mesh, "train": t,
                       "checkpoint": {"dir": ckpt, "resume": "auto" if resume else None},
                       "pipeline": {"schedule": "gpipe" if mesh.get("pp") == 4 else "1f1b"}})
 
@@ -65,7 +67,8 @@ def _close(got, ref):
     (("fsdp_tp_pp", {"fsdp": 2, "tp": 2, "pp": 2}), ("fsdp", {"fsdp": 4})),
     (("fsdp", {"fsdp": 4}), ("fsdp_tp_pp", {"fsdp": 2, "tp": 2, "pp": 2})),
     (("fsdp_pp", {"fsdp": 2, "pp": 2}), ("pp", {"pp": 4})),
-], ids=["fsdp_tp_pp8-to-fsdp4", "fsdp4-to-fsdp_tp_pp8", "pp2xfsdp2-to-pp4"])
+    (("fsdp_cp_pp", {"cp": 2, "pp": 2}), ("fsdp", {"fsdp": 4})),
+], ids=["fsdp_tp_pp8-to-fsdp4", "fsdp4-to-fsdp_tp_pp8", "pp2xfsdp2-to-pp4", "cp2xpp2-to-fsdp4"])
 def test_resume_under_another_layout(pool4, pool8, reference, tmp_path, first, second):
     ck = str(tmp_path / "ck")
     pools = {4: pool4, 8: pool8}
@@ -80,8 +83,29 @@ def test_resume_under_another_layout(pool4, pool8, reference, tmp_path, first, s
     _close(a + b, reference)
 
 
+def test_moe_resume_from_ep_inside_stages_to_fsdp(pool4, tmp_path):
+    """A mixture of experts saved under fsdp_ep_pp (ep=2 x pp=2, its auxiliary losses on)
+    resumes under fsdp on 4 with the losses of a run that stayed under fsdp."""
+    ref = pool4.run(_run, _cfg("fsdp", {"fsdp": 4}, 4, str(tmp_path / "ck0"), False, MOE), str(tmp_path / "r"))[0]
+    ck = str(tmp_path / "ck")
+    a = pool4.run(_run, _cfg("fsdp_ep_pp", {"pp": 2, "ep": 2}, 2, ck, False, MOE), str(tmp_path / "a"))[0]
+    keys = _saved_keys(ck)
+    assert {k for k in keys if k.startswith("model/")} == {f"model/{n}" for n in _state_names(MOE)}, keys
+    b = pool4.run(_run, _cfg("fsdp", {"fsdp": 4}, 4, ck, True, MOE), str(tmp_path / "b"))[0]
+    assert len(a) == 2 and len(b) == 2, (a, b)
+    _close(a + b, ref)
+
+
 def _param_names() -> list[str]:
     from meshlm.app.model_build import build_model
     from meshlm.models.node import ModelConfig
 
     return [n for n, _ in build_model(ModelConfig.from_dict(MODEL), "meta").named_parameters()]
+
+
+def _state_names(model: dict) -> list[str]:
+    """Parameters and buffers (the experts' selection bias) of ``model``."""
+    from meshlm.app.model_build import build_model
+    from meshlm.models.node import ModelConfig
+
+    return list(build_model(ModelConfig.from_dict(model), "meta").state_dict())

@@ -555,8 +555,25 @@ class _Job:
                 assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, layout says {want}"
             else:  # ZeRO-1, pipelines: unreduced over the data axes until the step, as computed elsewhere
                 want = _local_grad_placements(placements(plan.compute, g.device_mesh), g.device_mesh, st.layout)
-                assert tuple(g.placements) == want, f"grad of {n} has placements {g.placements}, expected {want}"
+                got = _whole_from_inputs(tuple(g.placements), want, g.device_mesh)
+                assert got == want, f"grad of {n} has placements {g.placements}, expected {want}"
             assert not compat.in_flight(compat.local_tensor(g)), f"grad of {n} is still in flight after backward"
+
+
+def _whole_from_inputs(got: tuple, want: tuple, mesh) -> tuple:
+    """``got`` with Replicate read as the Partial ``want`` has on each mesh axis that does not
+    split the model's inputs (``ep``: its ranks read the same examples,
+    ``meshlm.layout.rules.INPUT_MESH_AXES``): a parameter used on the inputs before the batch
+    is split there (the embedding) gets its gradient whole over that axis, already summed."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    from meshlm.layout.rules import INPUT_MESH_AXES
+
+    names = mesh.mesh_dim_names
+    return tuple(
+        w if g == Replicate() and w == Partial() and names[i] not in INPUT_MESH_AXES else g
+        for i, (g, w) in enumerate(zip(got, want))
+    )
 
 
 def _local_grad_placements(compute, mesh, layout) -> tuple:

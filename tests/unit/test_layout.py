@@ -101,7 +101,13 @@ def test_axes_a_layout_maps_and_the_mesh_axes_it_uses():
 
 def test_which_layouts_are_pipelined():
     """``layers: pp`` in storage or in compute cuts stages; no other mapping does."""
-    assert {n for n in shipped_layouts() if is_pipelined(load_layout(n))} == {"pp", "fsdp_pp", "fsdp_tp_pp"}
+    assert {n for n in shipped_layouts() if is_pipelined(load_layout(n))} == {
+        "pp",
+        "fsdp_pp",
+        "fsdp_tp_pp",
+        "fsdp_ep_pp",
+        "fsdp_cp_pp",
+    }
     assert is_pipelined(parse_layout({"params": {"layers": "pp"}}))
     assert is_pipelined(parse_layout({"compute": {"layers": ["fsdp", "pp"]}}))
     assert not is_pipelined(parse_layout({"params": {"layers": "fsdp"}, "compute": {"embed": "pp"}}))

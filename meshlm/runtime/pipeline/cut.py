@@ -16,7 +16,10 @@ NOTE [pipeline cut]
 
     What crosses a boundary is the first positional argument of the next stage's first
     block, the hidden state (its other arguments must not depend on parameters of earlier
-    stages: the receiving stage recomputes them, from the inputs and buffers it sees).
+    stages: the receiving stage recomputes them, from the inputs and buffers it sees),
+    together with the tensors the blocks of earlier stages return after their hidden state
+    (NOTE [side outputs] in meshlm/runtime/pipeline/stage.py: a mixture of experts' auxiliary
+    losses).
 
     Blocks are balanced by parameter count (with the pre and post parameters counted on
     the first and last stage), or split by hand (``split``: blocks per stage).  With
@@ -54,6 +57,9 @@ class Probe:
     # block FQN -> whether the forward draws from torch's generator from that block's entry on
     tail_draws: dict[str, bool] = field(default_factory=dict)
     inside: dict[str, str] = field(default_factory=dict)  # parameter FQN -> its outer block's FQN
+    # block FQN -> its side outputs (NOTE [side outputs] in stage.py): (position in the
+    # returned tuple, global shape, dtype) of each tensor it returns after the hidden state
+    sides: dict[str, tuple] = field(default_factory=dict)
 
 
 def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None) -> Probe:
@@ -88,6 +94,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
     uses: dict[str, set[int]] = {fqn: set() for fqn in numel}
     draws: dict[str, bool] = {}
     same: dict[str, bool] = {}
+    sides: dict[str, tuple] = {}
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, torch.dtype] = {}
     at_entry: dict[str, torch.Tensor] = {}
@@ -118,6 +125,10 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
         draws[fqn] = not torch.equal(at_entry[fqn], torch.get_rng_state())
         first = args[0] if args else None
         same[fqn] = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and out.shape == first.shape
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            sides[fqn] = tuple(
+                (i, tuple(o.shape), o.dtype) for i, o in enumerate(out) if i > 0 and isinstance(o, torch.Tensor)
+            )
 
     for b in blocks:
         hooks.add_hooks(b, hooks.PROBE, pre=enter, post=leave, with_kwargs=True)
@@ -138,7 +149,7 @@ def probe(shadow: nn.Module, args: Sequence[Any], kwargs: Optional[dict] = None)
             f"pipeline parallelism: {type(shadow).__name__} calls no @meshlm.block module in its forward; stages are "
             "cut at blocks, so mark the unit that repeats (a transformer layer) with @meshlm.block"
         )
-    return Probe(order, numel, uses, draws, same, shapes, dtypes, tail, inside)
+    return Probe(order, numel, uses, draws, same, shapes, dtypes, tail, inside, sides)
 
 
 @dataclass(frozen=True)

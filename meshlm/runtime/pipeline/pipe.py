@@ -70,7 +70,7 @@ from meshlm.layout.rules import Layout, is_pipelined, load_layout  # noqa: F401 
 from meshlm.runtime import hooks
 from meshlm.runtime.pipeline.cut import Cut, Probe, cut, probe
 from meshlm.runtime.pipeline.schedule import make_schedule, schedule_spec
-from meshlm.runtime.pipeline.stage import MicroBatches, StageModule, block_call
+from meshlm.runtime.pipeline.stage import MicroBatches, StageModule, block_call, side_axes, side_order
 
 DEFAULT_AXES: Axes = ("batch", "seq", "embed")
 
@@ -202,6 +202,21 @@ class Pipeline:
                 local[p.dim] //= self.sub.size(i)
         return tuple(local), st.compute_dtype or self.probe.dtypes[block]
 
+    def boundary_tensors(self, stage: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Local shape and dtype of each tensor entering ``stage`` (> 0) from the stage before:
+        the hidden state, then the side outputs of the blocks before it (NOTE [side outputs]
+        in meshlm/runtime/pipeline/stage.py)."""
+        out = [self.boundary_shape(self.cut.stages[stage][0])]
+        st = self.model._meshlm_state
+        rows = self.probe.shapes[self.cut.stages[0][0]][0]
+        for _fqn, shape, dt in side_order(self.cut, self.probe.sides, stage - 1):
+            local = list(shape)
+            for i, p in enumerate(st.activation_placements(side_axes(shape, rows), shape)):
+                if p.is_shard():
+                    local[p.dim] //= self.sub.size(i)
+            out.append((tuple(local), dt))
+        return out
+
     def _stages(self, first_input: torch.Tensor) -> list:
         from torch.distributed.pipelining import PipelineStage
 
@@ -211,15 +226,21 @@ class Pipeline:
             if s == 0:
                 inp = first_input
             else:
-                shape, dt = self.boundary_shape(self.cut.stages[s][0])
-                inp = torch.empty(shape, dtype=dt, device=self.device, requires_grad=True)
+                inp = self._buffers(s)
             if s < n - 1:
-                shape, dt = self.boundary_shape(self.cut.stages[s + 1][0])
-                res = torch.empty(shape, dtype=dt, device=self.device, requires_grad=True)
+                res = self._buffers(s + 1)
             else:
                 res = torch.empty((1,), device=self.device, requires_grad=True)
             out.append(PipelineStage(sm, s, n, self.device, input_args=inp, output_args=res, group=self.group))
         return out
+
+    def _buffers(self, stage: int):
+        """Empty tensors like what enters ``stage``: one, or a tuple with side outputs."""
+        ts = tuple(
+            torch.empty(shape, dtype=dt, device=self.device, requires_grad=True)
+            for shape, dt in self.boundary_tensors(stage)
+        )
+        return ts[0] if len(ts) == 1 else ts
 
     def _loss_fn(self, out, target):
         # NOTE [token weighting] in meshlm/core/weighting.py: micro-batch j's loss weighted by its
@@ -341,13 +362,17 @@ class Pipeline:
             for s in range(n):
                 rank = self.cut.ranks[s]
                 if s > 0 and rank != self.cut.ranks[s - 1] and rank == self.pp_rank:
-                    shape, dt = self.boundary_shape(self.cut.stages[s][0])
-                    h = torch.empty(shape, dtype=dt, device=self.device)
-                    dist.recv(h, src=dist.get_global_rank(self.group, self.cut.ranks[s - 1]), group=self.group)
+                    h = tuple(
+                        torch.empty(shape, dtype=dt, device=self.device) for shape, dt in self.boundary_tensors(s)
+                    )
+                    for t in h:
+                        dist.recv(t, src=dist.get_global_rank(self.group, self.cut.ranks[s - 1]), group=self.group)
                 if rank == self.pp_rank:
-                    h = here[s](args[0]) if s == 0 else here[s](h)
+                    h = here[s](args[0]) if s == 0 else here[s](*h)
+                    h = h if isinstance(h, tuple) else (h,)
                     if s < n - 1 and self.cut.ranks[s + 1] != rank:
-                        dist.send(h, dst=dist.get_global_rank(self.group, self.cut.ranks[s + 1]), group=self.group)
+                        for t in h:
+                            dist.send(t, dst=dist.get_global_rank(self.group, self.cut.ranks[s + 1]), group=self.group)
             if self.mbs.losses[0] is not None:  # the last stage's rank: weighed as loss_fn weighs it
                 self._weigh(0)
             total += self.finish()
@@ -412,7 +437,7 @@ def build_pipeline(
         calls[fqn] = (blk, block_call(fqn, blk, shadow.get_submodule(fqn), skip, not pr.tail_draws[fqn]))
         hooks.wrap_call(blk, hooks.PIPELINE, calls[fqn][1])
     mbs = MicroBatches()
-    stages = [StageModule(model, s, c, calls, None, pick_loss, axes, mbs) for s in mine]
+    stages = [StageModule(model, s, c, calls, pr, pick_loss, axes, mbs) for s in mine]
     pipe = Pipeline(model, stages, c, pr, mesh, sub, spec, microbatches, axes, mbs, regather)
     hooks.set_attrs(model, hooks.PIPELINE, _meshlm_pipeline=pipe)  # what meshlm.unshard gathers over pp with
     return pipe

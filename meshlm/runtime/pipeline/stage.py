@@ -34,6 +34,23 @@ NOTE [stage forward]
     (train.seed, step, m), the parity harness reseeds likewise), or else each stage's own
     chain from the step's start state, one full forward per micro-batch.  After the step
     the generator is at the state after the last micro-batch's forward, as on one device.
+
+NOTE [side outputs]
+    A block may return more than its hidden state: a tuple whose first element is the
+    hidden state and whose other tensors are *side outputs* (a mixture-of-experts block's
+    per-row auxiliary losses, which the model adds up over its blocks and into its loss).
+    They travel down the pipeline with the hidden state, so that the last stage computes
+    the loss one device computes, its value and its gradient: a stage sends the hidden
+    state followed by the side outputs of every block of its own and earlier stages, in
+    block order (the probe records each block's: ``Probe.sides``), and a stage returns,
+    for a block of an earlier stage, the side outputs it received for it in place of
+    ``Absent`` ones.  Their gradients come back with the hidden state's: the schedules'
+    backward sends a gradient for every tensor a stage received.
+
+    A side output whose first dim is the hidden state's (per row) crosses with the
+    placements of ``("batch", None, ...)``, any other whole (replicated), in the dtype
+    the probe saw.  Per micro-batch and boundary that is a few bytes for per-row
+    auxiliary losses beside the hidden state's ``b·s·h``.
 """
 
 from __future__ import annotations
@@ -66,6 +83,10 @@ class StageRun:
     state: Any  # the model's ShardState
     axes: Axes  # logical axes of a hidden state at a boundary
     output: Optional[Tensor] = None  # what this stage sends
+    # NOTE [side outputs]: block FQN -> its side outputs, received (earlier stages' blocks)
+    # or computed here (this stage's), in the order of the block's ``Probe.sides``
+    sides: dict = field(default_factory=dict)
+    specs: dict = field(default_factory=dict)  # block FQN -> its Probe.sides
 
 
 def _absent_args(args, kwargs) -> list[str]:
@@ -116,38 +137,66 @@ def block_call(fqn: str, blk: nn.Module, twin: nn.Module, skip: bool, stop: bool
                     "parameters of another stage; only its first argument (the hidden state) crosses stages, so "
                     "compute the others from the model's inputs and buffers, or use a layout without pp"
                 )
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
+            if run.specs.get(fqn):
+                run.sides[fqn] = [out[i] for i, _shape, _dtype in run.specs[fqn]]
+            return out
         if skip:
             return absent_like(args[0])
         if twin.training != blk.training:  # dropout draws in training mode only
             twin.train(blk.training)
-        return twin(*args, **kwargs)
+        out = twin(*args, **kwargs)
+        if fqn in run.sides:  # a block of an earlier stage: its side outputs as received
+            out = list(out)
+            for (i, _shape, _dtype), t in zip(run.specs[fqn], run.sides[fqn]):
+                out[i] = t
+            out = tuple(out)
+        return out
 
     return call
 
 
-def boundary_placements(run: StageRun, shape) -> tuple:
-    return run.state.activation_placements(run.axes, shape)
+def boundary_placements(run: StageRun, shape, axes: Optional[Axes] = None) -> tuple:
+    return run.state.activation_placements(run.axes if axes is None else axes, shape)
 
 
-def receive(run: StageRun, recv: Tensor, like: Tensor) -> Tensor:
-    """The hidden state received from the previous stage, as the forward holds it there: a
-    copy, since torch may receive the next micro-batch into the same buffer while this one's
-    autograd graph still holds it (torch 2.11 does)."""
+def side_axes(shape, rows: int) -> Axes:
+    """The logical axes a side output of ``shape`` crosses stages with (NOTE [side outputs]):
+    per row where its first dim is the hidden state's ``rows``, else whole."""
+    if len(shape) and shape[0] == rows:
+        return ("batch",) + (None,) * (len(shape) - 1)
+    return (None,) * len(shape)
+
+
+def side_order(cut, sides: dict, stage: int) -> list[tuple[str, tuple, torch.dtype]]:
+    """(block FQN, global shape, dtype) of each side output stage ``stage`` sends, after the
+    hidden state (NOTE [side outputs]): those of the blocks of stages up to ``stage``."""
+    blocks = [b for st in cut.stages[: stage + 1] for b in st]
+    return [(b, shape, dt) for b in blocks for _i, shape, dt in sides.get(b, ())]
+
+
+def receive(run: StageRun, recv: Tensor, like: Tensor, axes: Optional[Axes] = None) -> Tensor:
+    """A tensor received from the previous stage (the hidden state, or a side output with
+    its ``axes``), as the forward holds it there: a copy, since torch may receive the next
+    micro-batch into the same buffer while this one's autograd graph still holds it (torch
+    2.11 does)."""
     st = run.state
     recv = recv.clone()  # differentiable: the gradient still reaches the received tensor
     if st.local_now:
         return recv
-    pl = boundary_placements(run, like.shape)
+    pl = boundary_placements(run, like.shape, axes)
     stride = torch.empty(like.shape, device="meta").stride()
     return DTensor.from_local(recv, st.mesh, pl, run_check=False, shape=like.shape, stride=stride)
 
 
-def send_value(run: StageRun, h: Tensor) -> Tensor:
-    """What this stage sends for hidden state ``h``: a plain contiguous tensor, and not a
-    view (torch's zero-bubble schedules detach a stage's output in place)."""
+def send_value(run: StageRun, h: Tensor, axes: Optional[Axes] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """What this stage sends for hidden state ``h`` (or a side output with its ``axes``, in
+    ``dtype``): a plain contiguous tensor, and not a view (torch's zero-bubble schedules
+    detach a stage's output in place)."""
     if isinstance(h, DTensor):
-        h = h.redistribute(h.device_mesh, boundary_placements(run, h.shape)).to_local()
+        h = h.redistribute(h.device_mesh, boundary_placements(run, h.shape, axes)).to_local()
+    if dtype is not None:
+        h = h.to(dtype)
     h = h.contiguous()
     return h.clone() if compat.is_view(h) else h
 
@@ -172,8 +221,11 @@ class StageModule(nn.Module):
     weight gradients from it); the sharded model is not a submodule, so that several
     stages of one rank share it."""
 
-    def __init__(self, model, stage: int, cut, calls: dict, twin_blocks, pick_loss: Callable, axes: Axes, mbs):
+    def __init__(self, model, stage: int, cut, calls: dict, probe, pick_loss: Callable, axes: Axes, mbs):
         super().__init__()
+        self._sides = probe.sides  # block FQN -> its side outputs (NOTE [side outputs])
+        # rows of a micro-batch's hidden state: a side output with as many crosses per row
+        self.rows = (probe.shapes.get(cut.stages[0][0]) or (None,))[0]
         object.__setattr__(self, "_model", model)
         self.stage, self.cut, self.mbs = stage, cut, mbs
         self._calls = calls  # block FQN -> its outer call (block_call)
@@ -217,7 +269,10 @@ class StageModule(nn.Module):
             received[0] if self.stage > 0 else None,
             self._model._meshlm_state,
             self._axes,
+            specs=self._sides,
         )
+        if self.stage > 0:
+            self._take_sides(run, received[1:])
         self._install()
         with compat.outside_fake():  # generator states are real tensors, also in the planner's fake step
             state = torch.get_rng_state()
@@ -238,17 +293,46 @@ class StageModule(nn.Module):
                     f"pipeline parallelism: the forward never reached block `{run.boundary}`, where stage "
                     f"{self.stage + 1} begins"
                 )
-            return send_value(run, run.output)
+            return self._send(run)
         loss = self._pick_loss(out)
         if is_absent(loss):
             raise ConfigError(
                 "pipeline parallelism: the loss depends on parameters of another stage (a head tied to the "
-                "embedding, or a skip connection around the blocks); the last stage computes the loss from the "
-                "hidden state it receives and its own parameters"
+                "embedding, a skip connection around the blocks, or something a block returns after its hidden "
+                "state that is not a tensor); the last stage computes the loss from the hidden state it receives, "
+                "the tensors the earlier stages' blocks return beside it, and its own parameters"
             )
         self.mbs.losses[m] = loss.detach()  # read after the step (a planner's fake step has no values)
         self.mbs.weights[m] = weighting.weight_tensor(loss)  # NOTE [token weighting] in meshlm/core/weighting.py
         return loss.reshape(1)  # torch's schedules concatenate the last stage's outputs
+
+    def _take_sides(self, run: StageRun, received: tuple) -> None:
+        """The side outputs received from the previous stage, by block (NOTE [side outputs])."""
+        order = side_order(self.cut, self._sides, self.stage - 1)
+        if len(received) != len(order):
+            raise MeshlmError(f"pipeline stage {self.stage}: {len(received)} side outputs received, {len(order)} sent")
+        for (fqn, shape, _dt), t in zip(order, received):
+            like = torch.empty(shape, device="meta")
+            run.sides.setdefault(fqn, []).append(receive(run, t, like, side_axes(shape, self.rows)))
+
+    def _send(self, run: StageRun):
+        """The hidden state, then every side output up to this stage (NOTE [side outputs])."""
+        h = send_value(run, run.output)
+        order = side_order(self.cut, self._sides, self.stage)
+        if not order:
+            return h
+        left = {fqn: list(ts) for fqn, ts in run.sides.items()}
+        out = [h]
+        for fqn, shape, dt in order:
+            t = left[fqn].pop(0)
+            if is_absent(t):
+                raise ConfigError(
+                    f"pipeline parallelism: block `{fqn}` returns, after its hidden state, a tensor that depends "
+                    "on parameters of another stage; what a block returns besides its hidden state must come "
+                    "from its own computation"
+                )
+            out.append(send_value(run, t, side_axes(shape, self.rows), dt))
+        return tuple(out)
 
     def _install(self) -> None:
         """Every outer block's call goes through block_call (again, after an in-place compile)."""
