@@ -63,8 +63,10 @@ CASES = [
     ("fsdp_tp_cp", "tp=2,cp=2", {}),
     ("fsdp_ep", "fsdp=2,ep=2", {"build": MoEBuild()}),  # experts split over ep
     ("fsdp_tp_ep", "tp=2,ep=2", {"build": MoEBuild()}),
+    ("fsdp_ep_pp", "ep=2,pp=2", {"build": MoEBuild()}),  # experts over ep inside 2 stages
+    ("fsdp_cp_pp", "cp=2,pp=2", {"build": LLAMA4}),
 ]
-PIPELINED = {"pp", "fsdp_pp", "fsdp_tp_pp"}
+PIPELINED = {"pp", "fsdp_pp", "fsdp_tp_pp", "fsdp_ep_pp", "fsdp_cp_pp"}
 
 
 class SeqLM(nn.Module):
