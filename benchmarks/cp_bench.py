@@ -54,7 +54,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -74,14 +73,20 @@ MESHLM = [  # (name, layout, attention, mesh, cp)
 TORCH_CPS = (1, 2, 4)
 
 
-def _layout_file(attention: str, balance: bool, folder: str) -> str:
+def _cp_layout(attention: str, balance: bool):
+    """layouts/fsdp_cp.yaml with its context section set, built in memory on each rank.  (It
+    was once a file every rank rewrote in one shared folder: a rank that read it while another
+    had truncated it got an empty layout, hence the default ring attention, and waited in the
+    allgather variant's first all-gather for a rank that was running the ring.)"""
     import yaml
 
-    data = yaml.safe_load((ROOT / "layouts" / "fsdp_cp.yaml").read_text())
+    from meshlm.layout.rules import parse_layout
+
+    path = ROOT / "layouts" / "fsdp_cp.yaml"
+    data = yaml.safe_load(path.read_text())
     data["context"] = {"attention": attention, "balance": balance}
-    path = Path(folder) / f"fsdp_cp_{attention}_{'bal' if balance else 'unbal'}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    name = f"fsdp_cp ({attention}, balance {balance})"
+    return parse_layout(data, name=name, source=f"{path} with context.attention: {attention}")
 
 
 def _tokens(cfg, batch: int, seq: int):
@@ -214,7 +219,7 @@ def _formula(cfg, opts, attention: str, cp: int) -> int:
     return cfg.layers * per
 
 
-def _bench(opts: dict, folder: str) -> dict:
+def _bench(opts: dict) -> dict:
     import torch.distributed as dist
 
     from bench_layouts import interleaved
@@ -223,7 +228,7 @@ def _bench(opts: dict, folder: str) -> dict:
     cfg = llama_config(opts["model"])
     variants, out = {}, {}
     for name, layout, attention, mesh_shape, cp in MESHLM:
-        lay = layout if attention is None else _layout_file(attention, opts["balance"], folder)
+        lay = layout if attention is None else _cp_layout(attention, opts["balance"])
         key = f"{name} cp={cp}"
         variants[key] = _build_meshlm(cfg, lay, mesh_shape, cp, opts)
         out[key] = dict(impl="meshlm", attention=attention, mesh=mesh_shape, cp=cp)
@@ -309,8 +314,8 @@ def main(argv=None) -> int:
     from harness import DistPool
 
     opts = vars(args)
-    with tempfile.TemporaryDirectory() as folder, DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
-        results = pool.run(_bench, opts, folder)[0]
+    with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
+        results = pool.run(_bench, opts)[0]
     meta = dict(
         opts,
         date=datetime.date.today().isoformat(),
