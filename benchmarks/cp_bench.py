@@ -50,8 +50,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -267,7 +265,8 @@ def render(results: dict, meta: dict) -> str:
     lines = [
         f"# Context parallel: meshlm against no cp and a hand-written torch ring, {meta['model']}, 4 CPU ranks",
         "",
-        f"Measured {meta['date']} on {meta['machine']}; torch {meta['torch']}; `{meta['command']}`.",
+        f"Measured {meta['date']} on {meta['machine']}, commit {meta['commit']}; torch {meta['torch']}; "
+        f"`{meta['command']}`; load average (1, 5, 15 min) {meta['load_before']} before, {meta['load_after']} after.",
         f"seq {meta['seq']}, {meta['rows']} row(s) per rank (global batch rows x 4 / cp), fp32, SGD, "
         f"balance {meta['balance']}. Held: activation memory live at the end of forward, above the step's start "
         "(PeakStorage; the largest rank's). Peak: the step's peak above its start. Step: the slowest rank's, median "
@@ -311,16 +310,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seq % 8:
         raise SystemExit(f"--seq {args.seq}: must divide into 2*cp = 8 chunks (cp up to 4, balanced)")
+    import run_meta
     from harness import DistPool
 
     opts = vars(args)
+    load_before = run_meta.load()
     with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
         results = pool.run(_bench, opts)[0]
     meta = dict(
         opts,
         date=datetime.date.today().isoformat(),
-        machine=f"{platform.machine()}, {os.cpu_count()} cores",
+        machine=run_meta.machine(),
         torch=torch.__version__,
+        commit=run_meta.commit(),
+        load_before=load_before,
+        load_after=run_meta.load(),
         command="python benchmarks/cp_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     out = Path(args.out)
