@@ -166,7 +166,7 @@ def _build_meshlm(name, layout, mesh_shape, dims, opts):
     opt.reduce_grads()
     grads = {n: m.grad.full_tensor() for n, m in opt.masters().items()}
     opt.zero_grad()
-    check = _compare(float(loss), grads, *_reference(dims, full, X, Y))
+    check = _compare(float(loss.detach()), grads, *_reference(dims, full, X, Y))
 
     def comm():
         cc = CommCounter(mesh)
