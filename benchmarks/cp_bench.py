@@ -49,11 +49,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -73,14 +70,20 @@ MESHLM = [  # (name, layout, attention, mesh, cp)
 TORCH_CPS = (1, 2, 4)
 
 
-def _layout_file(attention: str, balance: bool, folder: str) -> str:
+def _cp_layout(attention: str, balance: bool):
+    """layouts/fsdp_cp.yaml with its context section set, built in memory on each rank.  (It
+    was once a file every rank rewrote in one shared folder: a rank that read it while another
+    had truncated it got an empty layout, hence the default ring attention, and waited in the
+    allgather variant's first all-gather for a rank that was running the ring.)"""
     import yaml
 
-    data = yaml.safe_load((ROOT / "layouts" / "fsdp_cp.yaml").read_text())
+    from meshlm.layout.rules import parse_layout
+
+    path = ROOT / "layouts" / "fsdp_cp.yaml"
+    data = yaml.safe_load(path.read_text())
     data["context"] = {"attention": attention, "balance": balance}
-    path = Path(folder) / f"fsdp_cp_{attention}_{'bal' if balance else 'unbal'}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    name = f"fsdp_cp ({attention}, balance {balance})"
+    return parse_layout(data, name=name, source=f"{path} with context.attention: {attention}")
 
 
 def _tokens(cfg, batch: int, seq: int):
@@ -207,7 +210,7 @@ def _formula(cfg, opts, attention: str, cp: int) -> int:
     return cfg.layers * per
 
 
-def _bench(opts: dict, folder: str) -> dict:
+def _bench(opts: dict) -> dict:
     import torch.distributed as dist
 
     from bench_layouts import interleaved
@@ -216,7 +219,7 @@ def _bench(opts: dict, folder: str) -> dict:
     cfg = llama_config(opts["model"])
     variants, out = {}, {}
     for name, layout, attention, mesh_shape, cp in MESHLM:
-        lay = layout if attention is None else _layout_file(attention, opts["balance"], folder)
+        lay = layout if attention is None else _cp_layout(attention, opts["balance"])
         key = f"{name} cp={cp}"
         variants[key] = _build_meshlm(cfg, lay, mesh_shape, cp, opts)
         out[key] = dict(impl="meshlm", attention=attention, mesh=mesh_shape, cp=cp)
@@ -255,7 +258,8 @@ def render(results: dict, meta: dict) -> str:
     lines = [
         f"# Context parallel: meshlm against no cp and a hand-written torch ring, {meta['model']}, 4 CPU ranks",
         "",
-        f"Measured {meta['date']} on {meta['machine']}; torch {meta['torch']}; `{meta['command']}`.",
+        f"Measured {meta['date']} on {meta['machine']}, commit {meta['commit']}; torch {meta['torch']}; "
+        f"`{meta['command']}`; load average (1, 5, 15 min) {meta['load_before']} before, {meta['load_after']} after.",
         f"seq {meta['seq']}, {meta['rows']} row(s) per rank (global batch rows x 4 / cp), fp32, SGD, "
         f"balance {meta['balance']}. Held: activation memory live at the end of forward, above the step's start "
         "(PeakStorage; the largest rank's). Peak: the step's peak above its start. Step: the slowest rank's, median "
@@ -299,16 +303,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seq % 8:
         raise SystemExit(f"--seq {args.seq}: must divide into 2*cp = 8 chunks (cp up to 4, balanced)")
+    import run_meta
     from harness import DistPool
 
     opts = vars(args)
-    with tempfile.TemporaryDirectory() as folder, DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
-        results = pool.run(_bench, opts, folder)[0]
+    load_before = run_meta.load()
+    with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
+        results = pool.run(_bench, opts)[0]
     meta = dict(
         opts,
         date=datetime.date.today().isoformat(),
-        machine=f"{platform.machine()}, {os.cpu_count()} cores",
+        machine=run_meta.machine(),
         torch=torch.__version__,
+        commit=run_meta.commit(),
+        load_before=load_before,
+        load_after=run_meta.load(),
         command="python benchmarks/cp_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     out = Path(args.out)

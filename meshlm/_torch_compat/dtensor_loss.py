@@ -195,7 +195,10 @@ def _nll_mean_backward(torch_handler, op_call, args, kwargs):
 #     batch split over 2 ranks gets gradients 2x too large (found with a user model's
 #     F.mse_loss under a data-parallel layout on a 2-D mesh; tests/dist/test_inputs_outputs.py
 #     and tests/dist/test_dtensor_rules.py).  The fix scales the result by local / global
-#     count, per rank (uneven shards too).  Composite losses (l1, kl_div, poisson, BCE with
+#     count, per rank (uneven shards too), counted on the gradient: the rule may split the
+#     input further than it came (replicated over tp, split over tp where the target is), and
+#     the kernel's mean is over the elements it ran on (an MoE stack under fsdp_tp_ep on
+#     tp=2 x ep=2 had every gradient 2x before this).  Composite losses (l1, kl_div, poisson, BCE with
 #     logits) decompose into ops DTensor reduces correctly and need nothing.
 _MEAN_LOSS_BACKWARD = {
     getattr(aten, name).default: i
@@ -214,7 +217,8 @@ def _mean_loss_backward_handler(op_call, args, kwargs):
     out = _default(op_call, args, kwargs)
     i = _MEAN_LOSS_BACKWARD[op_call]
     reduction = args[i] if len(args) > i else kwargs.get("reduction", 1)
-    x = args[1]
-    if reduction != 1 or not isinstance(x, DTensor) or x._local_tensor.numel() == x.numel():
+    # the share of the elements the kernel ran on is the gradient's (laid out as the rule
+    # split the input, which may be finer than the input came: a replicated dim split too)
+    if reduction != 1 or not isinstance(out, DTensor) or out._local_tensor.numel() == out.numel():
         return out
-    return out * (x._local_tensor.numel() / x.numel())
+    return out * (out._local_tensor.numel() / out.numel())

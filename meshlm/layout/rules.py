@@ -184,6 +184,11 @@ def load_layout(name_or_path: "str | os.PathLike | Layout") -> Layout:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise LayoutError(f"layout file {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    if data is None:  # an empty file (or one being rewritten) is never "replicate everything" by accident
+        raise LayoutError(
+            f"layout file {path} is empty (no sections); a layout is a mapping with sections "
+            f"{', '.join(SECTIONS)}; write `params: {{}}` for one that keeps every tensor whole"
+        )
     desc = "\n".join(ln[1:].strip() for ln in text.splitlines() if ln.startswith("#")).strip()
     return parse_layout(data, name=path.stem, source=str(path), description=desc)
 

@@ -63,6 +63,39 @@ def test_reduced_loss_gradients_on_batch_sharded_inputs(pool4, mesh, rows):
         assert r == {name: True for name in LOSSES}
 
 
+def _finer_split_job():
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import meshlm
+    from meshlm._torch_compat import dtensor_ops as _dtensor_ops
+    from harness import tolerances as tol
+
+    _dtensor_ops.install()
+    mesh = meshlm.make_mesh("tp=2,ep=2")
+    g = torch.Generator().manual_seed(0)
+    x0, t = torch.randn(4, 4, 6, generator=g), torch.randn(4, 4, 6, generator=g)
+    out = {}
+    for name in ("mse", "smooth_l1", "huber", "soft_margin"):
+        x = x0.clone().requires_grad_()
+        LOSSES[name](x, t).backward()
+        xd = distribute_tensor(x0, mesh, [Replicate(), Shard(0)]).requires_grad_()
+        loss = LOSSES[name](xd, distribute_tensor(t, mesh, [Shard(1), Shard(0)]))
+        loss.full_tensor().backward()
+        torch.testing.assert_close(xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL,
+                                   atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max()), msg=lambda m: f"{name}: {m}")  # fmt: skip
+        out[name] = True
+    return out
+
+
+def test_mean_loss_backward_where_the_rule_splits_the_input_further(pool4):
+    """NOTE [mean loss backward] where the input came replicated over tp and the target
+    split over tp: DTensor's rule splits the input too, so the kernel's mean is over a
+    quarter of the elements, not the half the input held (found by benchmarks/moe_bench.py's
+    MoE stack under fsdp_tp_ep on tp=2 x ep=2: every gradient 2x one device's)."""
+    for r in pool4.run(_finer_split_job):
+        assert r == {name: True for name in ("mse", "smooth_l1", "huber", "soft_margin")}
+
+
 # --------------------------------------------------------------------------- NOTE [local view]
 def _local_view_job(mesh_shape):
     """A user's attention-style ``o.transpose(1, 2).flatten(2, 3)`` on a DTensor whose local
@@ -96,8 +129,9 @@ def _local_view_job(mesh_shape):
     got = F.linear(o.transpose(1, 2).flatten(2, 3), wd).sin().sum()
     got.backward()
     torch.testing.assert_close(got.full_tensor(), ref, rtol=tol.LOSS_RTOL, atol=0)
-    torch.testing.assert_close(xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL,
-                               atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max()))
+    torch.testing.assert_close(
+        xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max())
+    )
     # Where the local tensor can be viewed, the result is still a view of it (no copy).
     v = distribute_tensor(x0, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))
     assert v.view(2, 3 * 4 * n)._local_tensor.data_ptr() == v._local_tensor.data_ptr()
@@ -140,8 +174,9 @@ def _strided_unflatten_job(mesh_shape):
     got = (flat.sin() * distribute_tensor(t, mesh, pl).flatten(0, 1)).sum()
     got.backward()
     torch.testing.assert_close(got.full_tensor(), ref, rtol=tol.LOSS_RTOL, atol=0)
-    torch.testing.assert_close(xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL,
-                               atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max()))
+    torch.testing.assert_close(
+        xd.grad.full_tensor(), x.grad, rtol=tol.GRAD_RTOL, atol=tol.GRAD_ATOL_OF_MAX * float(x.grad.abs().max())
+    )
     return True
 
 

@@ -161,6 +161,22 @@ def test_a_layout_by_path_or_by_name(tmp_path, monkeypatch):
         load_layout("nope")
 
 
+def test_an_empty_layout_file_is_an_error(tmp_path):
+    """An empty file (or one of comments only, or one caught while another process rewrites
+    it) is refused, not read as a layout that keeps every tensor whole: benchmarks/cp_bench.py
+    once had ranks read a layout file another rank had just truncated, and they ran different
+    attention variants until gloo timed out.  ``params: {}`` says "whole" on purpose."""
+    for text in ("", "# only a comment\n"):
+        p = tmp_path / "empty.yaml"
+        p.write_text(text)
+        with pytest.raises(
+            LayoutError, match=rf"^layout file {re.escape(str(p))} is empty \(no sections\);.*params: \{{\}}"
+        ):
+            load_layout(str(p))
+    p.write_text("params: {}\n")
+    assert (load_layout(str(p)).params, load_layout(str(p)).compute) == ({}, {})
+
+
 def test_unknown_mesh_axis_in_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("compute:\n  batch: [dp, fdsp]\n")
