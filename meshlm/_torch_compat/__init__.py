@@ -12,6 +12,7 @@ reads DCP's checkpoint metadata without running code.  Each file imports only fi
     dtensor_ops.py          installs the rules, each scoped to meshlm's meshes; waiting for a redistribute
     dtensor_replication.py  plain tensors next to DTensors as replicated, on meshlm's meshes only
     dtensor_alltoall.py     a shard-to-shard redistribute on a CPU mesh as one gloo all-to-all
+    dtensor_costs.py        strategy costs of strided shards on meshes of three or more dims
     dtensor_views.py        views of a local tensor laid out unlike its global strides, strided unflatten
     dtensor_loss.py         cross entropy on class-sharded logits, the backward of mean-reduced losses
     dtensor_embedding.py    vocab-parallel embedding

@@ -45,6 +45,10 @@ meshlm/_torch_compat/dtensor_scope.py).  What it adds (installed once, on the fi
 * ``bool(x)``, ``x.item()`` of a Partial or sharded DTensor: the global value, not the local
   part DTensor reads, so a data-dependent branch takes one path on every rank (NOTE [global
   scalars] in meshlm/_torch_compat/dtensor_scalar.py).
+* The price of a candidate strategy whose input holds a ``_StridedShard`` on a mesh of three
+  or more dims: the sum of its per-dim moves, not torch's path search over the mesh's
+  states, which took minutes per rank on fsdp x tp x cp (NOTE [strided costs] in
+  meshlm/_torch_compat/dtensor_costs.py).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import threading
 
 from torch.distributed.tensor import DTensor
 
-from meshlm._torch_compat import dtensor_alltoall, dtensor_replication, dtensor_scope, dtensor_views
+from meshlm._torch_compat import dtensor_alltoall, dtensor_costs, dtensor_replication, dtensor_scope, dtensor_views
 from meshlm._torch_compat.dtensor_base import aten
 from meshlm._torch_compat.dtensor_base import default as _default
 from meshlm._torch_compat.dtensor_base import wrap as wrap
@@ -123,6 +127,7 @@ def install() -> None:
         _layer_loss_parallel(_loss)
         dtensor_replication.install()
         dtensor_alltoall.install()
+        dtensor_costs.install()
         _installed = True
 
 

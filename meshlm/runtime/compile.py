@@ -48,7 +48,7 @@ NOTE [compiled cp]
     meshlm/runtime/cp/ops.py, called opaquely, and the balanced order's permutations
     (NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py) trace as ordinary ops
     (``arange``, ``cat``, ``index_select``) whose indices depend on sizes only.  Checked with ``aot_eager`` against one device
-    (tests/dist/test_cp.py); the backward graph is traced with the forward at the first
+    under fsdp_cp and fsdp_tp_cp (tests/dist/test_cp.py); the backward graph is traced with the forward at the first
     call, inside the same wrapper.  Inductor gets the same graphs and is not refused, but no
     test checks it under cp: four processes compiling C++ on the project's two-core CPU
     machine ran past ten minutes (docs/cp.md, compile).

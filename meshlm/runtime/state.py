@@ -92,6 +92,11 @@ INVENTORY: dict[str, tuple[str, str]] = {
         "torch's shard_dim_alltoall, kept once replaced: called for GPU meshes and meshes meshlm did not make "
         "(NOTE [cpu all-to-all])",
     ),
+    "meshlm/_torch_compat/dtensor_costs.py:_STOCK": (
+        PATCH,
+        "torch's redistribute_cost, kept once replaced: called on meshes of one or two dims and meshes meshlm "
+        "did not make (NOTE [strided costs])",
+    ),
     "meshlm/_torch_compat/dtensor_ops.py:_MINE": (
         PATCH,
         "the DTensor dispatcher entries meshlm installs; torch's dispatcher is the process's",

@@ -16,6 +16,7 @@ from harness import dist_pool_fixture
 from harness.parity import LlamaBuild, TokenBatches, assert_parity, check_training
 
 pool4 = dist_pool_fixture(4, timeout_s=120)
+pool8 = dist_pool_fixture(8, timeout_s=120)
 
 LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
 
@@ -58,6 +59,21 @@ def test_fsdp_tp_cp_parity_on_4(pool4):
     assert_parity(res)
 
 
+def test_fsdp_tp_cp_parity_on_8(pool8):
+    """The shipped 8-process mesh fsdp2_tp2_cp2: ZeRO-3, tensor and context parallel at once,
+    two steps of one micro-batch (16 tokens, 8 rows) against one device."""
+    res = pool8.run(
+        check_training,
+        "fsdp_tp_cp",
+        "fsdp=2,tp=2,cp=2",
+        batches=TokenBatches(batch=8, seq=16),
+        optims=("sgd",),
+        steps=2,
+        grad_accum=1,
+    )
+    assert_parity(res)
+
+
 @pytest.mark.parametrize("layout,mesh", [("fsdp_cp", "fsdp=2,cp=2"), ("fsdp_tp_cp", "tp=2,cp=2")])
 def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
     """Sequences of 2,048 tokens, as long-context training runs them (2 rows a micro-batch)."""
@@ -65,17 +81,25 @@ def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
     assert_parity(res)
 
 
-@pytest.mark.parametrize("attention", ["ring", "allgather"])
-def test_compiled_fsdp_cp_parity(pool4, tmp_path, attention):
-    """``train.compile=aot_eager`` under fsdp_cp with balanced chunks: every block compiled whole
-    (fullgraph), the attention as the two opaque custom ops of NOTE [cp ops], the strided-shard
-    index math kept out of the trace (NOTE [compiled cp] in meshlm/runtime/compile.py)."""
-    layout = _variant(tmp_path, "fsdp_cp", attention=attention, balance=True)
+@pytest.mark.parametrize(
+    "base,mesh,attention",
+    [
+        ("fsdp_cp", "fsdp=2,cp=2", "ring"),
+        ("fsdp_cp", "fsdp=2,cp=2", "allgather"),
+        ("fsdp_tp_cp", "tp=2,cp=2", "ring"),
+    ],
+)
+def test_compiled_cp_parity(pool4, tmp_path, base, mesh, attention):
+    """``train.compile=aot_eager`` under the cp layouts with balanced chunks: every block compiled
+    whole (fullgraph), the attention as the two opaque custom ops of NOTE [cp ops], the
+    strided-shard index math kept out of the trace (NOTE [compiled cp] in
+    meshlm/runtime/compile.py); under fsdp_tp_cp the heads and mlp split over tp as well."""
+    layout = _variant(tmp_path, base, attention=attention, balance=True)
     job_timeout = pool4.job_timeout_s
     pool4.job_timeout_s = 300  # four processes compiling on two cores: not a hang
     try:
         res = pool4.run(
-            check_training, layout, "fsdp=2,cp=2", batches=TokenBatches(seq=32), optims=("sgd",), compile="aot_eager"
+            check_training, layout, mesh, batches=TokenBatches(seq=32), optims=("sgd",), compile="aot_eager"
         )
     finally:
         pool4.job_timeout_s = job_timeout
