@@ -20,7 +20,8 @@ NOTE [counted blocks]
     The planner counts blocks so only where it is exact in kind: lists of at least
     ``MIN_BLOCKS``, no pipeline (stages cut the list), no scopes or offload (their
     figures are kept per module).  ``tests/fake/test_plan_counted.py`` holds the counted
-    figures to the fully measured ones, every field, for each shipped layout.
+    figures to the fully measured ones, every field, for one layout of each kind, and
+    ``benchmarks/plan_counted_sweep.py`` for each shipped layout.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ def test_measured_plan_ends_with_the_train_command_of_its_winner(tmp_path, capsy
     argv = [
         "layout=auto",
         "model=llama_tiny",
+        "model.layers=1",  # a fake step per candidate: one block is enough for the command
         "mesh=dp2",
         "train.batch_size=4",
         "train.seq_len=8",
@@ -144,7 +145,8 @@ def test_measured_plan_ends_with_the_train_command_of_its_winner(tmp_path, capsy
     out = capsys.readouterr().out
     winner = out.splitlines()[2].split()
     cmd = out.strip().splitlines()[-1]
-    assert cmd.startswith("run it: meshlm train model=llama_tiny train.batch_size=4 train.seq_len=8 "), cmd
+    given = "model=llama_tiny model.layers=1 train.batch_size=4 train.seq_len=8"
+    assert cmd.startswith(f"run it: meshlm train {given} "), cmd
     assert f"layout={winner[1]}" in cmd and "plan." not in cmd and "mesh=dp2" not in cmd
     sizes = dict(kv.split("=") for kv in winner[2].split(","))
     assert [f"mesh.{a}={sizes.get(a, 1)}" for a in ("dp", "fsdp", "tp")] == cmd.split(f"layout={winner[1]} ")[1].split()

@@ -40,13 +40,13 @@ def test_rules_act_on_meshlm_meshes_only(meshes):
         # meshlm's vocab-parallel rule: a plain partial sum; DTensor's: its masked subclass of Partial
         assert (type(emb.placements[0]) is Partial) == is_mine, emb.placements
         torch.testing.assert_close(emb.full_tensor(), F.embedding(ids, table), rtol=0, atol=0)
-        q = distribute_tensor(torch.randn(1, 2, 4, 8), mesh, [Shard(1)]).requires_grad_()
         if is_mine:  # meshlm's CPU flash attention rules, forward and backward
+            q = distribute_tensor(torch.randn(1, 2, 4, 8), mesh, [Shard(1)]).requires_grad_()
             F.scaled_dot_product_attention(q, q, q).sum().backward()
             assert tuple(q.grad.placements) == (Shard(1),)
-        else:  # DTensor has no rule for the backward (torch 2.13 decomposes the forward; 2.11 has none)
-            with pytest.raises(NotImplementedError):
-                F.scaled_dot_product_attention(q, q, q).sum().backward()
+        # On the other mesh DTensor has no rule for the backward: tests/dist/test_stock_dtensor.py
+        # ("cpu flash attention backward", as in workers without meshlm).  Here it would cost
+        # ~10 s: torch 2.13 propagates the forward's sharding through its decomposition.
 
 
 def test_implicit_replication_on_meshlm_meshes_only(meshes):

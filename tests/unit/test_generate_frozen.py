@@ -16,15 +16,15 @@ from meshlm.models.llama import Llama, LlamaConfig
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9]]
 
 
-def _llama(seed):
-    return Llama(LlamaConfig(vocab=256, embed=64, layers=2, heads=8, kv_heads=2, mlp=96), seed=seed).eval()
+def _llama(seed, layers=2):
+    return Llama(LlamaConfig(vocab=256, embed=64, layers=layers, heads=8, kv_heads=2, mlp=96), seed=seed).eval()
 
 
 def test_frozen_step_follows_the_weights():
     """Three compiled calls in a row: each equals eager's tokens for the weights of the moment,
     though dynamo would happily reuse a frozen graph for them (its guards see the same
     parameter objects after an in-place update)."""
-    a, b = _llama(1), _llama(2)
+    a, b = _llama(1, layers=1), _llama(2, layers=1)  # one block: each compile costs seconds
     new = 12
     eager_a = generate(a, PROMPTS, max_new_tokens=new)
     assert generate(a, PROMPTS, max_new_tokens=new, compile="inductor") == eager_a
