@@ -35,7 +35,8 @@ MESHES = {"ddp": {"dp": 4}, "zero1": {"dp": 4}, "zero2": {"dp": 4}, "fsdp": {"fs
           # context parallel: the sequence split over cp, attention over cp (docs/cp.md)
           "fsdp_cp": {"fsdp": 2, "cp": 2}, "fsdp_tp_cp": {"tp": 2, "cp": 2},
           # pipelines (layers: pp), 2 micro-batches a step (train.grad_accum): meshlm/runtime/pipeline/
-          "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2}}
+          "pp": {"dp": 2, "pp": 2}, "fsdp_pp": {"fsdp": 2, "pp": 2}, "fsdp_tp_pp": {"tp": 2, "pp": 2},
+          "fsdp_ep_pp": {"ep": 2, "pp": 2}, "fsdp_cp_pp": {"cp": 2, "pp": 2}}
 TINY = {"_target_": "mymodels.TinyLM", "width": 32, "depth": 2, "heads": 4, "mlp": 64}
 
 
