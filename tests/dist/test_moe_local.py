@@ -69,14 +69,18 @@ def _run(layout: str, mesh_shape: str, capacity_factor):
     lay = _layout(layout)
     model = meshlm.shard(Stack(device="meta"), lay, mesh, seed=0)
     ref = Stack()
-    ref.load_state_dict({n: p.full_tensor() for n, p in model.state_dict().items()})
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    ref.load_state_dict({n: whole(p) for n, p in model.state_dict().items()})
     with Einsums() as mode:
         loss = model(*meshlm.shard_batch((x, w), lay, mesh))
     loss.backward()
     ref_loss = ref(x, w)
     ref_loss.backward()
-    grads = {n: (p.grad.full_tensor(), dict(ref.named_parameters())[n].grad) for n, p in model.named_parameters()}
-    return mode.seen, float(loss.full_tensor() if isinstance(loss, DTensor) else loss), float(ref_loss), grads
+    grads = {n: (whole(p.grad), dict(ref.named_parameters())[n].grad) for n, p in model.named_parameters()}
+    return mode.seen, float(whole(loss)), float(ref_loss), grads
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
