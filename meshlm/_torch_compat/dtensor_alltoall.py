@@ -19,7 +19,8 @@ NOTE [a2a copies]
     layout, and concatenating the received chunks along dim 0 is a view of them: one copy
     fewer on each side than stacking the chunks and concatenating them.  Expert
     parallelism's dispatch gathers along dim 0 (``batch``) and its return chunks along it,
-    so each of its all-to-alls, forward and backward, holds one buffer fewer at its peak.
+    so each of its all-to-alls, forward and backward, holds three buffers of its share at
+    its peak (input, send or result, received), not four.
 """
 
 from __future__ import annotations

