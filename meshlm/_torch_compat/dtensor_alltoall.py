@@ -12,6 +12,15 @@ NOTE [cpu all-to-all]
     counts as an ``all_to_all``).  Expert parallelism's dispatch and return are this move
     (NOTE [moe routing] in meshlm/core/moe.py).  Other meshes, and GPU meshes, keep
     torch's path (NOTE [scoped patches] in dtensor_scope.py).
+
+NOTE [a2a copies]
+    The exchange needs its send buffer contiguous with rank j's chunk j-th, and hands back
+    rank j's chunk j-th.  Chunking along dim 0 of a contiguous tensor is already that
+    layout, and concatenating the received chunks along dim 0 is a view of them: one copy
+    fewer on each side than stacking the chunks and concatenating them.  Expert
+    parallelism's dispatch gathers along dim 0 (``batch``) and its return chunks along it,
+    so each of its all-to-alls, forward and backward, holds three buffers of its share at
+    its peak (input, send or result, received), not four.
 """
 
 from __future__ import annotations
@@ -34,9 +43,13 @@ def shard_dim_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
     if mesh.device_type != "cpu" or not dtensor_scope.owns(mesh):
         return _STOCK[0](input, gather_dim, shard_dim, mesh, mesh_dim)
     n = mesh.size(mesh_dim)
-    send = torch.stack(torch.chunk(input, n, dim=shard_dim)).contiguous()  # (n, ...): chunk j for rank j
+    if input.shape[shard_dim] % n:
+        send = torch.stack(torch.chunk(input, n, dim=shard_dim))  # raises: equal splits only
+    # (n, ...): chunk j for rank j; a view, no copy, when shard_dim is 0 (NOTE [a2a copies])
+    send = input.unflatten(shard_dim, (n, -1)).movedim(shard_dim, 0).contiguous()
     got = wait_tensor(all_to_all_single(send, None, None, (mesh, mesh_dim)))
-    return torch.cat(got.unbind(0), dim=gather_dim).contiguous()
+    # rank j's chunk j-th along gather_dim; a view when gather_dim is 0
+    return got.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1).contiguous()
 
 
 def install() -> None:

@@ -63,6 +63,8 @@ from torch import Tensor, nn
 from meshlm.core.annotate import constrain
 from meshlm.core.axes import Axes
 from meshlm.core.errors import ConfigError
+from meshlm.core.moe_experts import experts
+from meshlm.core.rowwise import rowwise
 
 __all__ = ["MoE", "capacity", "route"]
 
@@ -100,6 +102,11 @@ def route(logits: Tensor, top_k: int, cap: int, norm_topk: bool = True, bias: Op
     dispatch = torch.einsum("bske,bskc->bsec", kept_pick, at)
     combine = torch.einsum("bske,bskc->bsec", kept_pick * gates[..., None], at)
     return dispatch, combine, pick.sum((1, 2)), kept_pick.sum((1, 2))
+
+
+def _combine(combine: Tensor, ye: Tensor) -> Tensor:
+    """The experts' outputs back to their tokens, gate-weighted: ``(batch, seq, embed)``."""
+    return torch.einsum("bsec,becd->bsd", combine.to(ye.dtype), ye)
 
 
 class MoE(nn.Module):
@@ -181,17 +188,15 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # x: (batch, seq, embed)
         x = constrain(x, ("batch", None, "embed"))  # each sequence whole: the routing group
-        logits = constrain(F.linear(x.float(), self.router.float()), ("batch", None, None))
         cap = capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor)
-        dispatch, combine, picks, kept = route(logits, self.top_k, cap, self.norm_topk, self.selection_bias)
+        # routing and dispatch, then the combine, on this rank's rows (NOTE [rowwise])
+        logits, combine, kept, aux, xe = rowwise(self._dispatch, x, self.router, self.selection_bias, cap)
+        logits = constrain(logits, ("batch", None, None))
         constrain(kept, ("batch", None))
-        xe = torch.einsum("bsec,bsd->becd", dispatch.to(x.dtype), x)
         xe = constrain(xe, ("batch", "experts", None, "embed"))  # to the experts' ranks
-        h = F.silu(torch.einsum("becd,emd->becm", xe, self.w_gate)) * torch.einsum("becd,emd->becm", xe, self.w_up)
-        h = constrain(h, ("batch", "experts", None, "mlp"))
-        ye = torch.einsum("becm,edm->becd", h, self.w_down)
+        ye = experts(xe, self.w_gate, self.w_up, self.w_down)  # NOTE [local experts]
         ye = constrain(ye, ("batch", None, None, "embed"))  # back to the tokens' ranks
-        y = torch.einsum("bsec,becd->bsd", combine.to(ye.dtype), ye)
+        y = rowwise(_combine, combine, ye)
         if self.shared_mlp:
             hs = F.silu(F.linear(x, self.shared_gate_proj)) * F.linear(x, self.shared_up)
             hs = constrain(hs, ("batch", None, "mlp"))
@@ -199,8 +204,17 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 ys = ys * torch.sigmoid(F.linear(x, self.shared_gate))
             y = y + ys
-        aux = constrain(self.aux_losses(logits, picks), ("batch",))
+        aux = constrain(aux, ("batch",))
         return constrain(y, ("batch", "seq", "embed")), aux
+
+    def _dispatch(self, x: Tensor, router: Tensor, bias: Tensor, cap: int):
+        """Each row's routing (NOTE [moe routing]): ``(logits, combine, kept, aux, xe)``, the
+        float32 router logits, the combine tensor, the kept pairs per expert, the weighted
+        auxiliary losses and the experts' buffer ``(batch, experts, cap, embed)``."""
+        logits = F.linear(x.float(), router.float())
+        dispatch, combine, picks, kept = route(logits, self.top_k, cap, self.norm_topk, bias)
+        xe = torch.einsum("bsec,bsd->becd", dispatch.to(x.dtype), x)
+        return logits, combine, kept, self.aux_losses(logits, picks), xe
 
     def aux_losses(self, logits: Tensor, picks: Tensor) -> Tensor:
         """Each row's ``balance_loss * load-balancing loss + z_loss * router z-loss``
