@@ -1,8 +1,8 @@
 """Context parallel (``seq: cp``, docs/cp.md) against one device: the loss, the gradient each
 optimizer steps with and the parameters after three steps of two micro-batches, for every
 cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation checkpointing, and at 2,048 tokens; and
-the bytes the attention moves against the formula of NOTE [cp attention], and the gradients' reductions on cp
-(meshlm/runtime/cp/ring.py).  GPT-2's learned positions and a user's own attention on
+the bytes the attention moves against the formula of NOTE [cp attention]
+(meshlm/runtime/cp/ring.py), and the gradients' reductions on cp.  GPT-2's learned positions and a user's own attention on
 ``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
 test_hf_gpt2.py and test_user_model.py.  The checks run in the workers
 (harness.parity.check_training; tolerances in meshlm/train/tolerances.py)."""
