@@ -64,8 +64,9 @@ def _comm(cfg, lay, sizes, params_, b, s, nbytes, batch_axes, accum, ac) -> list
                     gathers.append((ax, cur))
         regather = prm.in_block and any(a in DATA_AXES for a, _ in gathers)
         # bucketed: a block parameter moved to compute by gathers over data axes only, on a
-        # mesh with a data axis (lowering/blocks.py block_spec)
-        member = prm.in_block and bool(data_active) and all(a in DATA_AXES for a, _ in gathers)
+        # mesh with a data axis or cp (lowering/blocks.py block_spec; NOTE [cp gradients in
+        # buckets] in meshlm/runtime/bucket/__init__.py)
+        member = prm.in_block and bool(data_active or ctx_axes) and all(a in DATA_AXES for a, _ in gathers)
         for ax, nb in gathers:
             add(
                 "all_gather",

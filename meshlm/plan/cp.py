@@ -23,7 +23,8 @@ NOTE [planned cp]
       forward, its exchange included (phase backward).
     - the gradients: every parameter is replicated over cp and sees only this rank's tokens,
       so its gradient is Partial over cp and all-reduced over it (after the reduce-scatter
-      over the data axes that shard it, in one bucket with them); the scalar loss is summed
+      over the data axes that shard it; a block's parameters in one bucket, one flat
+      all-reduce per block, on meshes without a data axis too); the scalar loss is summed
       over cp as over the batch axes.
     tests/fake/test_plan_cp.py holds each against a counted step and the measured planner."""
 

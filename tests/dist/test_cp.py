@@ -2,7 +2,7 @@
 optimizer steps with and the parameters after three steps of two micro-batches, for every
 cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation checkpointing, and at 2,048 tokens; and
 the bytes the attention moves against the formula of NOTE [cp attention]
-(meshlm/runtime/cp/ring.py).  GPT-2's learned positions and a user's own attention on
+(meshlm/runtime/cp/ring.py), and the gradients' reductions on cp.  GPT-2's learned positions and a user's own attention on
 ``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
 test_hf_gpt2.py and test_user_model.py.  The checks run in the workers
 (harness.parity.check_training; tolerances in meshlm/train/tolerances.py)."""
@@ -185,6 +185,44 @@ def test_cp_attention_bytes_are_the_formula(pool4, tmp_path, attention):
     extras = {k: v for k, v in r["got"].items() if k[1] == "all_reduce"}
     assert extras.get(("forward", "all_reduce")) == 4, extras  # the loss: one float32
     assert set(extras) <= {("forward", "all_reduce"), ("backward", "all_reduce")}, extras
+
+
+def _grad_reductions(layout: str, mesh_shape: str) -> dict:
+    """The all-reduces on cp in one backward of llama_tiny (count and bytes), and the count and
+    bytes of a plain torch llama_tiny's parameters."""
+    import torch
+
+    import meshlm
+    from meshlm.models import Llama, llama_config
+    from meshlm.runtime.comm import CommCounter
+
+    cfg = llama_config("llama_tiny")
+    mesh = meshlm.make_mesh(mesh_shape)
+    model = meshlm.shard(Llama(cfg, device="meta"), layout, mesh, seed=0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (4, 64), generator=g), torch.randint(0, 256, (4, 64), generator=g))
+    tokens, labels = meshlm.shard_batch(batch, layout, mesh)
+    loss = model(tokens, labels)
+    cc = CommCounter(mesh)
+    with cc:
+        loss.backward()
+    ars = [r for r in cc.records if r.axes == ("cp",) and r.kind == "all_reduce"]
+    plain = list(Llama(cfg).parameters())
+    return {
+        "count": len(ars),
+        "bytes": sum(r.bytes for r in ars),
+        "params": len(plain),
+        "param_bytes": sum(p.numel() * p.element_size() for p in plain),
+    }
+
+
+def test_cp_gradients_reduce_per_block_on_a_cp_only_mesh(pool4, tmp_path):
+    """On cp=4 (no data axis) the gradients of the parameters, replicated over cp, are summed
+    over cp a block at a time (NOTE [cp gradients in buckets]): every parameter's bytes once,
+    in fewer all-reduces than parameters (they were one blocking all-reduce per parameter)."""
+    r = pool4.run(_grad_reductions, _variant(tmp_path, "fsdp_cp", attention="ring"), "cp=4")[0]
+    assert r["bytes"] == r["param_bytes"], r
+    assert r["count"] <= r["params"] // 3, r
 
 
 def _balanced_moves():

@@ -29,6 +29,12 @@ NOTE [block buckets]
     reduce-scatter, so on the scattered shard.  A parameter whose storage -> compute move is
     anything else is left to the per-parameter path (``meshlm.runtime.lowering.atuse.AtUse``).
 
+    NOTE [cp gradients in buckets]: a mesh with cp > 1 gets buckets even where it has no data
+    axis (``fsdp_cp`` on cp=4): parameters are replicated over cp, so the bucket gathers
+    nothing, but their gradients arrive Partial over cp and its backward sums them in one flat
+    all-reduce per block, where the per-parameter path issued one blocking all-reduce per
+    parameter (41 for llama_small; docs/cp.md, "Benchmark").
+
     Several data axes on one tensor dim (``embed: [dp, fsdp]``) are gathered inner axis
     first and reduce-scattered outer axis first, which keeps NOTE [shard order].
 

@@ -218,12 +218,15 @@ def block_spec(blk: nn.Module, st: ShardState, use_bucket: bool = True) -> Block
     data_dims = tuple(i for i, n in enumerate(names) if n in DATA_AXES)
     entries, members, regather = [], [], False
     pure = pure_data_parallel(st.layout, st.sizes)
+    # Parameters replicated over cp get gradients Partial over cp; a bucket sums them in one
+    # flat all-reduce per block (NOTE [cp gradients in buckets] in meshlm/runtime/bucket/__init__.py).
+    reduces = bool(data_dims) or pure or st.sizes.get("cp", 1) > 1
     for path, sub in blk.named_modules():
         for name, use in getattr(sub, "_meshlm_use", {}).items():
             regather |= use.regather
             p = sub._parameters[name]
             mem = bucket.member(p.placements, use.compute, use.grads, tuple(p.shape), p.dtype, data_dims)
-            if mem is not None and (data_dims or pure) and use_bucket:
+            if mem is not None and reduces and use_bucket:
                 entries.append((path, name))
                 members.append(mem)
     if not entries:
