@@ -47,8 +47,6 @@ Writes DIR/cp_bench.json and DIR/cp_bench.md (default benchmarks/results/cp_benc
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -304,29 +302,9 @@ def main(argv=None) -> int:
     if args.seq % 8:
         raise SystemExit(f"--seq {args.seq}: must divide into 2*cp = 8 chunks (cp up to 4, balanced)")
     import run_meta
-    from harness import DistPool
 
     opts = vars(args)
-    load_before = run_meta.load()
-    with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
-        results = pool.run(_bench, opts)[0]
-    meta = dict(
-        opts,
-        date=datetime.date.today().isoformat(),
-        machine=run_meta.machine(),
-        torch=torch.__version__,
-        commit=run_meta.commit(),
-        load_before=load_before,
-        load_after=run_meta.load(),
-        command="python benchmarks/cp_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-    )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cp_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    text = render(results, meta)
-    (out / "cp_bench.md").write_text(text)
-    print(text)
-    return 0
+    return run_meta.run_and_write("cp_bench", _bench, opts, render, argv)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 
 def _job(opts):
-    import cProfile
-    import io
-    import pstats
-    import time
-
     import torch.distributed as dist
 
     import cp_bench as cb
+    import run_meta
     from meshlm.models import llama_config
 
     cfg = llama_config(opts["model"])
@@ -43,15 +39,7 @@ def _job(opts):
             out[key] = _ops_profile(v["step"])
             dist.barrier()
             continue
-        prof = cProfile.Profile()
-        t = time.perf_counter()
-        prof.enable()
-        v["step"]()
-        prof.disable()
-        t = time.perf_counter() - t
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        out[key] = (t, text.getvalue())
+        out[key] = run_meta.profile_step(v["step"])
         dist.barrier()
     return out
 

@@ -38,8 +38,6 @@ Writes DIR/moe_bench.json and DIR/moe_bench.md (default benchmarks/results/moe_b
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -342,30 +340,9 @@ def main(argv=None) -> int:
     if args.batch % 4:
         raise SystemExit(f"--batch {args.batch}: must be a multiple of 4 (one share per rank)")
     import run_meta
-    from harness import DistPool
 
     opts = vars(args)
-    load_before = run_meta.load()
-    with DistPool(4, timeout_s=300, job_timeout_s=3600) as pool:
-        results = pool.run(_bench, opts)[0]
-    meta = dict(
-        opts,
-        dims=_dims(opts),
-        date=datetime.date.today().isoformat(),
-        machine=run_meta.machine(),
-        torch=torch.__version__,
-        commit=run_meta.commit(),
-        load_before=load_before,
-        load_after=run_meta.load(),
-        command="python benchmarks/moe_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-    )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    text = render(results, meta)
-    (out / "moe_bench.md").write_text(text)
-    print(text)
-    return 0
+    return run_meta.run_and_write("moe_bench", _bench, opts, render, argv, dims=_dims(opts))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 
 def _job(opts):
-    import cProfile
-    import io
-    import pstats
-    import time
-
     import torch.distributed as dist
 
     import moe_bench as mb
+    import run_meta
 
     dims = mb._dims(opts)
     ours = mb._build_meshlm("meshlm fsdp_ep", "fsdp_ep", "ep=4", dims, opts)
@@ -33,15 +29,7 @@ def _job(opts):
     for key, v in variants.items():
         v["step"]()
         dist.barrier()
-        prof = cProfile.Profile()
-        t = time.perf_counter()
-        prof.enable()
-        v["step"]()
-        prof.disable()
-        t = time.perf_counter() - t
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        out[key] = (t, text.getvalue())
+        out[key] = run_meta.profile_step(v["step"])
         dist.barrier()
     return out
 
