@@ -173,8 +173,8 @@ def _balanced_redistribute(orig, cp: CpMesh, local, cur, tgt, kwargs):
     rank r holds chunks r and 2n-1-r of dim d."""
     i = cp.index
     a, b = cur.placements[i], tgt.placements[i]
-    leave = _split(a) and a != b
-    enter = _split(b) and a != b
+    leave = is_split(a) and a != b
+    enter = is_split(b) and a != b
     if not leave and not enter:
         return orig(local, cur, tgt, **kwargs)
     kw = dict(kwargs)
@@ -194,7 +194,7 @@ def _balanced_redistribute(orig, cp: CpMesh, local, cur, tgt, kwargs):
     return orig(local, cur, tgt, **kwargs)
 
 
-def _split(p) -> bool:
+def is_split(p) -> bool:
     """A split of a dim: Shard, or _StridedShard (not a Shard subclass in torch 2.13)."""
     return isinstance(p, (Shard, _StridedShard))
 

@@ -40,8 +40,7 @@ import functools
 import gc
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from meshlm import _torch_compat as compat
 from meshlm._torch_compat import dtensor_cp
@@ -119,7 +118,7 @@ def leave_forward(spec: dtensor_cp.CpMesh, out):
 
 
 def _split_over_cp(t: DTensor, index: int) -> bool:
-    return isinstance(t.placements[index], (Shard, _StridedShard))
+    return dtensor_cp.is_split(t.placements[index])
 
 
 def _on_backward(spec: dtensor_cp.CpMesh, grad):
