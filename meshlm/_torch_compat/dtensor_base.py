@@ -11,14 +11,17 @@ from torch.distributed.tensor import DTensor
 aten = torch.ops.aten
 
 
-def wrap(local: Tensor, mesh, placements, shape, stride) -> DTensor:
+def wrap(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
     """``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``
+    (``stride`` None: a contiguous tensor's of ``shape``)
     for a tensor that no gradient flows back through: gradients made in backward, results
     of gathers inside an autograd Function, outputs of dispatch handlers.  Eager, it builds
     the DTensor from its spec directly, without from_local's autograd node and argument
     normalisation, several times cheaper, which adds up over every parameter's gradient
     in every step.  Traced code (torch.compile) and
     a ``local`` that records autograd go through from_local."""
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
     if (local.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return DTensor.from_local(
             local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from meshlm._torch_compat.dtensor_base import wrap
 from meshlm.core.annotate import constrain
 from meshlm.core.state import RUN
 
@@ -100,9 +101,7 @@ def _local(plan: list[str], xe: DTensor, w_gate: DTensor, w_up: DTensor, w_down:
         if RUN.observers:
             pl = [Shard(3) if k == "mlp" else p for k, p in zip(plan, xe.placements)]
             shape = (b, e, c, m)
-            dt = DTensor.from_local(
-                h.detach(), mesh, pl, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape)
-            )
+            dt = wrap(h.detach(), mesh, pl, shape)
             for fn in RUN.observers:
                 fn(dt, _H_AXES)
         return h
@@ -110,8 +109,4 @@ def _local(plan: list[str], xe: DTensor, w_gate: DTensor, w_up: DTensor, w_down:
     y = _swiglu(x, *ws, show)
     shape = (b, e, c, d)
     pl = [Partial() if k == "mlp" else p for k, p in zip(plan, xe.placements)]
-    return DTensor.from_local(y, mesh, pl, run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
+    return wrap(y, mesh, pl, shape)

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from meshlm._torch_compat.dtensor_base import wrap
+
 __all__ = ["rowwise"]
 
 
@@ -48,9 +50,7 @@ def rowwise(fn: Callable[..., Any], *args: Any) -> Any:
     mesh = next(a for a in args if isinstance(a, DTensor)).device_mesh
 
     def lift(t: Tensor) -> DTensor:
-        shape = torch.Size((t.shape[0] if nrows is None else nrows, *t.shape[1:]))
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(t, mesh, pl, run_check=False, shape=shape, stride=stride)
+        return wrap(t, mesh, pl, (t.shape[0] if nrows is None else nrows, *t.shape[1:]))
 
     return tuple(lift(t) for t in out) if isinstance(out, tuple) else lift(out)
 
