@@ -100,7 +100,7 @@ def leave_forward(spec: dtensor_cp.CpMesh, out):
     a gradient, so that backward runs under this model's settings."""
 
     def visit(path: str, t):
-        if isinstance(t, DTensor) and _split_over_cp(t, spec.index):
+        if isinstance(t, DTensor) and dtensor_cp.is_split(t.placements[spec.index]):
             spec.split_outputs = True
             other = clashes(spec)
             if other:
@@ -117,23 +117,19 @@ def leave_forward(spec: dtensor_cp.CpMesh, out):
     tree.map_tensors(out, visit, strict=False)
 
 
-def _split_over_cp(t: DTensor, index: int) -> bool:
-    return dtensor_cp.is_split(t.placements[index])
-
-
 def _on_backward(spec: dtensor_cp.CpMesh, grad):
     """Backward reaches an output of ``spec``'s model: its settings in force, unless this
     backward pass has run into a model with another balance on an equal mesh already."""
     task = compat.backward_task_id()
     if _OPEN["task"] != task:
         _OPEN["task"], _OPEN["specs"] = task, []
-    for other in _OPEN["specs"]:
-        if other is not spec and other.balance != spec.balance and (other.mesh is spec.mesh or other.mesh == spec.mesh):
-            raise ConfigError(
-                f"one backward pass runs through two models on equal meshes with different context.balance, "
-                f"{settings(other)} and {settings(spec)}: the autograd engine interleaves their nodes, and each "
-                "node must run under its own model's balance; call backward on each model's loss in turn, or " + _FIX
-            )
+    clash = [m for m in clashes(spec) if any(m is o for o in _OPEN["specs"])]
+    if clash:
+        raise ConfigError(
+            f"one backward pass runs through two models on equal meshes with different context.balance, "
+            f"{settings(clash[0])} and {settings(spec)}: the autograd engine interleaves their nodes, and each "
+            "node must run under its own model's balance; call backward on each model's loss in turn, or " + _FIX
+        )
     if spec not in _OPEN["specs"]:
         _OPEN["specs"].append(spec)
     dtensor_cp.activate(spec)
