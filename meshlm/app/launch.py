@@ -82,6 +82,9 @@ def _sibling_failures(failures: dict) -> dict:
             other = d / ef.name
             if d.name.isdigit() and int(d.name) not in failures and other.is_file():
                 try:
+                    # parse it here first: torch logs a traceback for a file it cannot parse,
+                    # and a half-written one (its writer still running) is no root cause
+                    json.loads(other.read_text())
                     out[int(d.name)] = ProcessFailure(local_rank=int(d.name), pid=0, exitcode=1, error_file=str(other))
                 except Exception:  # noqa: BLE001 - a half-written file: not a root cause
                     continue
