@@ -1,10 +1,12 @@
 """Parity of every shipped layout against one device: three optimizer steps, each over two
 accumulated micro-batches, with SGD (momentum) and AdamW, checked on the loss, the gradient
-each optimizer steps with, the parameters, the masters and the optimizer state.
+each optimizer steps with, the parameters, the masters and the optimizer state.  AdamW
+runs on every layout on 2 and in bf16; the cases on 4 step with SGD alone (the gradient
+scale shows there, and AdamW's step is elementwise on each shard whatever the mesh).
 
 Meshes of 2 and 4 gloo processes, 1-D and 2-D; every layout eager on 2 and under
-torch.compile (aot_eager per block, SGD) on 4, eager on 4 too (EAGER_4 and the cases after
-it), inductor for one; the overlapped reduction; bf16
+torch.compile (aot_eager per block, SGD; COMPILED), eager on 4 too (EAGER_4 and the cases
+after it), inductor for one; the overlapped reduction; bf16
 mixed precision as ``meshlm train`` runs it (ddp, zero1, zero2, fsdp, tp; overlapped too)
 against the same recipe in plain torch.  The checks run inside the workers
 (harness.parity.check_training); tolerances and their derivation are in
@@ -30,16 +32,18 @@ EAGER_2 = [
     ("single", "dp=2"), ("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "fsdp=2"), ("fsdp", "fsdp=2"),
     ("hsdp", "fsdp=2"), ("tp", "tp=2"), ("tp_sp", "tp=2"), ("fsdp_tp", "fsdp=2"), ("fsdp_tp_sp", "tp=2"),
 ]
-# Eager on 4: the pairs COMPILED_4 does not run, and those of its pairs no eager test below
-# runs (ddp, zero2, hsdp, tp on tp=4, fsdp_tp and fsdp_tp_sp run eager on 4 in OVERLAP_4, the
-# tied embeddings, the ignored targets, the class submesh or bf16).
+# Eager on 4: 2-D meshes and 1-D meshes of 4 (ddp, zero2, hsdp, tp on tp=4, fsdp_tp and
+# fsdp_tp_sp run eager on 4 in OVERLAP_4, the tied embeddings, the ignored targets, the class
+# submesh or bf16).
 EAGER_4 = [
     ("zero1", "dp=2,fsdp=2"), ("fsdp", "fsdp=4"), ("fsdp", "dp=2,fsdp=2"), ("tp", "dp=2,tp=2"), ("tp_sp", "tp=4"),
     ("tp_sp", "fsdp=2,tp=2"),
 ]
-COMPILED_4 = [
-    ("single", "dp=4"), ("ddp", "dp=4"), ("zero1", "dp=4"), ("zero2", "dp=4"), ("fsdp", "fsdp=4"),
-    ("hsdp", "dp=2,fsdp=2"), ("tp", "tp=4"), ("tp_sp", "tp=4"), ("fsdp_tp", "fsdp=2,tp=2"),
+# Compiled: the 1-D layouts on 2 (a 1-D mesh of 4 compiles the graph a 1-D mesh of 2 does;
+# test_parity_compiled_body_eager_comms compiles on 1-D meshes of 4), the 2-D ones on 4.
+COMPILED = [
+    ("single", "dp=2"), ("ddp", "dp=2"), ("zero1", "dp=2"), ("zero2", "dp=2"), ("fsdp", "fsdp=2"),
+    ("hsdp", "dp=2,fsdp=2"), ("tp", "tp=2"), ("tp_sp", "tp=2"), ("fsdp_tp", "fsdp=2,tp=2"),
     ("fsdp_tp_sp", "fsdp=2,tp=2"),
 ]
 # The overlapped reduction (NOTE [overlapped reduction] in meshlm/runtime/bucket/op.py; the default on
@@ -92,15 +96,20 @@ def test_parity_2(pool2, layout, mesh):
 
 @pytest.mark.parametrize("layout,mesh", EAGER_4, ids=_ids(EAGER_4))
 def test_parity_4(pool4, layout, mesh):
-    _ok(pool4.run(check_training, layout, mesh), layout, mesh)
+    """SGD (momentum) only: a mesh of 4 changes where the gradients are reduced and the
+    weights gathered, which the gradient each step takes shows; AdamW's step, elementwise
+    on each shard, runs on every layout on 2 (test_parity_2)."""
+    _ok(pool4.run(check_training, layout, mesh, optims=("sgd",)), layout, mesh)
 
 
-@pytest.mark.parametrize("layout,mesh", COMPILED_4, ids=_ids(COMPILED_4))
-def test_parity_compiled_aot_eager(pool4, layout, mesh):
+@pytest.mark.parametrize("layout,mesh", COMPILED, ids=_ids(COMPILED))
+def test_parity_compiled_aot_eager(pool2, pool4, layout, mesh):
     """SGD (momentum) only: compiling changes the blocks' forward and backward, which the
     gradient each step takes is checked on; the optimizer step runs eager either way, and
-    AdamW's runs on every layout eager above."""
-    _ok(pool4.run(check_training, layout, mesh, compile="aot_eager", optims=("sgd",)), layout, mesh)
+    AdamW's runs on every layout eager above.  Two steps: the second runs the compiled
+    blocks on the weights the first step moved, with momentum in the update."""
+    pool = pool4 if "," in mesh else pool2
+    _ok(pool.run(check_training, layout, mesh, compile="aot_eager", optims=("sgd",), steps=2), layout, mesh)
 
 
 def test_parity_compiled_inductor(pool2):
@@ -116,8 +125,9 @@ def test_parity_compiled_inductor(pool2):
 def test_parity_overlapped_reduction(pool4, layout, mesh):
     """Gradient reductions left in flight through backward (NOTE [overlapped reduction] in
     meshlm/runtime/bucket/op.py; the default on CUDA), across accumulated micro-batches, give the same
-    gradients, settled as plain tensors."""
-    _ok(pool4.run(check_training, layout, mesh, overlap=True), layout, mesh)
+    gradients, settled as plain tensors (SGD: the step does not see how they were reduced;
+    AdamW's runs on every layout in test_parity_2)."""
+    _ok(pool4.run(check_training, layout, mesh, overlap=True, optims=("sgd",)), layout, mesh)
 
 
 @pytest.mark.parametrize("layout,mesh,overlap", [("fsdp", "fsdp=4", True), ("zero2", "dp=4", False)])
@@ -130,8 +140,10 @@ def test_parity_compiled_body_eager_comms(pool4, layout, mesh, overlap):
 
 @pytest.mark.parametrize("layout,mesh", [("tp", "tp=4"), ("fsdp_tp_sp", "fsdp=2,tp=2")])
 def test_parity_tied_embeddings(pool4, layout, mesh):
-    """A vocab-sharded table used by both F.embedding and the output F.linear."""
-    _ok(pool4.run(check_training, layout, mesh, build=LlamaBuild(overrides=(("tie_embeddings", True),))))
+    """A vocab-sharded table used by both F.embedding and the output F.linear: its gradient
+    is the sum of both uses (SGD; the tie is one parameter to the optimizer, whatever it is)."""
+    _ok(pool4.run(check_training, layout, mesh, build=LlamaBuild(overrides=(("tie_embeddings", True),)),
+                  optims=("sgd",)))
 
 
 def _bf16_init_job(layout, mesh):
@@ -190,7 +202,8 @@ def test_parity_local_root_ignored_targets(pool4, layout, mesh):
     """A local root's loss is combined from each rank's mean and its weight (the count of
     targets not ignored): with targets ignored unevenly over the ranks, the loss and the
     gradients are still one device's (a mean of the ranks' means would not be)."""
-    _ok(pool4.run(check_training, layout, mesh, batches=TokenBatches(ignored_targets=True)), layout, mesh)
+    _ok(pool4.run(check_training, layout, mesh, batches=TokenBatches(ignored_targets=True), optims=("sgd",)),
+        layout, mesh)
 
 
 def _nll_sum_job():
@@ -334,8 +347,9 @@ def test_parity_bf16(pool2, layout, mesh):
 
 def test_parity_bf16_2d(pool4):
     """bf16 on a 2-D mesh: tensor-parallel activations summed in bf16 across tp, gradients
-    reduced in float32 across fsdp."""
-    _ok(pool4.run(check_training, "fsdp_tp", "fsdp=2,tp=2", precision="bf16"), "fsdp_tp", "fsdp=2,tp=2")
+    reduced in float32 across fsdp (SGD; bf16 AdamW runs on 2 in test_parity_bf16)."""
+    _ok(pool4.run(check_training, "fsdp_tp", "fsdp=2,tp=2", precision="bf16", optims=("sgd",)), "fsdp_tp",
+        "fsdp=2,tp=2")
 
 
 @pytest.mark.parametrize("layout,mesh", [("zero2", "dp=2"), ("fsdp", "fsdp=2")])
