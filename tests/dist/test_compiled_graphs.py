@@ -7,19 +7,15 @@ blocks re-gather without checkpointing), the outputs of the compiled block came 
 on a DeviceMesh object Dynamo had not guarded on and the block compiled a second time
 (seen with torch 2.13; the mechanism inside DTensor is not pinned down yet).  A training
 process builds one model, which is what this checks: every case gets fresh workers of its
-own (a function-scoped pool), so no case depends on which ran before it.
+own (a pool started for it, of as many workers as its mesh has ranks), so no case depends
+on which ran before it.
 """
+
+import math
 
 import pytest
 
 from harness import DistPool
-
-
-@pytest.fixture
-def pool4():
-    """4 fresh workers per test (module docstring)."""
-    with DistPool(4, timeout_s=60) as p:
-        yield p
 
 
 def _dynamo_graphs(layout, mesh, comms="graph"):
@@ -59,11 +55,13 @@ def _dynamo_graphs(layout, mesh, comms="graph"):
     return graphs  # per compiled graph: how many bucket gathers it calls
 
 
-@pytest.mark.parametrize("layout,mesh,comms", [("fsdp", "fsdp=4", "graph"), ("fsdp_tp_sp", "fsdp=2,tp=2", "graph"),
-                                               ("fsdp", "fsdp=4", "eager")])
-def test_one_compiled_graph_per_block_class(pool4, layout, mesh, comms):
+@pytest.mark.parametrize("layout,mesh,comms", [("fsdp", "fsdp=2", "graph"), ("fsdp_tp_sp", "fsdp=2,tp=2", "graph"),
+                                               ("fsdp", "fsdp=2", "eager")])
+def test_one_compiled_graph_per_block_class(layout, mesh, comms):
     """Every layer shares one bucket and one block spec, so Dynamo compiles the block once,
     not once per layer (llama_tiny has 2); with comms="eager" (NOTE [compiled body] in
     meshlm/runtime/compile.py) the one graph is the block's math, shared by the layers too."""
     in_graph = 0 if comms == "eager" else 1  # the block's one bucket gather, or none
-    assert pool4.run(_dynamo_graphs, layout, mesh, comms) == [[in_graph]] * 4
+    world = math.prod(int(kv.split("=")[1]) for kv in mesh.split(","))
+    with DistPool(world, timeout_s=60) as pool:  # fresh workers (module docstring)
+        assert pool.run(_dynamo_graphs, layout, mesh, comms) == [[in_graph]] * world
