@@ -57,7 +57,7 @@ MESHES = {
 }
 LR = 0.5  # large, so that a step computed from a wrong gradient shows in the parameters
 
-_DEFAULT_EXAMPLES = {1: 8, 2: 25, 4: 30}
+_DEFAULT_EXAMPLES = {1: 8, 2: 15, 4: 15}
 _SEED = os.environ.get("MESHLM_HYPOTHESIS_SEED")  # None: derandomized (CI)
 
 
