@@ -129,26 +129,26 @@ def _compiled(path, eos):
     counters = importlib.import_module("torch._dynamo.utils").counters
     compiled = importlib.import_module("meshlm.infer.compiled")._COMPILED
     model = load_hf(path, "tp", meshlm.make_mesh("tp=2"))
-    eager = generate(model, PROMPTS, max_new_tokens=4, stop=[eos])
-    torch._dynamo.reset()  # from scratch: what 4 steps compile
-    compiled.clear()
-    counters.clear()
-    out = generate(model, PROMPTS, max_new_tokens=4, stop=[eos], compile="aot_eager")
-    graphs = counters["frames"]["total"]  # frames Dynamo compiled, recompiles included
-    # 24 steps more of the same step: the graphs made must not grow with the steps
+    eager = generate(model, PROMPTS, max_new_tokens=NEW, stop=[eos])
+    graphs = []
+    for n in (4, NEW):  # from scratch each time: the graphs made must not grow with the steps
+        torch._dynamo.reset()
+        compiled.clear()
+        counters.clear()
+        out = generate(model, PROMPTS, max_new_tokens=n, stop=[eos], compile="aot_eager")
+        graphs.append(counters["frames"]["total"])  # frames Dynamo compiled, recompiles included
     again = generate(model, PROMPTS, max_new_tokens=NEW, stop=[eos], compile="aot_eager")
     return eager, out, again, graphs, counters["frames"]["total"]
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_compiled_tp_decode_is_traced_once(pool2, hf, name):
-    """The decode step compiled (aot_eager) under tp=2: eager's tokens for 4 steps and
-    transformers' for 24; the frames compiled from scratch for 4 steps (the sharded root's
-    input handling breaks the step in pieces) are all a call of 24 steps after them needs,
-    the cache's longer lengths included (with the root's call count guarded on, 24 steps
-    compiled 40 frames where 4 compiled 34).  GPT-2 looks up its positions (a plain tensor
-    of the cache, of a symbolic batch) in a DTensor table."""
+    """The decode step compiled (aot_eager) under tp=2: transformers' tokens; the frames
+    compiled (the sharded root's input handling breaks the step in pieces) are as many for 4
+    steps as for 24, and a second call compiles none (with the root's call count guarded on,
+    24 steps compiled 40 frames where 4 compiled 34).  GPT-2 looks up its positions (a plain
+    tensor of the cache, of a symbolic batch) in a DTensor table."""
     path, want, eos = hf[name]
     for eager, out, again, graphs, after in pool2.run(_compiled, path, eos):
-        assert eager == out and again == want
-        assert graphs == after, (graphs, after)
+        assert eager == out == again == want
+        assert graphs[0] == graphs[1] == after, graphs
