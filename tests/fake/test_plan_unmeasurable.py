@@ -19,7 +19,11 @@ from test_plan_measured import UserLM  # noqa: E402  (a plain-torch model with e
 
 
 class CountingLM(UserLM):
-    """Divides the summed loss by the number of targets it reads back to Python."""
+    """Divides the summed loss by the number of targets it reads back to Python (one block:
+    the read-back comes after it)."""
+
+    def __init__(self):
+        super().__init__(depth=1)
 
     def forward(self, tokens, targets):
         out = super().forward(tokens, targets)
@@ -133,10 +137,13 @@ def test_layout_auto_says_why_when_no_candidate_can_be_measured(tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
-@pytest.mark.parametrize("layout,mesh", [("fsdp", {"fsdp": 2}), ("fsdp_tp", {"fsdp": 2, "tp": 2})])
+@pytest.mark.parametrize("layout,mesh", [("fsdp", {"fsdp": 2})])
 def test_every_output_container_plans_alike(layout, mesh):
     """The same model with its loss returned alone, in a dict, or as ``.loss`` (what
-    ``meshlm train`` reads: ``meshlm.models.node.loss_of``) plans alike, einsum attention
-    under fsdp_tp included (tests/dist/test_plan_measured.py holds these plans to real steps)."""
+    ``meshlm train`` reads: ``meshlm.models.node.loss_of``) plans alike.  The einsum attention
+    under fsdp_tp (a strided shard, ~12 s a plan on two cores) is planned and held to a real
+    step with the ``.loss`` output in tests/dist/test_plan_measured.py
+    (test_measured_plan_is_exact_for_einsum_attention_on_2d_meshes), the dict output under
+    tp there too."""
     plans = [_plan(lambda device, o=o: UserLM(out=o), layout, mesh).memory for o in ("loss", "dict", "attr")]
     assert plans[0] == plans[1] == plans[2], plans
