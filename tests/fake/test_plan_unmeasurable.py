@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -68,8 +69,14 @@ def test_dtensor_propagation_that_needs_data_names_the_module(monkeypatch):
         _plan(lambda device: UserLM(out="loss"), "fsdp_tp", {"fsdp": 2, "tp": 2})
     msg = str(e.value)
     assert "could not measure layout fsdp_tp on mesh {'fsdp': 2, 'tp': 2}: module `attn.0`" in msg, msg
-    assert "runs aten.bmm.default in forward at " in msg, msg
-    assert "test_plan_measured.py:" in msg and "torch.einsum(" in msg, msg
+    # forward or backward: which of the two first reads a size back depends on how DTensor
+    # prices the candidate strategies (NOTE [strided costs]); the backward's attribution has
+    # its own test below
+    phase = re.search(r"runs aten\.bmm\.default in (forward|backward) at ", msg)
+    assert phase, msg
+    # forward names the einsum's line; backward (no line of the forward runs) the forward it belongs to
+    named = "torch.einsum(" if phase.group(1) == "forward" else "EinsumAttention.forward, "
+    assert "test_plan_measured.py:" in msg and named in msg, msg
     assert "plan another layout" in msg and "Traceback" not in msg
 
 
