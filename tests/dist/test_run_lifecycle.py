@@ -150,8 +150,26 @@ def test_resume_after_sigterm_equals_the_uninterrupted_curve(preempted):
     assert (s["start_step"], s["steps_run"], s["global_step"]) == (last, STEPS - last, STEPS)
 
 
-def test_resume_at_the_last_step_exits_0(preempted, tmp_path):
-    rc, out, err = _finish(_start(tmp_path, f"checkpoint.dir={preempted['ck']}", "checkpoint.resume=auto"))
+def _here(capfd, run_dir: Path, *overrides: str, drop: tuple = ()) -> tuple[int, str, str]:
+    """``_start``'s run on one device (layout=single, mesh=cpu1) in this process: its exit
+    status, stdout and stderr (a process start saved; the real processes, their signals and
+    exit statuses are the tests above); ``drop``: keys of ``RUN`` left out."""
+    from meshlm.app.cli import main
+
+    keys = {o.split("=", 1)[0] for o in overrides} | {"layout", "mesh", *drop}
+    run = [a for a in RUN if a.split("=", 1)[0] not in keys]
+    capfd.readouterr()
+    try:
+        code = main(["train", *run, "layout=single", "mesh=cpu1", *overrides, f"hydra.run.dir={run_dir}"])
+    except SystemExit as e:  # the Hydra task exits by itself
+        code = e.code
+    out, err = capfd.readouterr()
+    return int(code or 0), out, err
+
+
+def test_resume_at_the_last_step_exits_0(preempted, tmp_path, capfd):
+    """In this process, on one device: the fsdp=2 checkpoint at the last step, resharded."""
+    rc, out, err = _here(capfd, tmp_path, f"checkpoint.dir={preempted['ck']}", "checkpoint.resume=auto")
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err
     assert f"nothing to do: the checkpoint resumed is at step {STEPS}" in out and "raise train.steps" in out
@@ -166,7 +184,7 @@ def test_a_second_fresh_run_into_the_directory_refuses(preempted, tmp_path):
     assert _digest(preempted["ck"]) == before
 
 
-def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
+def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path, capfd):
     """``meshlm convert <hf> <ck>`` then ``checkpoint.resume=auto`` with the default model:
     the model config comes with the checkpoint, and training continues from the Hugging
     Face weights exactly as ``model.init_from`` starts from them."""
@@ -178,22 +196,16 @@ def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
                                    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "hf", safe_serialization=True)
-    conv = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "ck")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert conv.returncode == 0, conv.stderr[-3000:]
-    base = [a for a in RUN if not a.startswith(("model=", "train.steps="))] + ["train.steps=3"]
+    from meshlm.app.cli import main
 
-    def run(run_dir, *overrides):
-        p = subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *base, *overrides,
-                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-        return _finish(p)
-
-    rc, out, err = run(tmp_path / "resumed", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=auto")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0  # in this process: no worker to start
+    rc, out, err = _here(capfd, tmp_path / "resumed", "train.steps=3", f"checkpoint.dir={tmp_path / 'ck'}",
+                         "checkpoint.resume=auto", drop=("model",))  # the default model, as a user runs it
     assert rc == 0, err[-3000:]
     assert "model config from the checkpoint resumed" in out and "embed=32" in out
     assert "resumed from step 0" in out
-    rc, out, err = run(tmp_path / "init", f"model.init_from={tmp_path / 'hf'}")
+    rc, out, err = _here(capfd, tmp_path / "init", "train.steps=3", f"model.init_from={tmp_path / 'hf'}",
+                         drop=("model",))
     assert rc == 0, err[-3000:]
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "init")
     run_id = json.loads((tmp_path / "ck" / "run.json").read_text())["run_id"]
