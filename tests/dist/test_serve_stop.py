@@ -127,8 +127,10 @@ def _stopped(p: subprocess.Popen) -> tuple[float, str]:
     return took, p.communicate()[1]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_one_process_stops_on_a_signal_during_a_long_request(serve, sig):
+def test_one_process_stops_on_a_signal_during_a_long_request(serve):
+    """SIGTERM; SIGINT takes the same handler (meshlm/app/serve.py sets both at once), and
+    its exit status and line are checked with the workers' Ctrl-C below."""
+    sig = signal.SIGTERM
     p, port = serve("--max-batch", "1")
     _long_requests(port)
     os.kill(p.pid, sig)
