@@ -1,8 +1,8 @@
 """A run as a scheduler and a user drive it, through the real ``meshlm train`` on 2 gloo
 processes: SIGTERM mid-run saves and the resume continues the uninterrupted loss curve
-exactly; a resume at the last step exits 0; a second fresh run into the same checkpoint
-directory refuses and changes nothing; a converted Hugging Face checkpoint resumes from its
-directory alone (meshlm/train/lifecycle.py, meshlm/train/checkpoint/runs.py)."""
+exactly, as does a resume after SIGKILL of the whole job; a resume at the last step exits
+0; a second fresh run into the same checkpoint directory refuses and changes nothing; a
+converted Hugging Face checkpoint resumes from its directory alone (meshlm/train/lifecycle.py, meshlm/train/checkpoint/runs.py)."""
 
 from __future__ import annotations
 
@@ -148,6 +148,28 @@ def test_resume_after_sigterm_equals_the_uninterrupted_curve(preempted):
     assert [r["steps_run"] for r in rows] == list(range(1, STEPS - last + 1))
     s = json.loads((preempted["dir"] / "run2" / "summary.json").read_text())
     assert (s["start_step"], s["steps_run"], s["global_step"]) == (last, STEPS - last, STEPS)
+
+
+def test_sigkill_of_the_whole_job_resumes_exactly(preempted, tmp_path):
+    """SIGKILL to every process of the job after its step-4 checkpoint (nothing saved on the
+    way out, the lock left behind); checkpoint.resume=auto continues from the newest
+    complete checkpoint with the uninterrupted run's losses, bit for bit (saving does not
+    change them: the reference saves nothing)."""
+    ck = tmp_path / "ck"
+    p = _start(tmp_path / "run1", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and not (ck / "step_00000004").is_dir():
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before it could be killed"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.communicate()
+    rc, out, err = _finish(_start(tmp_path / "run2", f"checkpoint.dir={ck}", "checkpoint.every=2",
+                                  "checkpoint.resume=auto"))
+    assert rc == 0, err[-3000:]
+    resumed = _losses(tmp_path / "run2")
+    assert resumed and min(resumed) >= 5 and max(resumed) == STEPS, sorted(resumed)
+    for step, loss in resumed.items():
+        assert loss == preempted["ref"][step], f"step {step}: {loss} != uninterrupted {preempted['ref'][step]}"
 
 
 def _here(capfd, run_dir: Path, *overrides: str, drop: tuple = ()) -> tuple[int, str, str]:
