@@ -1,6 +1,8 @@
 """Crash safety with real SIGKILLs of a real 2-process training job (tests/dist/ckpt_driver.py):
 the job resumes from the last complete checkpoint and its loss curve equals, bit for bit,
-that of an uninterrupted run of the same seed (CPU, same world size: no reordering)."""
+that of an uninterrupted run of the same seed (CPU, same world size: no reordering).  The
+same through ``meshlm train`` itself: tests/dist/test_run_lifecycle.py
+(``test_sigkill_of_the_whole_job_resumes_exactly``)."""
 
 from __future__ import annotations
 
@@ -99,50 +101,3 @@ def test_sigkill_at_random_moment_resumes_exactly(tmp_path, reference):
         what += "\n--- first job's stderr (tail) ---\n" + first_err
     _wait(_run(["--dir", ck, "--log", log, "--resume", "auto"]), 0, what)
     _assert_same_curve(log, reference)
-
-
-def _train_cli(cwd, *overrides) -> subprocess.Popen:
-    os.makedirs(cwd, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    args = ["model=llama_tiny", "mesh=fsdp2", "layout=fsdp", "train.steps=12", "checkpoint.every=2", *overrides]
-    return subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
-def _cli_losses(cwd) -> dict[int, float]:
-    import glob
-    import json
-
-    out: dict[int, float] = {}
-    for f in glob.glob(os.path.join(cwd, "**", "metrics.jsonl"), recursive=True):
-        for line in open(f):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by the kill
-            if "loss" in rec and "step" in rec:
-                out[rec["step"]] = rec["loss"]
-    return out
-
-
-def test_sigkill_meshlm_train_resumes_exactly(tmp_path):
-    """The same with the real `meshlm train` (2 processes, fsdp): SIGKILL the whole job
-    after its step-4 checkpoint, resume with checkpoint.resume=auto."""
-    pytest.importorskip("meshlm.app.train")
-    ref_cwd, ck = str(tmp_path / "ref"), str(tmp_path / "ck")
-    _wait(_train_cli(ref_cwd, f"checkpoint.dir={tmp_path / 'ref_ck'}"), 0)
-    ref = _cli_losses(ref_cwd)
-    assert sorted(ref) == list(range(1, 13))
-    p = _train_cli(str(tmp_path / "run1"), f"checkpoint.dir={ck}")
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None and not os.path.isdir(os.path.join(ck, "step_00000004")):
-        time.sleep(0.02)
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    _wait(_train_cli(str(tmp_path / "run2"), f"checkpoint.dir={ck}", "checkpoint.resume=auto"), 0)
-    resumed = _cli_losses(str(tmp_path / "run2"))
-    assert resumed and min(resumed) >= 5 and max(resumed) == 12, sorted(resumed)
-    for step, loss in resumed.items():
-        assert loss == ref[step], f"step {step}: {loss} != uninterrupted {ref[step]}"

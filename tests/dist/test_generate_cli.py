@@ -46,29 +46,48 @@ def _meshlm(*args, cwd=None):
                           capture_output=True, text=True, timeout=240, cwd=cwd)
 
 
+def _cli(*args) -> tuple[int, str, str]:
+    """``meshlm ARGS`` through the command's entry point in this process (one process: a
+    process start and torch import saved per run; runs that start the command's own workers
+    go through ``_meshlm``, and the exit codes 1 and 2 are checked in processes of their own
+    in ``test_bad_input_exits_with_the_reason``): its exit code, stdout and stderr."""
+    import contextlib
+    import io
+
+    from meshlm.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_text_equals_transformers_single_and_tp2(model_dir):
     d, want = model_dir
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
-    one = _meshlm(d, *prompts, "--max-new-tokens", NEW)
-    assert one.returncode == 0, one.stderr
-    assert one.stdout.splitlines() == [f"[{i}] {w}" for i, w in enumerate(want)]
+    code, one, err = _cli("generate", d, *prompts, "--max-new-tokens", NEW)
+    assert code == 0, err
+    assert one.splitlines() == [f"[{i}] {w}" for i, w in enumerate(want)]
     tp = _meshlm(d, *prompts, "--max-new-tokens", NEW, "--layout", "tp", "--mesh", "tp=2")
     assert tp.returncode == 0, tp.stderr
-    assert tp.stdout == one.stdout
+    assert tp.stdout == one
     # `layout=tp mesh=tp2` composes the job these flags do: tests/unit/test_grammar.py (NOTE [one grammar])
     frozen = _meshlm(d, *prompts, "--max-new-tokens", NEW, "--compile", "inductor")  # NOTE [frozen decode]
     assert frozen.returncode == 0, frozen.stderr
-    assert frozen.stdout == one.stdout and "AUTOTUNE" not in frozen.stderr
+    assert frozen.stdout == one and "AUTOTUNE" not in frozen.stderr
 
 
 def test_from_a_meshlm_checkpoint(model_dir, tmp_path):
     d, want = model_dir
-    conv = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "convert", str(d), str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=240)
-    assert conv.returncode == 0, conv.stderr
-    r = _meshlm(tmp_path / "ck", "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--tokenizer", d)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == want[0] + "\n"
+    code, _, err = _cli("convert", d, tmp_path / "ck")
+    assert code == 0, err
+    code, out, err = _cli("generate", tmp_path / "ck", "--prompt", PROMPTS[0], "--max-new-tokens", NEW,
+                               "--tokenizer", d)
+    assert code == 0, err
+    assert out == want[0] + "\n"
 
 
 def _streamed(path, prompt, n):
@@ -94,31 +113,17 @@ def test_one_prompt_streams(pool1, model_dir):
     assert len([w for w in writes if w]) >= 4  # the prompt, then pieces as they were made
 
 
-def _in_process(capsys, *args) -> tuple[int, str]:
-    """``meshlm generate ARGS`` through the command's entry point in this process: its exit
-    code and stderr (a process start costs seconds; the exit codes 1 and 2 are checked in
-    processes of their own in the test below)."""
-    from meshlm.app.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(["generate", *map(str, args)])
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code
-    return code, capsys.readouterr().err
-
-
-def test_bad_input_exits_with_the_reason(model_dir, tmp_path, capsys):
+def test_bad_input_exits_with_the_reason(model_dir, tmp_path):
     d, _ = model_dir
     r = _meshlm(d, "--prompt", "the " * 40, "--max-new-tokens", 30)
     assert r.returncode == 1 and "exceeds the model's context of 64 tokens" in r.stderr
     r = _meshlm(d, "--prompt", "x", "--temprature", "1")
     assert r.returncode == 2 and "unrecognized arguments: --temprature" in r.stderr
-    code, err = _in_process(capsys, d, "--prompt", "x", "--top-p", "0")
+    code, _, err = _cli("generate", d, "--prompt", "x", "--top-p", "0")
     assert code == 1 and "sampling.top_p=0.0 must be in (0, 1]" in err
-    code, err = _in_process(capsys, d, "--prompt", "x", "--stop", "the quick brown")
+    code, _, err = _cli("generate", d, "--prompt", "x", "--stop", "the quick brown")
     assert code == 1 and "--stop 'the quick brown' is" in err and "must be one token" in err
-    code, err = _in_process(capsys, d, "--prompt", "x", "--tokenizer", "bytes", "--max-new-tokens", 2)
+    code, _, err = _cli("generate", d, "--prompt", "x", "--tokenizer", "bytes", "--max-new-tokens", 2)
     assert code == 0, err  # 256 byte ids fit the model's 300
     bad = tmp_path / "mismatch"
     bad.mkdir()
@@ -127,34 +132,35 @@ def test_bad_input_exits_with_the_reason(model_dir, tmp_path, capsys):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["n_layer"] = 3
     (bad / "config.json").write_text(json.dumps(cfg))
-    code, err = _in_process(capsys, bad, "--prompt", "x")  # an exception other than meshlm's would raise here
+    code, _, err = _cli("generate", bad, "--prompt", "x")  # an exception other than meshlm's would raise here
     assert code == 1 and "meshlm generate: error:" in err and "transformer.h.3" in err, err
-    code, err = _in_process(capsys, tmp_path / "nowhere", "--prompt", "x")
+    code, _, err = _cli("generate", tmp_path / "nowhere", "--prompt", "x")
     assert code == 1 and "no such directory; give a Hugging Face model directory" in err
-    code, err = _in_process(capsys, d, "--prompt-file", tmp_path / "none.txt")
+    code, _, err = _cli("generate", d, "--prompt-file", tmp_path / "none.txt")
     assert code == 1 and "--prompt-file" in err and "no such file" in err
-    code, err = _in_process(capsys, d, "--prompt", "x", "--layout", "fsdp", "--mesh", "fsdp=2")
+    code, _, err = _cli("generate", d, "--prompt", "x", "--layout", "fsdp", "--mesh", "fsdp=2")
     assert code == 1 and "splits the batch over fsdp=2" in err
 
 
 def test_memory_limited_placement(model_dir, tmp_path):
-    """--max-memory-per-device: the same text with blocks streamed from disk, and over two
-    processes (a stage each); --plan prints the placement; too small a limit, or a limit
-    with tensor parallel, refused."""
+    """--max-memory-per-device: the same text with blocks streamed from disk (their files gone
+    when the process exits), and over two processes (a stage each); --plan prints the
+    placement; too small a limit, or a limit with tensor parallel, refused (these three in
+    this process)."""
     d, want = model_dir
-    args = [d, "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--offload-dir", tmp_path]
-    plan = _meshlm(*args, "--max-memory-per-device", "0.75MiB", "--plan")
-    assert plan.returncode == 0, plan.stderr
-    assert "placement: 1 of 4 blocks resident, 3 streamed from disk" in plan.stdout
-    assert "KV cache" in plan.stdout and "device total" in plan.stdout
-    r = _meshlm(*args, "--max-memory-per-device", "0.75MiB")
+    args = ["generate", d, "--prompt", PROMPTS[0], "--max-new-tokens", NEW, "--offload-dir", tmp_path]
+    code, out, err = _cli(*args, "--max-memory-per-device", "0.75MiB", "--plan")
+    assert code == 0, err
+    assert "placement: 1 of 4 blocks resident, 3 streamed from disk" in out
+    assert "KV cache" in out and "device total" in out
+    r = _meshlm(*args[1:], "--max-memory-per-device", "0.75MiB")  # a process of its own: its exit
     assert r.returncode == 0, r.stderr
     assert r.stdout == want[0] + "\n" and "3 streamed from disk" in r.stderr
     assert not any(tmp_path.rglob("*.bin"))  # the disk tier's files are gone at exit
-    r = _meshlm(*args, "--max-memory-per-device", "0.1MiB")
-    assert r.returncode == 1 and "even with every block streamed from disk" in r.stderr and "MiB on the device" in r.stderr
-    r = _meshlm(*args, "--max-memory-per-device", "0.75MiB", "--mesh", "pp=2")  # a stage per process
+    code, out, err = _cli(*args, "--max-memory-per-device", "0.1MiB")
+    assert code == 1 and "even with every block streamed from disk" in err and "MiB on the device" in err
+    code, out, err = _cli(*args, "--max-memory-per-device", "1GiB", "--layout", "tp", "--mesh", "tp=2")
+    assert code == 1 and "one stage per process over `pp` (--mesh pp=N)" in err
+    r = _meshlm(*args[1:], "--max-memory-per-device", "0.75MiB", "--mesh", "pp=2")  # a stage per process
     assert r.returncode == 0, r.stderr
     assert r.stdout == want[0] + "\n" and "device 1: blocks 2..3" in r.stderr
-    r = _meshlm(*args, "--max-memory-per-device", "1GiB", "--layout", "tp", "--mesh", "tp=2")
-    assert r.returncode == 1 and "one stage per process over `pp` (--mesh pp=N)" in r.stderr

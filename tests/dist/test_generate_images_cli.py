@@ -1,12 +1,15 @@
 """`meshlm generate --image` as a user runs it, on a tiny random Hugging Face LLaVA made
 locally: its greedy continuation of an image and a prompt is transformers' own, token for
-token, on one process and tensor parallel over 2 workers; bad --image input exits non-zero
-with the reason."""
+token, on one process (this one: through the command's entry point) and tensor parallel
+over 2 workers; bad --image input exits non-zero with the reason."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +22,8 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    from meshlm.data.text import ByteTokenizer
     from harness.hf_tiny import tiny_llava
+    from meshlm.data.text import ByteTokenizer
 
     d = tmp_path_factory.mktemp("llava")
     hf = tiny_llava(str(d))
@@ -36,6 +39,21 @@ def llava(tmp_path_factory):
     return d, prompt, prompt + ByteTokenizer().decode(out[0, ids.shape[1]:].tolist())
 
 
+def _cli(*args) -> SimpleNamespace:
+    """``meshlm ARGS`` through the command's entry point in this process (one device, so no
+    worker to start; a process start and torch import saved per command): its exit status,
+    stdout and stderr."""
+    from meshlm.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # the Hydra task and argparse exit by themselves
+            code = e.code
+    return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def _meshlm(*args):
     return subprocess.run([sys.executable, "-m", "meshlm.app.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=240)
@@ -43,7 +61,7 @@ def _meshlm(*args):
 
 def test_image_and_prompt_continue_as_transformers(llava):
     d, prompt, want = llava
-    one = _meshlm(d, "--image", d / "img.png", "--prompt", prompt, "--max-new-tokens", NEW)
+    one = _cli("generate", d, "--image", d / "img.png", "--prompt", prompt, "--max-new-tokens", NEW)
     assert one.returncode == 0, one.stderr
     assert one.stdout == want + "\n"
     tp = _meshlm(d, "--image", d / "img.png", "--prompt", prompt, "--max-new-tokens", NEW, "--layout", "tp",
@@ -54,7 +72,7 @@ def test_image_and_prompt_continue_as_transformers(llava):
 
 def test_bad_image_input_exits_with_the_reason(llava, tmp_path):
     d, prompt, _ = llava
-    r = _meshlm(d, "--image", tmp_path / "missing.png", "--max-new-tokens", 2)
+    r = _meshlm(d, "--image", tmp_path / "missing.png", "--max-new-tokens", 2)  # a real process: the exit status
     assert r.returncode != 0 and "missing.png: image file" in r.stderr and "Traceback" not in r.stderr
-    r = _meshlm(d, "--image", d / "img.png", "--image", d / "img.png", "--prompt", prompt, "--max-new-tokens", 2)
+    r = _cli("generate", d, "--image", d / "img.png", "--image", d / "img.png", "--prompt", prompt, "--max-new-tokens", 2)
     assert r.returncode != 0 and "--image given 2 time(s) for 1 prompt(s)" in r.stderr

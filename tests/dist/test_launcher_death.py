@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_run_lifecycle import _env  # the environment of a meshlm command run from this checkout
+from test_run_lifecycle import _env, _here  # the environment of a meshlm command run from this checkout; one run here
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = [
@@ -81,7 +81,7 @@ def _checkpoints(ck: Path) -> set[str]:
     return {n for n in os.listdir(ck) if n.startswith("step_")} if ck.exists() else set()
 
 
-def test_workers_end_with_a_killed_launcher_and_save_nothing_after(tmp_path):
+def test_workers_end_with_a_killed_launcher_and_save_nothing_after(tmp_path, capfd):
     ck = tmp_path / "ck"
     p = _start(
         tmp_path / "run", "train.steps=100000", f"checkpoint.dir={ck}", "checkpoint.every=4", "checkpoint.keep=0"
@@ -109,11 +109,16 @@ def test_workers_end_with_a_killed_launcher_and_save_nothing_after(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
     # the dead run's lock (its workers died with it) is taken over by the next run, saying so
-    q = _start(
-        tmp_path / "run2", "train.steps=2", f"checkpoint.dir={ck}", "checkpoint.resume=auto", "checkpoint.every=0"
+    # (that run on one device, in this process: the lock and the resume are what it shows)
+    rc, out, err = _here(
+        capfd,
+        tmp_path / "run2",
+        "train.steps=2",
+        f"checkpoint.dir={ck}",
+        "checkpoint.resume=auto",
+        "checkpoint.every=0",
     )
-    out, err = q.communicate(timeout=300)
-    assert q.returncode == 0, err[-3000:]
+    assert rc == 0, err[-3000:]
     assert f"took over {ck}/LOCK from pid " in out and f"on host {socket.gethostname()}" in out, out
     assert "nothing to do: the checkpoint resumed is at step" in out
 

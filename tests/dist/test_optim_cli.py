@@ -9,7 +9,6 @@ with no-decay groups, Adafactor (stepped whole), and a user's optimizer class
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.app.config import RunConfig, load_config
 from harness import dist_pool_fixture
+from meshlm.app.config import RunConfig, load_config
 
 USERMODEL = str(Path(__file__).resolve().parents[1] / "usermodel")
 if USERMODEL not in sys.path:  # here and in the pool's workers, which import this module
@@ -108,11 +107,14 @@ def test_no_decay_groups_are_in_the_checkpointed_optimizer(pool2, tmp_path):
     assert on == sorted(n for n, p in plain.items() if p.ndim > 1)
 
 
-def test_train_command_with_optim_sgd(tmp_path):
-    cmd = [sys.executable, "-m", "meshlm.app.cli", "train", *TINY, "optim=sgd", "train.lr=0.05", "layout=ddp",
-           "mesh=dp2", "train.steps=3", f"hydra.run.dir={tmp_path}"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_train_command_with_optim_sgd(tmp_path, capfd):
+    """On one device, in this process (``in_process``): the optimizer group reaches the
+    command's config and the run; the command's own processes are tests/dist/test_train_cli.py's."""
+    from test_train_cli import in_process
+
+    code, err = in_process(capfd, "train", *TINY, "optim=sgd", "train.lr=0.05", "layout=single", "mesh=cpu1",
+                           "train.steps=3", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert code == 0, err[-2000:]
     saved = (tmp_path / "config.yaml").read_text()
     assert "_target_: torch.optim.SGD" in saved and "momentum: 0.9" in saved
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

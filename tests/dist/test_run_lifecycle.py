@@ -1,8 +1,8 @@
 """A run as a scheduler and a user drive it, through the real ``meshlm train`` on 2 gloo
 processes: SIGTERM mid-run saves and the resume continues the uninterrupted loss curve
-exactly; a resume at the last step exits 0; a second fresh run into the same checkpoint
-directory refuses and changes nothing; a converted Hugging Face checkpoint resumes from its
-directory alone (meshlm/train/lifecycle.py, meshlm/train/checkpoint/runs.py)."""
+exactly, as does a resume after SIGKILL of the whole job; a resume at the last step exits
+0; a second fresh run into the same checkpoint directory refuses and changes nothing; a
+converted Hugging Face checkpoint resumes from its directory alone (meshlm/train/lifecycle.py, meshlm/train/checkpoint/runs.py)."""
 
 from __future__ import annotations
 
@@ -150,8 +150,48 @@ def test_resume_after_sigterm_equals_the_uninterrupted_curve(preempted):
     assert (s["start_step"], s["steps_run"], s["global_step"]) == (last, STEPS - last, STEPS)
 
 
-def test_resume_at_the_last_step_exits_0(preempted, tmp_path):
-    rc, out, err = _finish(_start(tmp_path, f"checkpoint.dir={preempted['ck']}", "checkpoint.resume=auto"))
+def test_sigkill_of_the_whole_job_resumes_exactly(preempted, tmp_path):
+    """SIGKILL to every process of the job after its step-4 checkpoint (nothing saved on the
+    way out, the lock left behind); checkpoint.resume=auto continues from the newest
+    complete checkpoint with the uninterrupted run's losses, bit for bit (saving does not
+    change them: the reference saves nothing)."""
+    ck = tmp_path / "ck"
+    p = _start(tmp_path / "run1", f"checkpoint.dir={ck}", "checkpoint.every=2")
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and not (ck / "step_00000004").is_dir():
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before it could be killed"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.communicate()
+    rc, out, err = _finish(_start(tmp_path / "run2", f"checkpoint.dir={ck}", "checkpoint.every=2",
+                                  "checkpoint.resume=auto"))
+    assert rc == 0, err[-3000:]
+    resumed = _losses(tmp_path / "run2")
+    assert resumed and min(resumed) >= 5 and max(resumed) == STEPS, sorted(resumed)
+    for step, loss in resumed.items():
+        assert loss == preempted["ref"][step], f"step {step}: {loss} != uninterrupted {preempted['ref'][step]}"
+
+
+def _here(capfd, run_dir: Path, *overrides: str, drop: tuple = ()) -> tuple[int, str, str]:
+    """``_start``'s run on one device (layout=single, mesh=cpu1) in this process: its exit
+    status, stdout and stderr (a process start saved; the real processes, their signals and
+    exit statuses are the tests above); ``drop``: keys of ``RUN`` left out."""
+    from meshlm.app.cli import main
+
+    keys = {o.split("=", 1)[0] for o in overrides} | {"layout", "mesh", *drop}
+    run = [a for a in RUN if a.split("=", 1)[0] not in keys]
+    capfd.readouterr()
+    try:
+        code = main(["train", *run, "layout=single", "mesh=cpu1", *overrides, f"hydra.run.dir={run_dir}"])
+    except SystemExit as e:  # the Hydra task exits by itself
+        code = e.code
+    out, err = capfd.readouterr()
+    return int(code or 0), out, err
+
+
+def test_resume_at_the_last_step_exits_0(preempted, tmp_path, capfd):
+    """In this process, on one device: the fsdp=2 checkpoint at the last step, resharded."""
+    rc, out, err = _here(capfd, tmp_path, f"checkpoint.dir={preempted['ck']}", "checkpoint.resume=auto")
     assert rc == 0, err[-3000:]
     assert "Traceback" not in err
     assert f"nothing to do: the checkpoint resumed is at step {STEPS}" in out and "raise train.steps" in out
@@ -166,7 +206,7 @@ def test_a_second_fresh_run_into_the_directory_refuses(preempted, tmp_path):
     assert _digest(preempted["ck"]) == before
 
 
-def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
+def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path, capfd):
     """``meshlm convert <hf> <ck>`` then ``checkpoint.resume=auto`` with the default model:
     the model config comes with the checkpoint, and training continues from the Hugging
     Face weights exactly as ``model.init_from`` starts from them."""
@@ -178,22 +218,16 @@ def test_resume_from_a_converted_hugging_face_checkpoint(tmp_path):
                                    rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "hf", safe_serialization=True)
-    conv = subprocess.run([sys.executable, "-m", "meshlm.app.cli", "convert", str(tmp_path / "hf"), str(tmp_path / "ck")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert conv.returncode == 0, conv.stderr[-3000:]
-    base = [a for a in RUN if not a.startswith(("model=", "train.steps="))] + ["train.steps=3"]
+    from meshlm.app.cli import main
 
-    def run(run_dir, *overrides):
-        p = subprocess.Popen([sys.executable, "-m", "meshlm.app.cli", "train", *base, *overrides,
-                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-        return _finish(p)
-
-    rc, out, err = run(tmp_path / "resumed", f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=auto")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0  # in this process: no worker to start
+    rc, out, err = _here(capfd, tmp_path / "resumed", "train.steps=3", f"checkpoint.dir={tmp_path / 'ck'}",
+                         "checkpoint.resume=auto", drop=("model",))  # the default model, as a user runs it
     assert rc == 0, err[-3000:]
     assert "model config from the checkpoint resumed" in out and "embed=32" in out
     assert "resumed from step 0" in out
-    rc, out, err = run(tmp_path / "init", f"model.init_from={tmp_path / 'hf'}")
+    rc, out, err = _here(capfd, tmp_path / "init", "train.steps=3", f"model.init_from={tmp_path / 'hf'}",
+                         drop=("model",))
     assert rc == 0, err[-3000:]
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "init")
     run_id = json.loads((tmp_path / "ck" / "run.json").read_text())["run_id"]

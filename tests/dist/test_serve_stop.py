@@ -127,8 +127,10 @@ def _stopped(p: subprocess.Popen) -> tuple[float, str]:
     return took, p.communicate()[1]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_one_process_stops_on_a_signal_during_a_long_request(serve, sig):
+def test_one_process_stops_on_a_signal_during_a_long_request(serve):
+    """SIGTERM; SIGINT takes the same handler (meshlm/app/serve.py sets both at once), and
+    its exit status and line are checked with the workers' Ctrl-C below."""
+    sig = signal.SIGTERM
     p, port = serve("--max-batch", "1")
     _long_requests(port)
     os.kill(p.pid, sig)
@@ -163,32 +165,3 @@ def test_tensor_parallel_workers_end_with_a_killed_launcher(serve):
     took, err = _stopped(p)
     assert took < 10, f"workers still running {took:.1f} s after the launcher was killed"
     assert f"the launcher (pid {p.pid}) is gone; worker rank 0" in err
-
-
-def test_generate_workers_end_with_a_killed_launcher(model_dir):
-    """``meshlm generate`` under tp=2, killed outright in the middle of 4000 new tokens: its
-    workers are gone within 10 s (the launcher's death, as for ``meshlm train`` and serve)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen(
-        [sys.executable, "-m", "meshlm.app.cli", "generate", str(model_dir), "--prompt", "the quick brown",
-         "--max-new-tokens", "4000", "--layout", "tp", "--mesh", "tp=2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while len(session(p.pid)) < 3 and time.monotonic() < deadline:  # the launcher and its 2 workers
-            assert p.poll() is None, p.communicate()[1][-3000:]
-            time.sleep(0.2)
-        time.sleep(8)  # past start-up: loading, then decoding
-        assert p.poll() is None, "generate ended before it was killed"
-        os.kill(p.pid, signal.SIGKILL)
-        took, err = _stopped(p)
-        assert took < 10, f"workers still running {took:.1f} s after the launcher was killed"
-        assert f"the launcher (pid {p.pid}) is gone" in err, err[-3000:]
-    finally:
-        if session(p.pid):
-            os.killpg(p.pid, signal.SIGKILL)

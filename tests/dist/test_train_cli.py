@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model=llama_tiny", "train.seq_len=32", "train.batch_size=8", "train.warmup_steps=2",
@@ -36,7 +37,7 @@ def meshlm(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
 def _check_outputs(run_dir: Path, steps: int) -> list[dict]:
@@ -51,42 +52,70 @@ def _check_outputs(run_dir: Path, steps: int) -> list[dict]:
     return rows
 
 
-def test_train_two_processes(tmp_path):
-    r = meshlm("train", *TINY, "layout=ddp", "mesh=dp2", "train.steps=8", f"hydra.run.dir={tmp_path}")
+def in_process(capfd, *args: str) -> tuple[int, str]:
+    """``meshlm ARGS`` through the command's entry point in this process: its exit status and
+    stderr.  For bad input that stops before any worker starts (a process start costs
+    seconds); the exit-status and stderr contract of each kind of failure is checked through
+    a real process: ``test_bad_config_value_names_key_and_choices`` (a config error),
+    ``test_crashing_worker_ends_job_with_root_cause_once`` (a worker's error),
+    tests/dist/test_run_lifecycle.py (a signal)."""
+    from meshlm.app.cli import main
+
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # the Hydra task exits by itself
+        code = e.code
+    return int(code or 0), capfd.readouterr().err
+
+
+DDP = [*TINY, "layout=ddp", "mesh=dp2", "train.steps=6", "train.grad_accum=2"]
+
+
+@pytest.fixture(scope="module")
+def dtype_runs(tmp_path_factory) -> dict:
+    """The same 2-process ddp run in bfloat16 and in float16 (this one saving checkpoints):
+    ``{dtype: (completed process, run dir)}``."""
+    base = tmp_path_factory.mktemp("dtypes")
+    runs = {}
+    for dt in ("bfloat16", "float16"):
+        run_dir = base / dt
+        extra = [f"checkpoint.dir={base / 'ck'}", "checkpoint.every=3"] if dt == "float16" else []
+        runs[dt] = (meshlm("train", *DDP, f"train.param_dtype={dt}", *extra, f"hydra.run.dir={run_dir}"), run_dir)
+    return runs
+
+
+def test_train_two_processes(dtype_runs):
+    r, run_dir = dtype_runs["bfloat16"]
     assert r.returncode == 0, r.stderr[-3000:]
-    _check_outputs(tmp_path, 8)
-    assert "done: 8 steps" in r.stdout
-    assert (tmp_path / "logs" / "rank1.log").exists()
-    s = json.loads((tmp_path / "summary.json").read_text())
+    _check_outputs(run_dir, 6)
+    assert "done: 6 steps" in r.stdout
+    assert (run_dir / "logs" / "rank1.log").exists()
+    s = json.loads((run_dir / "summary.json").read_text())
     assert s["world_size"] == 2 and s["comm_bytes_per_step"] > 0
 
 
-def test_train_four_processes_2d_mesh(tmp_path):
-    r = meshlm("train", *TINY, "layout=tp", "mesh=dp2_tp2", "train.steps=8", f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    _check_outputs(tmp_path, 8)
-    assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
-
-
 def test_train_pipeline_fsdp_pp(tmp_path):
-    """``meshlm train layout=fsdp_pp``: 4 processes, pp=2 stages of fsdp=2, 2 micro-batches a
-    step through the zero-bubble V schedule; the header gives the whole model's size (each
-    stage holds half)."""
+    """``meshlm train layout=fsdp_pp``: 4 processes on a 2-D mesh, pp=2 stages of fsdp=2, 2
+    micro-batches a step through the zero-bubble V schedule; every rank logs; the header
+    gives the whole model's size (each stage holds half)."""
     r = meshlm("train", *TINY, "model.layers=4", "layout=fsdp_pp", "mesh=fsdp2_pp2", "train.grad_accum=2",
                "pipeline.schedule=zbv", "pipeline.stages_per_rank=2", "train.steps=8", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-3000:]
     _check_outputs(tmp_path, 8)
     assert "llama_tiny (0.2M params), layout fsdp_pp" in r.stdout, r.stdout[:400]
     assert "done: 8 steps" in r.stdout
+    assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [f"rank{i}.log" for i in range(4)]
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["world_size"] == 4 and s["layout"] == "fsdp_pp"
 
 
-def test_pipeline_bad_input_stops_before_the_workers_train(tmp_path):
+def test_pipeline_bad_input_stops_before_the_workers_train(tmp_path, capfd):
     """A schedule name typo is a config error naming the key (no process starts); fewer
     micro-batches than pp ranks under 1f1b stops every worker with the fix."""
-    r = meshlm("train", *TINY, "layout=pp", "mesh=pp2", "pipeline.schedule=1f1", f"hydra.run.dir={tmp_path / 'a'}")
-    assert r.returncode != 0 and "pipeline.schedule='1f1' is not allowed" in r.stderr, r.stderr[-2000:]
+    code, err = in_process(capfd, "train", *TINY, "layout=pp", "mesh=pp2", "pipeline.schedule=1f1",
+                           f"hydra.run.dir={tmp_path / 'a'}")
+    assert code != 0 and "pipeline.schedule='1f1' is not allowed" in err, err[-2000:]
     r = meshlm("train", *TINY, "layout=pp", "mesh=pp2", "train.steps=2", f"hydra.run.dir={tmp_path / 'b'}")
     assert r.returncode != 0, r.stdout[-2000:]
     assert "train.grad_accum=1 < mesh.pp=2" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -163,11 +192,11 @@ def test_sweep_writes_summary(tmp_path):
 
 
 def test_sweep_memory_by_kind_and_a_failed_job(tmp_path):
-    """ddp, tp and fsdp on fsdp=4 under layout.strict=true: tp degenerates there, so its job
+    """ddp, tp and fsdp on fsdp=2 under layout.strict=true: tp degenerates there, so its job
     fails at once with the reason, and the sweep still summarises the other two, whose
     memory by kind differs as the planner says (within 10%).  Rows in job order (sorting the
     job directories by name length, as before, gave tp, ddp, fsdp)."""
-    r = meshlm("train", "-m", *TINY, "layout=ddp,tp,fsdp", "mesh=fsdp4", "layout.strict=true", "train.steps=2",
+    r = meshlm("train", "-m", *TINY, "layout=ddp,tp,fsdp", "mesh=fsdp2", "layout.strict=true", "train.steps=2",
                f"hydra.sweep.dir={tmp_path}", timeout=400)
     assert r.returncode == 1 and "1 of 3 runs failed" in r.stderr, r.stderr[-3000:]
     rows = {row["run"]: row for row in _csv(tmp_path / "summary.csv")}
@@ -194,17 +223,18 @@ def test_crashing_worker_ends_job_with_root_cause_once(tmp_path):
     assert time.time() - t0 < 110
 
 
-def test_nan_loss_stops_naming_the_step(tmp_path):
-    r = meshlm("train", *TINY, "layout=single", "mesh=cpu1", "train.steps=5", "train.inject_nan_step=3",
-               f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 1
-    assert "loss is nan at step 3" in r.stderr and "train.skip_nonfinite" in r.stderr
+def test_nan_loss_stops_naming_the_step(tmp_path, capfd):
+    """One device: the run is this process's (``in_process``)."""
+    code, err = in_process(capfd, "train", *TINY, "layout=single", "mesh=cpu1", "train.steps=5",
+                           "train.inject_nan_step=3", f"hydra.run.dir={tmp_path}")
+    assert code == 1
+    assert "loss is nan at step 3" in err and "train.skip_nonfinite" in err, err[-3000:]
 
 
-def test_nan_loss_skipped_when_configured(tmp_path):
-    r = meshlm("train", *TINY, "layout=single", "mesh=cpu1", "train.steps=4", "train.inject_nan_step=2",
-               "train.skip_nonfinite=true", f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_nan_loss_skipped_when_configured(tmp_path, capfd):
+    code, err = in_process(capfd, "train", *TINY, "layout=single", "mesh=cpu1", "train.steps=4",
+                           "train.inject_nan_step=2", "train.skip_nonfinite=true", f"hydra.run.dir={tmp_path}")
+    assert code == 0, err[-3000:]
     rows = _metrics(tmp_path)
     assert rows[1] == {"step": 2, "loss": None, "lr": rows[1]["lr"], "skipped": True}
     assert json.loads((tmp_path / "summary.json").read_text())["skipped_steps"] == 1
@@ -290,7 +320,7 @@ def test_two_nodes_through_c10d_rendezvous(tmp_path):
     assert len(rows) == 5 and json.loads((tmp_path / "summary.json").read_text())["world_size"] == 4
 
 
-def test_float16_trains_with_loss_scaling_like_bfloat16(tmp_path):
+def test_float16_trains_with_loss_scaling_like_bfloat16(dtype_runs):
     """train.param_dtype=float16 trains under dynamic loss scaling (the scale in the metrics
     and in the checkpoint, NOTE [mixed precision] in meshlm/layout/precision.py), step by step
     close to the same run in bfloat16 (tolerance: tests/harness/tolerances.py)."""
@@ -298,17 +328,13 @@ def test_float16_trains_with_loss_scaling_like_bfloat16(tmp_path):
 
     from harness.tolerances import FP16_VS_BF16_LOSS_RTOL
 
-    common = [*TINY, "layout=ddp", "mesh=dp2", "train.steps=6", "train.grad_accum=2"]
     rows = {}
-    for dt in ("bfloat16", "float16"):
-        run_dir = tmp_path / dt
-        extra = [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=3"] if dt == "float16" else []
-        r = meshlm("train", *common, f"train.param_dtype={dt}", *extra, f"hydra.run.dir={run_dir}")
+    for dt, (r, run_dir) in dtype_runs.items():
         assert r.returncode == 0, r.stderr[-3000:]
         rows[dt] = _metrics(run_dir)
     assert [r["step"] for r in rows["float16"]] == list(range(1, 7)) and not any(r.get("skipped") for r in rows["float16"])
     assert all(r["loss_scale"] == 2.0**16 for r in rows["float16"]), rows["float16"]
     for a, b in zip(rows["bfloat16"], rows["float16"]):
         assert abs(a["loss"] - b["loss"]) <= FP16_VS_BF16_LOSS_RTOL * a["loss"], (a, b)
-    saved = torch.load(tmp_path / "ck" / "step_00000006" / "extra.pt", weights_only=False)["extra"]
+    saved = torch.load(dtype_runs["float16"][1].parent / "ck" / "step_00000006" / "extra.pt", weights_only=False)["extra"]
     assert saved["loss_scaler"] == {"scale": 2.0**16, "good_steps": 6}, saved

@@ -19,10 +19,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_train_cli import TINY, _metrics, in_process, meshlm
 
 from harness.tolerances import INVARIANCE_RTOL
-
-from test_train_cli import TINY, _metrics, meshlm
 
 # one AdamW implementation for every run, so that runs with and without offload compare bit for bit
 RUN = [*TINY, "mesh=fsdp2", "train.steps=4", "train.seed=1", "train.optimizer_impl=fused"]
@@ -69,27 +68,28 @@ def test_a_layouts_offload_section_trains_like_no_offload(tmp_path, ref):
     )
 
 
-def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path, ref):
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> dict:
+    """The run of ``ref`` with its optimizer state on disk (its own swap directory), crashed
+    by rank 1 at step 3 after saving step 2: its result, swap directory and checkpoints."""
+    d = tmp_path_factory.mktemp("crashed")
+    swap = d / "swap"
+    swap.mkdir()
+    r = meshlm("train", *RUN, "checkpoint.every=2", "layout=fsdp", "offload.optimizer=disk", f"offload.dir={swap}",
+               f"checkpoint.dir={d / 'ck'}", "train.inject_crash_step=3", "train.inject_crash_rank=1",
+               f"hydra.run.dir={d / 'crashed'}")
+    return {"result": r, "swap": swap, "ck": d / "ck"}
+
+
+def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(tmp_path, ref, crashed):
     ck = ["checkpoint.every=2", "layout=fsdp"]
     want = {r["step"]: r["loss"] for r in _metrics(ref)}
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    crash = meshlm(
-        "train",
-        *RUN,
-        *ck,
-        "offload.optimizer=disk",
-        f"offload.dir={swap}",
-        f"checkpoint.dir={tmp_path / 'ck'}",
-        "train.inject_crash_step=3",
-        "train.inject_crash_rank=1",
-        f"hydra.run.dir={tmp_path / 'crashed'}",
-    )
+    swap, crash = crashed["swap"], crashed["result"]
     assert crash.returncode != 0 and "injected crash on rank 1 at step 3" in crash.stderr, crash.stderr[-3000:]
     assert _swap_files(swap) == [], "the crashed run left swap files"
     for resume_offload, name in ((["offload.optimizer=disk", f"offload.dir={swap}"], "with"), ([], "without")):
         ckdir = tmp_path / f"ck_{name}"  # each resume from its own copy of the crashed run's checkpoints
-        shutil.copytree(tmp_path / "ck", ckdir)
+        shutil.copytree(crashed["ck"], ckdir)
         res = meshlm(
             "train",
             *RUN,
@@ -106,17 +106,16 @@ def test_a_crashed_offloaded_run_cleans_up_and_resumes_with_or_without_offload(t
         assert _swap_files(swap) == []
 
 
-def test_an_offloaded_checkpoint_resumes_under_another_layout(tmp_path):
-    ref = meshlm("train", *RUN, "layout=zero2", "mesh=dp2", f"hydra.run.dir={tmp_path / 'ref'}")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    # the same 4-step run (the same learning-rate schedule) under fsdp with its optimizer on disk
-    saved = meshlm("train", *RUN, "layout=fsdp", "offload.optimizer=disk", "checkpoint.every=2",
-                   f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'a'}")
-    assert saved.returncode == 0, saved.stderr[-3000:]
+def test_an_offloaded_checkpoint_resumes_under_another_layout(tmp_path, ref, crashed):
+    """The crashed run's step 2 (fsdp, its optimizer state saved from disk) resumed under
+    zero2 on dp=2 with its optimizer on disk: steps 3 and 4 of the same schedule as the
+    uninterrupted fsdp run, to the layout-invariance tolerance."""
+    ckdir = tmp_path / "ck"
+    shutil.copytree(crashed["ck"], ckdir)
     res = meshlm("train", *RUN, "layout=zero2", "mesh=dp2", "offload.optimizer=disk",
-                 f"checkpoint.resume={tmp_path / 'ck' / 'step_00000002'}", f"hydra.run.dir={tmp_path / 'b'}")
+                 f"checkpoint.resume={ckdir / 'step_00000002'}", f"hydra.run.dir={tmp_path / 'b'}")
     assert res.returncode == 0, res.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in _metrics(tmp_path / "ref")}
+    want = {r["step"]: r["loss"] for r in _metrics(ref)}
     got = {r["step"]: r["loss"] for r in _metrics(tmp_path / "b")}
     assert sorted(got) == [3, 4]
     for s in got:  # another layout reduces in another order: the invariance tolerance
@@ -142,7 +141,7 @@ def test_offloaded_gradients_inside_pipeline_stages(tmp_path):
     assert "offload.grads" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_bad_offload_input_stops_before_any_step(tmp_path):
+def test_bad_offload_input_stops_before_any_step(tmp_path, capfd):
     missing = tmp_path / "no" / "such"
     r = meshlm(
         "train",
@@ -157,8 +156,8 @@ def test_bad_offload_input_stops_before_any_step(tmp_path):
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "a" / "metrics.jsonl").exists() or _metrics(tmp_path / "a") == []
     assert not missing.exists()
-    r = meshlm("train", *RUN, "layout=fsdp", "offload.grads=bogus", f"hydra.run.dir={tmp_path / 'b'}", timeout=60)
-    assert r.returncode != 0 and "offload.grads='bogus' is not a tier; choose one of: device, host, disk" in r.stderr
+    code, err = in_process(capfd, "train", *RUN, "layout=fsdp", "offload.grads=bogus", f"hydra.run.dir={tmp_path / 'b'}")
+    assert code != 0 and "offload.grads='bogus' is not a tier; choose one of: device, host, disk" in err
     assert not (tmp_path / "b" / "logs").exists()  # refused by the launcher, before any worker started
     summary = tmp_path / "a" / "summary.json"
     assert not summary.exists() or json.loads(summary.read_text()).get("steps_run", 0) == 0
