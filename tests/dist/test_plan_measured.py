@@ -139,7 +139,9 @@ def _mesh(layout: str, world: int) -> dict[str, int]:
     lay = load_layout(layout)
     data = "fsdp" if any("fsdp" in v for v in lay.params.values()) else "dp"
     if "cp" in lay.mesh_axes_used():  # context parallel: the sequence split over cp
-        return {"cp": 2} if world == 2 else {data: 2, "cp": 2}
+        if world == 2:
+            return {"cp": 2}
+        return {"tp": 2, "cp": 2} if "tp" in lay.mesh_axes_used() else {data: 2, "cp": 2}
     if "tp" in lay.mesh_axes_used():
         return {"tp": 2} if world == 2 else ({data: 2, "tp": 2} if data in lay.mesh_axes_used() else {"tp": 4})
     if layout == "hsdp" and world == 4:
@@ -250,18 +252,17 @@ def _check(pool, world: int, layout: str, ac: str = "none", model: str = "gpt2")
 
 # pipeline layouts (layers: pp): the measured planner does not model stages yet
 # scoped layouts (vlm_fsdp_tp): planned for the vision-language model in tests/dist/test_vlm.py
-# context parallel (cp): the measured planner runs on cp layouts and equals the Llama formula and a
-# counted step (tests/fake/test_plan_cp.py); against a real gloo step of this GPT-2 it is not run yet
-# (docs/cp.md, limits)
+# context parallel (cp) layouts run here on cp=2 alone and below on 2-D meshes with cp
 @pytest.mark.parametrize("layout", [n for n in shipped_layouts()
-                                    if not is_pipelined(load_layout(n)) and not load_layout(n).scopes
-                                    and "cp" not in load_layout(n).mesh_axes_used()])
+                                    if not is_pipelined(load_layout(n)) and not load_layout(n).scopes])
 def test_measured_plan_is_exact_for_gpt2_2(pool2, layout):
     _check(pool2, 2, layout)
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "fsdp_tp_sp"])
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "fsdp_tp_sp", "fsdp_cp", "fsdp_tp_cp"])
 def test_measured_plan_is_exact_for_gpt2_4(pool4, layout):
+    """2-D meshes; under cp the sequence split over cp (fsdp=2 x cp=2, tp=2 x cp=2): the ring's
+    sends and receives, the cp gradient buckets and the held activations planned as run."""
     _check(pool4, 4, layout)
 
 
