@@ -1,6 +1,7 @@
 """Context parallel (``seq: cp``, docs/cp.md) against one device: the loss, the gradient each
 optimizer steps with and the parameters after three steps of two micro-batches, for every
-cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation checkpointing, and at 2,048 tokens; and
+cp layout, ring and all-gather attention, with and without the causal load balancing, with dropout and activation
+checkpointing, and at 2,048 tokens (one step); and
 the bytes the attention moves against the formula of NOTE [cp attention]
 (meshlm/runtime/cp/ring.py), and the gradients' reductions on cp.  GPT-2's learned positions and a user's own attention on
 ``F.scaled_dot_product_attention`` run every shipped cp layout in tests/dist/test_nn_models.py,
@@ -18,6 +19,7 @@ from harness.parity import LlamaBuild, TokenBatches, assert_parity, check_traini
 pool4 = dist_pool_fixture(4, timeout_s=120)
 pool8 = dist_pool_fixture(8, timeout_s=120)
 
+ONE_BLOCK = LlamaBuild(overrides=(("layers", 1),))
 LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
 
 
@@ -38,35 +40,32 @@ def _dtensor_root(res, layout):
 
 
 @pytest.mark.parametrize(
-    "attention,balance,mesh",
+    "attention,balance,mesh,optims",
     [
-        ("ring", True, "fsdp=2,cp=2"),
-        ("ring", False, "fsdp=2,cp=2"),
-        ("allgather", True, "fsdp=2,cp=2"),
-        ("allgather", False, "cp=4"),
-        ("ring", True, "cp=4"),
+        ("ring", True, "fsdp=2,cp=2", ("sgd", "adamw")),  # AdamW's state: the optimizer's path is the same below
+        ("ring", False, "fsdp=2,cp=2", ("sgd",)),
+        ("allgather", True, "fsdp=2,cp=2", ("sgd",)),
+        ("allgather", False, "cp=4", ("sgd",)),
+        ("ring", True, "cp=4", ("sgd",)),
     ],
 )
-def test_fsdp_cp_parity(pool4, tmp_path, attention, balance, mesh):
+def test_fsdp_cp_parity(pool4, tmp_path, attention, balance, mesh, optims):
     layout = _variant(tmp_path, "fsdp_cp", attention=attention, balance=balance)
-    res = pool4.run(check_training, layout, mesh, batches=TokenBatches(seq=32))
+    res = pool4.run(check_training, layout, mesh, batches=TokenBatches(seq=32), optims=optims)
     assert_parity(res)
     _dtensor_root(res, layout)
 
 
-def test_fsdp_tp_cp_parity_on_4(pool4):
-    res = pool4.run(check_training, "fsdp_tp_cp", "tp=2,cp=2", batches=TokenBatches(seq=32), optims=("sgd",))
-    assert_parity(res)
-
-
 def test_fsdp_tp_cp_parity_on_8(pool8):
     """The shipped 8-process mesh fsdp2_tp2_cp2: ZeRO-3, tensor and context parallel at once,
-    two steps of one micro-batch (16 tokens, 8 rows) against one device."""
+    two steps of one micro-batch (16 tokens, 4 rows) of a one-block Llama against one device
+    (the 3-D mesh is the point; fsdp_tp_cp on tp=2 x cp=2 runs 2,048 tokens and compiled below)."""
     res = pool8.run(
         check_training,
         "fsdp_tp_cp",
         "fsdp=2,tp=2,cp=2",
-        batches=TokenBatches(batch=8, seq=16),
+        build=ONE_BLOCK,
+        batches=TokenBatches(batch=4, seq=16),
         optims=("sgd",),
         steps=2,
         grad_accum=1,
@@ -76,8 +75,18 @@ def test_fsdp_tp_cp_parity_on_8(pool8):
 
 @pytest.mark.parametrize("layout,mesh", [("fsdp_cp", "fsdp=2,cp=2"), ("fsdp_tp_cp", "tp=2,cp=2")])
 def test_cp_parity_at_2048_tokens(pool4, layout, mesh):
-    """Sequences of 2,048 tokens, as long-context training runs them (2 rows a micro-batch)."""
-    res = pool4.run(check_training, layout, mesh, batches=TokenBatches(batch=2, seq=2048), optims=("sgd",), steps=2)
+    """Sequences of 2,048 tokens, as long-context training runs them (2 rows, one micro-batch,
+    one block): the loss, the gradients and the parameters after an SGD step."""
+    res = pool4.run(
+        check_training,
+        layout,
+        mesh,
+        build=ONE_BLOCK,
+        batches=TokenBatches(batch=2, seq=2048),
+        optims=("sgd",),
+        steps=1,
+        grad_accum=1,
+    )
     assert_parity(res)
 
 
@@ -99,7 +108,14 @@ def test_compiled_cp_parity(pool4, tmp_path, base, mesh, attention):
     pool4.job_timeout_s = 300  # four processes compiling on two cores: not a hang
     try:
         res = pool4.run(
-            check_training, layout, mesh, batches=TokenBatches(seq=32), optims=("sgd",), compile="aot_eager"
+            check_training,
+            layout,
+            mesh,
+            batches=TokenBatches(seq=32),
+            optims=("sgd",),
+            compile="aot_eager",
+            steps=2,
+            grad_accum=1,
         )
     finally:
         pool4.job_timeout_s = job_timeout
@@ -107,11 +123,11 @@ def test_compiled_cp_parity(pool4, tmp_path, base, mesh, attention):
     _dtensor_root(res, layout)
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_cp_parity_with_dropout(pool4, ac):
+def test_cp_parity_with_dropout(pool4):
     """Residual dropout draws each element's one-device mask on the rank that holds it, balanced
     chunks included (NOTE [balanced chunks] in meshlm/_torch_compat/dtensor_cp.py), and
-    activation checkpointing recomputes the same masks."""
+    activation checkpointing recomputes the same masks (the forward under checkpointing draws
+    them as a plain forward does)."""
     res = pool4.run(
         check_training,
         "fsdp_cp",
@@ -119,7 +135,7 @@ def test_cp_parity_with_dropout(pool4, ac):
         build=LlamaBuild(overrides=(("dropout", 0.1),)),
         batches=TokenBatches(seq=32),
         optims=("sgd",),
-        activation_checkpointing=ac,
+        activation_checkpointing="full",
     )
     assert_parity(res)
 

@@ -113,8 +113,12 @@ pool8 = dist_pool_fixture(8, timeout_s=120)
 
 
 def test_fsdp_tp_ep_matches_one_device(pool8):
-    """Expert parallel, expert tensor parallel and ZeRO-3 at once on 8 processes."""
-    _ok(pool8.run(check_training, "fsdp_tp_ep", "fsdp=2,tp=2,ep=2", build=MoEBuild(), batches=BATCHES, optims=("sgd",)))
+    """Expert parallel, expert tensor parallel and ZeRO-3 at once on 8 processes: one MoE block,
+    two SGD steps of one micro-batch (the 3-D mesh is the point; accumulation over micro-batches
+    and two blocks run on tp=2 x ep=2 below)."""
+    build = MoEBuild(overrides=(("layers", 1),))
+    _ok(pool8.run(check_training, "fsdp_tp_ep", "fsdp=2,tp=2,ep=2", build=build, batches=BATCHES, optims=("sgd",),
+                  steps=2, grad_accum=1))
 
 
 def test_tp_ep_matches_one_device(pool4):

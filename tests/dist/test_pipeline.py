@@ -3,11 +3,13 @@ its point-to-point bytes against the analytic activation sends, the gradient red
 once per step, and the traps torch's schedules set.
 
 Parity is ``check_training`` (tests/harness/parity.py, through tests/harness/parity_pp.py):
-three optimizer steps of SGD (momentum) and AdamW, each over ``grad_accum`` micro-batches
-that are the pipeline's, checked on each micro-batch loss, the gradient each optimizer
-steps with, the parameters and the optimizer state, on 2, 4 and 8 gloo processes (8 for
-pp=2 x fsdp=2 x tp=2, compiled there), eager and aot_eager.  The model is the reference Llama with 4 blocks
-(so 2 stages per rank fit on pp=2); dropout and the user's model are checked too.
+three optimizer steps of SGD (momentum) and AdamW on pp alone, two of SGD inside the 2-D
+and 3-D meshes, each over ``grad_accum`` micro-batches that are the pipeline's, checked on
+each micro-batch loss, the gradient each optimizer steps with, the parameters and the
+optimizer state, on 2, 4 and 8 gloo processes (8 for pp=2 x fsdp=2 x tp=2), eager and
+aot_eager.  The model is the reference Llama with 4 blocks (so 2 stages per rank fit on
+pp=2; 2 blocks on 8 processes and in the planner's schedule comparison); dropout and the
+user's model are checked too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ pool4 = dist_pool_fixture(4, timeout_s=60)
 pool8 = dist_pool_fixture(8, timeout_s=120)
 
 LLAMA4 = LlamaBuild("llama_tiny", (("layers", 4),))
+LLAMA2 = LlamaBuild("llama_tiny")  # 2 blocks: one stage each on pp=2
 # torch 2.11's zero-bubble schedules are refused (meshlm.runtime.pipeline.schedule.zero_bubble_supported)
 ZB = pytest.mark.skipif(not zero_bubble_supported(), reason="zero-bubble schedules need torch >= 2.13")
 SCHEDULES = [
@@ -48,14 +51,14 @@ def test_pp_2(pool2, schedule, v):
 @pytest.mark.parametrize("schedule,v", SCHEDULES, ids=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
 def test_fsdp_pp_4(pool4, schedule, v):
     """FSDP inside each stage: gathered at use, gradients reduced once at the step."""
-    _ok(pool4.run(_parity, "fsdp_pp", "fsdp=2,pp=2", schedule, v, optims=("sgd",)))
+    _ok(pool4.run(_parity, "fsdp_pp", "fsdp=2,pp=2", schedule, v, optims=("sgd",), steps=2))
 
 
 @pytest.mark.parametrize("schedule,v", SCHEDULES, ids=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"])
 def test_fsdp_tp_pp_4(pool4, schedule, v):
     """Tensor parallelism inside each stage (tp=2, pp=2; fsdp drops out): DTensor blocks,
     the hidden state sent as local tensors (NOTE [stage forward]), every schedule."""
-    _ok(pool4.run(_parity, "fsdp_tp_pp", "tp=2,pp=2", schedule, v, optims=("sgd",)))
+    _ok(pool4.run(_parity, "fsdp_tp_pp", "tp=2,pp=2", schedule, v, optims=("sgd",), steps=2))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -66,8 +69,10 @@ def test_pp_4_stages(pool4, schedule):
 
 def test_fsdp_tp_pp_8(pool8):
     """3-D: pp=2 x fsdp=2 x tp=2, tensor-parallel DTensor blocks inside the stages (their
-    hidden state sent as local tensors, NOTE [stage forward]); compiled below, on 4."""
-    _ok(pool8.run(_parity, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", "1f1b", 1, optims=("sgd",), steps=2))
+    hidden state sent as local tensors, NOTE [stage forward]), one block a stage (the 3-D mesh
+    is the point: several blocks a stage run on 4 above); compiled below, on 4."""
+    _ok(pool8.run(check_training, "fsdp_tp_pp", "fsdp=2,tp=2,pp=2", build=LLAMA2, schedule="1f1b",
+                  optims=("sgd",), steps=2))
 
 
 def test_fsdp_tp_pp_compiled(pool4):
@@ -82,16 +87,16 @@ def test_fsdp_tp_pp_compiled(pool4):
 ])
 def test_pp_compiled_aot_eager(pool2, pool4, layout, mesh, schedule, v):
     pool = pool2 if mesh == "pp=2" else pool4
-    _ok(pool.run(_parity, layout, mesh, schedule, v, compile="aot_eager", optims=("sgd",)))
+    _ok(pool.run(_parity, layout, mesh, schedule, v, compile="aot_eager", optims=("sgd",), steps=2))
 
 
 def test_pp_dropout_is_the_one_device_mask(pool4):
     """meshlm.dropout under pp: every stage draws the one-device keys for its blocks, in any
-    schedule's order (NOTE [stage forward]), with activation checkpointing per block too."""
+    schedule's order (NOTE [stage forward]), with activation checkpointing per block: the
+    checkpointed forward draws them as a plain forward does, and its recomputation again."""
     build = LlamaBuild("llama_tiny", (("layers", 4), ("dropout", 0.2)))
-    for ac in ("none", "full"):
-        _ok(pool4.run(check_training, "fsdp_pp", "fsdp=2,pp=2", build=build, schedule=V2, stages_per_rank=2,
-                      optims=("sgd",), activation_checkpointing=ac))
+    _ok(pool4.run(check_training, "fsdp_pp", "fsdp=2,pp=2", build=build, schedule=V2, stages_per_rank=2,
+                  optims=("sgd",), activation_checkpointing="full"))
 
 
 def _scale_grads_twice(layout, mesh):
@@ -302,7 +307,7 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe_on_the_first_stage():
     from meshlm.plan import plan_model
 
     def first(schedule, m):
-        p = plan_model(lambda d: LLAMA4(d, 0), "pp", {"pp": 2}, global_batch=2 * m, seq=8, grad_accum=m,
+        p = plan_model(lambda d: LLAMA2(d, 0), "pp", {"pp": 2}, global_batch=2 * m, seq=8, grad_accum=m,
                        pipeline={"schedule": schedule})
         return p.formulas["stages"][0]["activations"]
 

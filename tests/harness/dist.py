@@ -317,7 +317,7 @@ def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, s
 
     @pytest.fixture(scope="module")
     def pool() -> Any:
-        if world_size > 4 or os.environ.get("MESHLM_TEST_SHARED_POOLS", "1") == "0":
+        if os.environ.get("MESHLM_TEST_SHARED_POOLS", "1") == "0":
             with DistPool(world_size, timeout_s=timeout_s, env=env) as p:
                 yield p
             return
@@ -328,10 +328,10 @@ def dist_pool_fixture(world_size: int, timeout_s: float = 60.0, env: dict[str, s
     return pool
 
 
-# NOTE [shared pools]: a test module's pool of up to 4 workers outlives the module, for the
-# next module that asks for the same one: one pool per world size is kept (a request with
-# another env closes the old one), so at most 1 + 2 + 4 idle workers stay up (8 workers are
-# started per module). Between modules the workers drop what the module left
+# NOTE [shared pools]: a test module's pool outlives the module, for the next module that
+# asks for the same one: one pool per world size is kept (a request with another env closes
+# the old one), so at most 1 + 2 + 4 + 8 idle workers stay up (the 8 workers' imports and
+# first jobs cost tens of seconds on 2 cores, once per module before they were shared). Between modules the workers drop what the module left
 # (`_reset_worker`: Dynamo's caches, DTensor's sharding caches, garbage) and join a new
 # process group: destroying the old one ends every subgroup the module's meshes made (each
 # keeps gloo threads; hundreds pile up otherwise). That needs the meshes gone too: the
