@@ -74,6 +74,19 @@ def lock_checkpoint_dir(cfg, run_dir) -> Any:
 _REFERENCE_TARGETS = {"Llama": "meshlm.models.llama_model", "GPT2": "meshlm.models.gpt2_model"}
 
 
+_UNSET = object()
+
+
+def _field_defaults(target: str) -> dict:
+    """The defaults of the config fields of a shipped reference model (``_REFERENCE_TARGETS``)."""
+
+    from meshlm.models.gpt2 import GPT2Config
+    from meshlm.models.llama import LlamaConfig
+
+    cls = {"meshlm.models.llama_model": LlamaConfig, "meshlm.models.gpt2_model": GPT2Config}[target]
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def model_config(cfg, mcfg):
     """The model node to build: for a run that resumes a checkpoint of a shipped reference
     model (Llama, GPT-2), that model with the architecture saved in the checkpoint, so a
@@ -95,7 +108,8 @@ def model_config(cfg, mcfg):
     if target is None or not saved:
         return mcfg
     args = {k: v for k, v in mcfg.args.items() if k == "dropout"} if target != mcfg.target else dict(mcfg.args)
-    changed = {k: v for k, v in saved.items() if args.get(k) != v}
+    defaults = _field_defaults(target)  # a field the node leaves out has its default
+    changed = {k: v for k, v in saved.items() if args.get(k, defaults.get(k, _UNSET)) != v}
     if target == mcfg.target and not changed:
         return mcfg
     args.update(saved)
