@@ -34,8 +34,10 @@ def _cfg(name: str, layers: int = 2, **kw):
     return dataclasses.replace(llama_config(name), layers=layers, **kw)
 
 
-@pytest.mark.parametrize("layout", list(MESHES))
-@pytest.mark.parametrize("model", ["llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize(  # the issue's 8B on every layout; 70B's shapes on a 1-D and a 2-D one
+    "model,layout",
+    [("llama3_8b", layout) for layout in MESHES] + [("llama3_70b", "fsdp"), ("llama3_70b", "fsdp_tp_sp")],
+)
 def test_measured_and_formula_agree_at_scale(model, layout):
     """Activations within 10% (the issue's bar; equal today) and parameter copies equal."""
     from meshlm.models import Llama
@@ -74,7 +76,7 @@ class _Held(TorchDispatchMode):
 
 
 def test_measured_activations_equal_a_real_forward_of_8b_layers():
-    """Two blocks of Llama 3 8B's shapes (embed 4,096, mlp 14,336, 32 heads, 8 kv heads;
+    """One block of Llama 3 8B's shapes (embed 4,096, mlp 14,336, 32 heads, 8 kv heads;
     a 1,024-token vocabulary keeps the host's memory small) run for real on one process,
     one sequence of 128 tokens: the activations held for backward equal what the measured
     planner predicts per rank under fsdp on 1,024 ranks (one sequence each), less the 4-byte
@@ -84,7 +86,7 @@ def test_measured_activations_equal_a_real_forward_of_8b_layers():
     from meshlm.plan import plan_model
     from meshlm.runtime.lowering.params import pure_data_parallel
 
-    cfg = _cfg("llama3_8b", vocab=1024)
+    cfg = _cfg("llama3_8b", layers=1, vocab=1024)  # the per-layer rows x 2: the test above
     model = Llama(cfg, device="cpu")
     for p in model.parameters():
         p.data.normal_(0, 0.02)

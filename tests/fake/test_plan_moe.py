@@ -21,7 +21,9 @@ class Build:
         return MoETransformer(moe_config("moe_tiny", **self.overrides), device=device)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"capacity_factor": 1.25}], ids=["dropless", "capacity"])
+@pytest.mark.parametrize(  # two blocks hold the per-block counts; one is enough for capacity's
+    "overrides", [{}, {"capacity_factor": 1.25, "layers": 1}], ids=["dropless", "capacity"]
+)
 def test_planned_experts_and_all_to_all(overrides):
     from meshlm.plan import format_plan, plan_model
 
@@ -46,7 +48,7 @@ def test_planned_experts_and_all_to_all(overrides):
 def test_no_expert_parallel_no_all_to_all():
     from meshlm.plan import plan_model
 
-    p = plan_model(Build(), "fsdp", {"fsdp": 4}, global_batch=8, seq=16, name="moe_tiny")
+    p = plan_model(Build(layers=1), "fsdp", {"fsdp": 4}, global_batch=8, seq=16, name="moe_tiny")
     e = p.formulas["moe"]
     assert e["all_to_all_count"] == 0 and not [x for x in p.comm if x.kind == "all_to_all"]
-    assert e["expert_bytes"] == moe_config("moe_tiny").layers * 8 * 3 * 32 * 16 * 4  # experts whole, embed / 4
+    assert e["expert_bytes"] == 8 * 3 * 32 * 16 * 4  # one block: experts whole, embed / 4

@@ -163,10 +163,8 @@ def test_measured_plan_runs_the_offloaded_step(no_pg):
 
 @pytest.mark.parametrize(
     "layout,sizes,dtype",
-    [
-        ("fsdp", {"fsdp": 2}, None),
+    [  # fsdp's sharded gradients: under fsdp_tp; ZeRO-1's own master shards: under bf16
         ("ddp", {"dp": 2}, None),
-        ("zero1", {"dp": 2}, None),
         ("fsdp_tp", {"fsdp": 2, "tp": 2}, None),
         # bf16 storage: float32 main gradients (NOTE [main grads]), on the tier too
         ("zero1", {"dp": 2}, "bfloat16"),
@@ -402,9 +400,9 @@ def test_params_on_disk_are_the_blocks_parameters(no_pg):
     from meshlm.models import Llama, llama_config
     from meshlm.plan import plan, plan_model
 
-    blocks, one, outside = _real_block_bytes({"fsdp": 2}, layers=6)
+    blocks, one, outside = _real_block_bytes({"fsdp": 2}, layers=3)  # one more than the device keeps
     dist.destroy_process_group()
-    cfg = dataclasses.replace(llama_config("llama_tiny"), layers=6)
+    cfg = dataclasses.replace(llama_config("llama_tiny"), layers=3)
     kw = dict(global_batch=8, seq=16, grad_accum=2)
     base = plan(("deep", cfg), "fsdp", {"fsdp": 2}, **kw)
     off = plan(("deep", cfg), "fsdp", {"fsdp": 2}, offload={"params": "disk"}, **kw)

@@ -320,20 +320,20 @@ def _leave_meshes_behind(n: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_between_modules_the_groups_of_the_modules_meshes_end():
+def test_between_modules_the_groups_of_the_modules_meshes_end(pool4):
     """NOTE [shared pools]: what a module's meshes made (a gloo group per mesh dim, each
     with threads that keep polling) ends with the module, even where DTensor's caches
     or meshlm's bucket table held the meshes; a leak made every idle worker of the suite
     busy (620 threads each)."""
     from harness.dist import _between_modules
 
-    with DistPool(4, timeout_s=60) as pool:
-        base = pool.run(_threads)
-        busy = pool.run(_leave_meshes_behind, 6)
-        assert all(b >= t + 12 for b, t in zip(busy, base)), (base, busy)  # the test sees groups
-        _between_modules(pool)
-        after = pool.run(_threads)
-        assert all(a <= t + 3 for a, t in zip(after, base)), (base, busy, after)  # one new group's
+    pool = pool4  # the module's shared pool: what _between_modules is for
+    base = pool.run(_threads)
+    busy = pool.run(_leave_meshes_behind, 6)
+    assert all(b >= t + 12 for b, t in zip(busy, base)), (base, busy)  # the test sees groups
+    _between_modules(pool)
+    after = pool.run(_threads)
+    assert all(a <= t + 3 for a, t in zip(after, base)), (base, busy, after)  # one new group's
 
 
 def test_run_distributed_is_a_one_shot_pool():
