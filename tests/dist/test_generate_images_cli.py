@@ -5,15 +5,14 @@ over 2 workers; bad --image input exits non-zero with the reason."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
+
+from harness.cli_here import cli_here
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,19 +38,7 @@ def llava(tmp_path_factory):
     return d, prompt, prompt + ByteTokenizer().decode(out[0, ids.shape[1]:].tolist())
 
 
-def _cli(*args) -> SimpleNamespace:
-    """``meshlm ARGS`` through the command's entry point in this process (one device, so no
-    worker to start; a process start and torch import saved per command): its exit status,
-    stdout and stderr."""
-    from meshlm.app.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # the Hydra task and argparse exit by themselves
-            code = e.code
-    return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())
+_cli = cli_here
 
 
 def _meshlm(*args):

@@ -9,13 +9,12 @@ continues the prompt with exactly the text meshlm generated."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
+
+from harness.cli_here import cli_here
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -23,19 +22,7 @@ pytest.importorskip("tokenizers")
 PROMPT, NEW = "the quick brown", 8
 
 
-def _cli(*args) -> SimpleNamespace:
-    """``meshlm ARGS`` through the command's entry point in this process (one device, so no
-    worker to start; a process start and torch import saved per command): its exit status,
-    stdout and stderr."""
-    from meshlm.app.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # the Hydra task and argparse exit by themselves
-            code = e.code
-    return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())
+_cli = cli_here
 
 
 @pytest.fixture(scope="module")
